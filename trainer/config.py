@@ -1,0 +1,337 @@
+"""Configuration: Detectron's key names, typed defaults, YAML files and `KEY VALUE` overrides.
+
+Every key has a default here; its type is the default's type. Unknown keys are errors (with the
+closest valid key suggested), values are coerced the way Detectron's YAML writes them
+(`SCALES: (800,)`, `DATASETS: ('a', 'b')`), and `validate()` rejects values that cannot work.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from trainer.errors import UserError
+
+_DEFAULTS: dict = {
+    "NAME": "",  # the job's readable name; defaults to the config file's stem
+    "MODEL": {
+        "TYPE": "fasterrcnn_resnet50_fpn",
+        "NUM_CLASSES": -1,  # including background; -1 = from the training dataset
+        # Tiny-model keys (CPU tests, the demo). '' / -1 / [] keep torchvision's choice.
+        "BACKBONE": "",  # resnet18/34/50/101, mobilenet_v3_large
+        "BACKBONE_WIDTH": 1.0,  # mobilenet width multiplier
+        "FPN_CHANNELS": 256,
+        "TRAINABLE_BACKBONE_LAYERS": -1,
+        "ANCHOR_SIZES": [],  # one size per feature level
+        "REPRESENTATION_SIZE": 1024,  # R-CNN box head MLP width
+        "RPN_PRE_NMS_TOP_N_TRAIN": 2000,
+        "RPN_POST_NMS_TOP_N_TRAIN": 2000,
+        "RPN_PRE_NMS_TOP_N_TEST": 1000,
+        "RPN_POST_NMS_TOP_N_TEST": 1000,
+        "RPN_BATCH_SIZE_PER_IMAGE": 256,
+        "ROI_BATCH_SIZE_PER_IMAGE": 512,
+        "DETECTIONS_PER_IMAGE": 100,
+    },
+    "NUM_GPUS": 1,
+    "RNG_SEED": 3,
+    "OUTPUT_DIR": "output",
+    "DATA_DIR": "datasets",
+    "DATASET_CATALOG": {},  # open mapping: name -> {IM_DIR: ..., ANN_FN: ...}
+    "LOG_PERIOD": 20,
+    "DETERMINISTIC": False,
+    "SOLVER": {
+        "BASE_LR": 0.001,
+        "LR_POLICY": "step",
+        "GAMMA": 0.1,
+        "STEP_SIZE": 30000,
+        "STEPS": [],
+        "LRS": [],
+        "MAX_ITER": 40000,
+        "MOMENTUM": 0.9,
+        "WEIGHT_DECAY": 0.0005,
+        "NO_DECAY_NORM_AND_BIAS": False,
+        "WARM_UP_ITERS": 500,
+        "WARM_UP_FACTOR": 1.0 / 3.0,
+        "WARM_UP_METHOD": "linear",
+        "CLIP_GRAD_NORM": 0.0,  # 0 = no clipping
+        "AMP": False,  # mixed precision, CUDA only
+    },
+    "TRAIN": {
+        "DATASETS": [],
+        "IMS_PER_BATCH": 2,  # per GPU, as in Detectron
+        "SCALES": [600],
+        "MAX_SIZE": 1000,
+        "USE_FLIPPED": True,
+        "ASPECT_GROUPING": True,
+        "SNAPSHOT_ITERS": 20000,
+        "CHECKPOINTS_KEEP": 3,
+        "AUTO_RESUME": True,
+        "WEIGHTS": "",
+        "PREEMPT_GRACE_S": 25.0,
+    },
+    "TEST": {
+        "DATASETS": [],
+        "SCALE": 600,
+        "MAX_SIZE": 1000,
+        "IMS_PER_BATCH": 2,
+        "EVAL_PERIOD": 0,  # 0 = only after the final model
+    },
+    "DATA_LOADER": {"NUM_THREADS": 4},
+    "TRACKING": {
+        "ENABLED": True,
+        "URI": "",
+        "EXPERIMENT": "",
+        "RUN_NAME": "",
+        "REGISTERED_MODEL": "",
+        "LOG_MODEL": True,
+        "FLUSH_TIMEOUT_S": 30.0,
+    },
+}
+
+# Element types of list-valued keys (an empty default says nothing about them).
+_ITEM_TYPES = {
+    "MODEL.ANCHOR_SIZES": int,
+    "SOLVER.STEPS": int,
+    "SOLVER.LRS": float,
+    "TRAIN.DATASETS": str,
+    "TRAIN.SCALES": int,
+    "TEST.DATASETS": str,
+}
+_OPEN_KEYS = {"DATASET_CATALOG"}  # mappings whose contents are the user's own
+
+LR_POLICIES = ("step", "steps_with_decay", "steps_with_lrs", "cosine_decay", "exp_decay")
+WARM_UP_METHODS = ("constant", "linear")
+
+# Keys that do not change what is trained: left out of the job hash, so a job restarted on another
+# machine (other paths, other tracking server, more loader workers) is still the same job.
+_NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
+               "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP",
+               "TRAIN.PREEMPT_GRACE_S")
+
+
+class ConfigError(UserError):
+    pass
+
+
+class Config(dict):
+    """A nested dict with attribute access: cfg.SOLVER.BASE_LR."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def get_key(self, dotted: str):
+        node = self
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(self))
+
+    def dump(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _wrap(d: dict) -> Config:
+    return Config({k: _wrap(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in _OPEN_KEYS:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+_ALL_KEYS = sorted(flatten(_DEFAULTS))
+
+
+def defaults() -> Config:
+    return _wrap(copy.deepcopy(_DEFAULTS))
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key.upper(), _ALL_KEYS, n=1, cutoff=0.6)
+    if not close:  # a misspelt leaf under the right section still deserves a suggestion
+        leaf = key.rsplit(".", 1)[-1].upper()
+        close = [k for k in _ALL_KEYS if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.8)][:1]
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"unknown config key {key}{hint}")
+
+
+def _literal(text: str):
+    """Detectron writes tuples as Python literals: `(800,)`, `('a', 'b')`."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _coerce(key: str, value, default):
+    """Return `value` as the type of `default`, or raise ConfigError naming the key."""
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+    elif isinstance(default, list):
+        if isinstance(value, str):
+            value = _literal(value)
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        item_type = _ITEM_TYPES.get(key, type(default[0]) if default else str)
+        item_default = item_type()
+        return [_coerce(f"{key}[{i}]", v, item_default) for i, v in enumerate(value)]
+    raise ConfigError(f"{key} must be {type(default).__name__}, got {value!r}")
+
+
+def _set(cfg: Config, key: str, value) -> None:
+    parts = key.split(".")
+    if parts[0] in _OPEN_KEYS and len(parts) > 1:  # open mappings take any nested key
+        node = cfg[parts[0]]
+        for part in parts[1:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        return
+    node, default = cfg, _DEFAULTS
+    for part in parts[:-1]:
+        if part not in default or not isinstance(default[part], dict):
+            raise _unknown(key)
+        node, default = node[part], default[part]
+    leaf = parts[-1]
+    if leaf not in default or (isinstance(default[leaf], dict) and leaf not in _OPEN_KEYS):
+        raise _unknown(key)
+    node[leaf] = _coerce(key, value, default[leaf])
+
+
+def merge(cfg: Config, data: dict, prefix: str = "") -> None:
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in _OPEN_KEYS:
+            if key not in _ALL_KEYS and not any(a.startswith(key + ".") for a in _ALL_KEYS):
+                raise _unknown(key)
+            merge(cfg, v, key + ".")
+        else:
+            _set(cfg, key, v)
+
+
+def _parse_override(text: str):
+    text = text.strip()
+    if text[:1] in "([{":
+        value = _literal(text)
+        if not isinstance(value, str):
+            return value
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) -> Config:
+    """Defaults, then the YAML file, then `KEY VALUE` pairs; validated."""
+    cfg = defaults()
+    if path is not None:
+        merge(cfg, _read_yaml(Path(path)))
+        cfg["NAME"] = cfg.NAME or Path(path).stem
+    if len(opts) % 2:
+        raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
+    for key, value in zip(opts[0::2], opts[1::2]):
+        _set(cfg, key, _parse_override(value))
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def validate(cfg: Config) -> None:
+    s, t = cfg.SOLVER, cfg.TRAIN
+    checks = [
+        (s.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {s.BASE_LR}"),
+        (s.MAX_ITER > 0, f"SOLVER.MAX_ITER must be > 0, got {s.MAX_ITER}"),
+        (s.LR_POLICY in LR_POLICIES, f"SOLVER.LR_POLICY must be one of {', '.join(LR_POLICIES)}; got {s.LR_POLICY!r}"),
+        (s.WARM_UP_METHOD in WARM_UP_METHODS, f"SOLVER.WARM_UP_METHOD must be constant or linear; got {s.WARM_UP_METHOD!r}"),
+        (s.WARM_UP_ITERS >= 0, f"SOLVER.WARM_UP_ITERS must be >= 0, got {s.WARM_UP_ITERS}"),
+        (s.GAMMA > 0, f"SOLVER.GAMMA must be > 0, got {s.GAMMA}"),
+        (s.STEP_SIZE > 0, f"SOLVER.STEP_SIZE must be > 0, got {s.STEP_SIZE}"),
+        (all(a < b for a, b in zip(s.STEPS, s.STEPS[1:])), f"SOLVER.STEPS must be increasing, got {s.STEPS}"),
+        (all(x >= 0 for x in s.STEPS), f"SOLVER.STEPS must be >= 0, got {s.STEPS}"),
+        (s.WEIGHT_DECAY >= 0 and s.MOMENTUM >= 0, "SOLVER.WEIGHT_DECAY and SOLVER.MOMENTUM must be >= 0"),
+        (s.CLIP_GRAD_NORM >= 0, f"SOLVER.CLIP_GRAD_NORM must be >= 0, got {s.CLIP_GRAD_NORM}"),
+        (t.SNAPSHOT_ITERS > 0, f"TRAIN.SNAPSHOT_ITERS must be > 0, got {t.SNAPSHOT_ITERS}"),
+        (t.IMS_PER_BATCH > 0, f"TRAIN.IMS_PER_BATCH must be > 0, got {t.IMS_PER_BATCH}"),
+        (t.SCALES and all(x > 0 for x in t.SCALES), f"TRAIN.SCALES must be positive sizes, got {t.SCALES}"),
+        (t.MAX_SIZE > 0, f"TRAIN.MAX_SIZE must be > 0, got {t.MAX_SIZE}"),
+        (t.CHECKPOINTS_KEEP >= 1, f"TRAIN.CHECKPOINTS_KEEP must be >= 1, got {t.CHECKPOINTS_KEEP}"),
+        (t.PREEMPT_GRACE_S > 0, f"TRAIN.PREEMPT_GRACE_S must be > 0, got {t.PREEMPT_GRACE_S}"),
+        (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
+        (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
+        (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
+        (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
+        raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
+    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and not s.STEPS:
+        raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS")
+
+
+def job_hash(cfg: Config) -> str:
+    """A short hash of the keys that change what is trained: two runs with it equal are one job."""
+    flat = flatten(cfg.to_dict())
+    kept = {k: v for k, v in flat.items()
+            if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_config(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(cfg.dump())
+    tmp.replace(path)
