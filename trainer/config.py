@@ -198,6 +198,11 @@ def _coerce(key: str, value, default):
     elif isinstance(default, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads 1e-2 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif isinstance(default, str):
         if isinstance(value, str):
             return value
@@ -318,8 +323,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(message)
     if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
         raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
-    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and not s.STEPS:
-        raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS")
+    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):
+        raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
 
 
 def job_hash(cfg: Config) -> str:

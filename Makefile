@@ -1,0 +1,28 @@
+# One command to set up and run the demo, one to set up and run the tests.
+# A fresh clone needs only python3 (3.10+) and the package index.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The torch/torchvision pair this project is tested with (CUDA wheels, run on CPU too).
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup demo test bench clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PINS)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tracktron train --config configs/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf output mlflow.db mlruns mlartifacts datasets .pytest_cache

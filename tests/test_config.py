@@ -1,0 +1,103 @@
+"""Config: defaults, YAML as Detectron writes it, overrides, and every error path."""
+import pytest
+
+from trainer.config import ConfigError, defaults, job_hash, load_config, write_config
+
+
+def write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_every_key_has_a_default_and_name_comes_from_the_file(tmp_path):
+    cfg = load_config(write(tmp_path, "SOLVER:\n  BASE_LR: 0.02\n"))
+    assert cfg.SOLVER.BASE_LR == 0.02
+    assert cfg.SOLVER.MAX_ITER == 40000 and cfg.SOLVER.WARM_UP_ITERS == 500  # Detectron's defaults
+    assert cfg.LOG_PERIOD == 20
+    assert cfg.NAME == "job"
+
+
+def test_detectron_style_tuples_parse(tmp_path):
+    cfg = load_config(write(tmp_path, """
+TRAIN:
+  DATASETS: ('coco_2014_train', 'coco_2014_valminusminival')
+  SCALES: (800,)
+SOLVER:
+  STEPS: [0, 60000, 80000]
+"""))
+    assert cfg.TRAIN.DATASETS == ["coco_2014_train", "coco_2014_valminusminival"]
+    assert cfg.TRAIN.SCALES == [800]
+    assert cfg.SOLVER.STEPS == [0, 60000, 80000]
+
+
+def test_overrides_win_over_the_file_and_are_typed(tmp_path):
+    cfg = load_config(write(tmp_path, "SOLVER:\n  MAX_ITER: 10\n"),
+                      ["SOLVER.MAX_ITER", "200", "TRAIN.IMS_PER_BATCH", "4", "TRAIN.SCALES", "(400, 500)",
+                       "SOLVER.BASE_LR", "1e-2", "DETERMINISTIC", "true", "TRAIN.DATASETS", "a,b"])
+    assert cfg.SOLVER.MAX_ITER == 200 and cfg.TRAIN.IMS_PER_BATCH == 4
+    assert cfg.TRAIN.SCALES == [400, 500]
+    assert cfg.SOLVER.BASE_LR == 0.01 and isinstance(cfg.SOLVER.BASE_LR, float)
+    assert cfg.DETERMINISTIC is True
+    assert cfg.TRAIN.DATASETS == ["a", "b"]
+
+
+def test_integer_accepted_where_float_expected():
+    assert load_config(None, ["SOLVER.BASE_LR", "1"]).SOLVER.BASE_LR == 1.0
+
+
+def test_dataset_catalog_takes_user_entries():
+    cfg = load_config(None, ["DATASET_CATALOG.mine.IM_DIR", "/data/img", "DATASET_CATALOG.mine.ANN_FN", "/data/a.json"])
+    assert cfg.DATASET_CATALOG == {"mine": {"IM_DIR": "/data/img", "ANN_FN": "/data/a.json"}}
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["SOLVER.BASE_LRR", "0.1"], "unknown config key SOLVER.BASE_LRR (did you mean SOLVER.BASE_LR?)"),
+    (["SOLVR.MAX_ITER", "1"], "did you mean SOLVER.MAX_ITER?"),
+    (["MAX_ITER", "1"], "did you mean SOLVER.MAX_ITER?"),
+    (["NOT_A_KEY_AT_ALL", "1"], "unknown config key NOT_A_KEY_AT_ALL"),
+    (["SOLVER.MAX_ITER", "ten"], "SOLVER.MAX_ITER must be int"),
+    (["SOLVER.MAX_ITER", "1.5"], "SOLVER.MAX_ITER must be int"),
+    (["SOLVER.BASE_LR", "fast"], "SOLVER.BASE_LR must be float"),
+    (["DETERMINISTIC", "maybe"], "DETERMINISTIC must be bool"),
+    (["TRAIN.SCALES", "(big,)"], "TRAIN.SCALES[0] must be int"),
+    (["SOLVER.BASE_LR", "-0.1"], "SOLVER.BASE_LR must be > 0"),
+    (["SOLVER.STEPS", "[0, 500, 300]"], "SOLVER.STEPS must be increasing"),
+    (["TRAIN.SNAPSHOT_ITERS", "0"], "TRAIN.SNAPSHOT_ITERS must be > 0"),
+    (["SOLVER.MAX_ITER", "0"], "SOLVER.MAX_ITER must be > 0"),
+    (["SOLVER.LR_POLICY", "poly"], "SOLVER.LR_POLICY must be one of"),
+    (["SOLVER.WARM_UP_METHOD", "cubic"], "SOLVER.WARM_UP_METHOD must be constant or linear"),
+    (["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"], "one rate per step"),
+    (["SOLVER.LR_POLICY", "steps_with_decay", "SOLVER.STEPS", "[100, 200]"], "needs SOLVER.STEPS starting at 0"),
+    (["SOLVER.MAX_ITER"], "has no value"),
+])
+def test_bad_overrides_name_the_problem(opts, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, opts)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="malformed YAML .* line \\d"):
+        load_config(write(tmp_path, "SOLVER:\n  BASE_LR: [0.1\n"))
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="unknown config key SOLVER.BASE_LRR"):
+        load_config(write(tmp_path, "SOLVER:\n  BASE_LRR: 0.1\n"))
+
+
+def test_written_config_loads_back_identically(tmp_path):
+    cfg = load_config(write(tmp_path, "NAME: demo\n"), ["SOLVER.MAX_ITER", "7", "TRAIN.SCALES", "(96,)"])
+    write_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+
+
+def test_job_hash_ignores_where_the_job_runs_but_not_what_it_trains():
+    base = job_hash(defaults())
+    assert job_hash(load_config(None, ["OUTPUT_DIR", "/elsewhere", "TRACKING.URI", "http://x",
+                                       "DATA_LOADER.NUM_THREADS", "8"])) == base
+    assert job_hash(load_config(None, ["SOLVER.BASE_LR", "0.02"])) != base

@@ -1,0 +1,378 @@
+"""Datasets, the synthetic generator, the batch sampler, loaders and the prefetcher."""
+import itertools
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from trainer import data
+from trainer.config import defaults
+from trainer.data import CocoDetection, build_test_loader, build_train_loader, resolve_dataset
+from trainer.prefetch import Prefetcher
+from trainer.sampler import InfiniteGroupedBatchSampler
+from trainer.errors import UserError
+from trainer.synth import write_synthetic_dataset
+
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools
+              pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]  # torchvision 0.29
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "tiny", num_images=12, image_size=64, seed=0)
+
+
+def _cfg(tmp_path, tiny=None, **train):
+    cfg = defaults()
+    cfg["DATA_DIR"] = str(tmp_path)
+    if tiny is not None:
+        cfg["DATASET_CATALOG"] = {"tiny": {"IM_DIR": str(tiny / "images"), "ANN_FN": str(tiny / "annotations.json")}}
+        cfg.TRAIN["DATASETS"] = ["tiny"]
+    cfg.TRAIN.update(train)
+    cfg.DATA_LOADER["NUM_THREADS"] = 0
+    return cfg
+
+
+def _files(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- synthetic data ---------------------------------------------------------------------------
+
+def test_synth_is_deterministic_and_atomic(tmp_path, tiny):
+    a = write_synthetic_dataset(tmp_path / "a", num_images=12, image_size=64, seed=0)
+    b = write_synthetic_dataset(tmp_path / "b", num_images=12, image_size=64, seed=1)
+    assert _files(a) == _files(tiny)
+    assert (a / "annotations.json").read_bytes() != (b / "annotations.json").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temporary folder left
+    stamp = (a / "annotations.json").stat().st_mtime_ns
+    write_synthetic_dataset(a, num_images=99, seed=5)  # a complete dataset is left alone
+    assert (a / "annotations.json").stat().st_mtime_ns == stamp
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    with pytest.raises(UserError, match="no annotations.json"):
+        write_synthetic_dataset(tmp_path / "junk")
+
+
+def test_synth_content(tiny):
+    d = json.loads((tiny / "annotations.json").read_text())
+    assert [c["id"] for c in d["categories"]] == [1, 2, 3]
+    assert all(c["keypoints"] == ["top", "right", "bottom", "left"] and c["skeleton"] for c in d["categories"])
+    sizes = {(im["width"], im["height"]) for im in d["images"]}
+    assert any(w < h for w, h in sizes) and any(w >= h for w, h in sizes)
+    per_image = np.bincount([a["image_id"] for a in d["annotations"]])[1:]
+    assert per_image.min() >= 1 and per_image.max() <= 4
+    for a in d["annotations"]:
+        assert a["iscrowd"] == 0 and a["num_keypoints"] == 4 and len(a["keypoints"]) == 12
+        assert 12 <= a["bbox"][2] <= 60 and a["area"] > 0 and len(a["segmentation"][0]) >= 6
+
+
+def test_synth_generated_on_first_use(tmp_path):
+    image_dir, ann = resolve_dataset(_cfg(tmp_path), "synth_shapes_val")
+    assert ann == tmp_path / "synth_shapes/val/annotations.json" and len(list(image_dir.iterdir())) == 16
+
+
+# --- CocoDetection ----------------------------------------------------------------------------
+
+def test_masks_match_boxes_and_areas(tiny):
+    ds = CocoDetection(tiny / "images", tiny / "annotations.json", masks=True)
+    assert ds.num_classes == 4 and len(ds) == 12 and ds.label_to_cat_id == {1: 1, 2: 2, 3: 3}
+    coco = ds.coco
+    for i in range(len(ds)):
+        image, t = ds[i]
+        assert image.dtype == torch.float32 and 0 <= image.min() and image.max() <= 1
+        assert image.shape[1:] == t["masks"].shape[1:] and t["masks"].dtype == torch.uint8
+        assert t["boxes"].dtype == torch.float32 and t["labels"].dtype == torch.int64
+        assert len(t["masks"]) == len(t["boxes"]) == len(coco.imgToAnns[t["image_id"]])
+        for mask, box, area in zip(t["masks"], t["boxes"], t["area"]):
+            ys, xs = torch.nonzero(mask, as_tuple=True)
+            assert xs.min() >= box[0] - 1 and xs.max() <= box[2] + 1
+            assert ys.min() >= box[1] - 1 and ys.max() <= box[3] + 1
+            assert abs(int(mask.sum()) - float(area)) <= 0.02 * float(area) + 1
+
+
+def test_keypoints_and_flip(tiny):
+    ds = CocoDetection(tiny / "images", tiny / "annotations.json", masks=True, keypoints=True)
+    for i in (0, 3):  # a square and a portrait image
+        image, t = ds[i]
+        flipped, f = ds[(i, True)]
+        width = image.shape[-1]
+        assert t["keypoints"].shape == (len(t["boxes"]), 4, 3) and t["keypoints"].dtype == torch.float32
+        assert torch.equal(flipped, image.flip(-1)) and torch.equal(f["masks"], t["masks"].flip(-1))
+        assert torch.allclose(f["boxes"][:, [0, 2]], width - t["boxes"][:, [2, 0]])
+        assert torch.equal(f["boxes"][:, [1, 3]], t["boxes"][:, [1, 3]])
+        # left and right swap names: the flipped "left" point is the mirrored "right" one
+        swapped = f["keypoints"][:, [0, 3, 2, 1]]
+        assert torch.allclose(swapped[..., 0], width - t["keypoints"][..., 0])
+        assert torch.equal(swapped[..., 1:], t["keypoints"][..., 1:])
+        assert (f["keypoints"][:, 3, 0] <= f["keypoints"][:, 1, 0]).all()  # left stays left of right
+        assert torch.equal(ds[(i, False)][0], image)
+
+
+def _write_coco(root, images, annotations, categories=None):
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    for im in images:
+        Image.new("RGB", (im["width"], im["height"]), (200, 10, 10)).save(root / "images" / im["file_name"])
+    categories = categories or [{"id": 7, "name": "thing"}, {"id": 9, "name": "other"}]
+    (root / "annotations.json").write_text(json.dumps(
+        {"images": images, "annotations": annotations, "categories": categories}))
+    return root / "images", root / "annotations.json"
+
+
+def _ann(i, image_id, bbox, **kw):
+    return {"id": i, "image_id": image_id, "category_id": kw.pop("category_id", 7), "bbox": bbox,
+            "area": kw.pop("area", bbox[2] * bbox[3]), "iscrowd": kw.pop("iscrowd", 0), **kw}
+
+
+def _edge_case_dataset(tmp_path):
+    images = [{"id": k, "file_name": f"{k}.png", "width": 20, "height": 10} for k in (1, 2, 3, 4)]
+    rle = mask_utils.encode(np.asfortranarray(np.pad(np.ones((4, 5), np.uint8), ((2, 4), (3, 12)))))
+    rle["counts"] = rle["counts"].decode()
+    crowd = mask_utils.encode(np.asfortranarray(np.ones((10, 20), np.uint8)))
+    crowd_rle = {"size": [10, 20], "counts": [0, 200]}  # uncompressed RLE, as COCO writes crowds
+    assert mask_utils.decode(mask_utils.frPyObjects(crowd_rle, 10, 20)).sum() == mask_utils.decode(crowd).sum()
+    anns = [
+        _ann(1, 1, [3, 2, 5, 4], segmentation=rle, category_id=9),  # compressed RLE mask
+        _ann(2, 1, [0, 0, 20, 10], segmentation=crowd_rle, iscrowd=1),  # crowd: dropped in training
+        _ann(3, 1, [5, 5, 0, 3]),  # zero width
+        _ann(4, 1, [5, 5, -2, 3]),  # negative width
+        _ann(5, 1, [-5, 8, 10, 10], segmentation=[[-5, 8, 5, 8, 5, 18, -5, 18]]),  # clipped to [0, 8, 5, 10]
+        _ann(6, 2, [30, 0, 5, 5]),  # wholly outside: the image has no usable box left
+        _ann(7, 3, [1, 1, 4, 4], segmentation=[[1, 1, 5, 1, 5, 5, 1, 5]]),
+    ]  # image 4 has no annotation at all
+    return _write_coco(tmp_path, images, anns)
+
+
+def test_training_filters_crowd_and_bad_boxes(tmp_path, caplog):
+    image_dir, ann = _edge_case_dataset(tmp_path)
+    with caplog.at_level("INFO", logger="trainer.data"):
+        ds = CocoDetection(image_dir, ann, masks=True)
+    assert "dropped 1 crowd and 3 empty boxes; 2 of 4 images" in caplog.text
+    assert ds.image_ids == [1, 3] and ds.aspect_ratios == [2.0, 2.0] and ds.num_classes == 3
+    _, t = ds[0]
+    assert t["labels"].tolist() == [2, 1] and t["iscrowd"].tolist() == [0, 0]  # category 9 -> label 2
+    assert t["boxes"].tolist() == [[3, 2, 8, 6], [0, 8, 5, 10]]
+    assert t["masks"][0].sum() == 20 and t["masks"][0][2:6, 3:8].all()  # the RLE mask
+    assert t["masks"][1][8:, :5].all() and t["masks"][1].sum() == 10
+    _, f = ds[(0, True)]
+    assert f["boxes"].tolist() == [[12, 2, 17, 6], [15, 8, 20, 10]] and f["masks"][0][2:6, 12:17].all()
+
+
+def test_eval_keeps_everything(tmp_path):
+    ds = CocoDetection(*_edge_case_dataset(tmp_path), train=False)
+    assert ds.image_ids == [1, 2, 3, 4] and len(ds[0][1]["boxes"]) == 5 and ds[0][1]["iscrowd"].tolist()[1] == 1
+    assert ds[3][1]["boxes"].shape == (0, 4)
+    loaders = [build_test_loader(_test_cfg(tmp_path), str(tmp_path), rank=r, world_size=2)[0] for r in (0, 1)]
+    ids = [[t["image_id"] for _, targets in loader for t in targets] for loader in loaders]
+    assert ids == [[1, 3], [2, 4]]
+
+
+def _test_cfg(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg.TEST["IMS_PER_BATCH"] = 1
+    return cfg
+
+
+def test_user_errors(tmp_path, tiny):
+    image = [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}]
+    cases = {
+        "no_boxes": ([_ann(1, 1, [0, 0, 0, 0])], "no usable annotation"),
+        "unknown_cat": ([_ann(1, 1, [0, 0, 4, 4], category_id=5)], "category_id 5, not among"),
+        "no_anns": ([], "no usable annotation"),
+    }
+    for name, (anns, message) in cases.items():
+        with pytest.raises(UserError, match=message):
+            CocoDetection(*_write_coco(tmp_path / name, image, anns))
+    image_dir, ann = _write_coco(tmp_path / "bad", image, [_ann(1, 1, [0, 0, 4, 4])])
+    ann.write_text(ann.read_text()[:-5])
+    with pytest.raises(UserError, match=f"malformed annotation file {ann}"):
+        CocoDetection(image_dir, ann)
+    images = [{"id": k, "file_name": f"{k}.png", "width": 8, "height": 8} for k in (1, 2, 3)]
+    image_dir, ann = _write_coco(tmp_path / "missing", images, [_ann(1, 1, [0, 0, 4, 4])])
+    (image_dir / "2.png").unlink()
+    (image_dir / "3.png").unlink()
+    with pytest.raises(UserError, match="2 of 3 images .* missing .* e.g. 2.png"):
+        CocoDetection(image_dir, ann)
+
+
+def test_bad_image_file(tmp_path):
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 9, "height": 8}],
+                                 [_ann(1, 1, [0, 0, 4, 4])])
+    Image.new("RGB", (8, 8)).save(image_dir / "1.png")
+    with pytest.raises(UserError, match="is 8x8 but .* says 9x8"):
+        CocoDetection(image_dir, ann)[0]
+    (image_dir / "1.png").write_bytes(b"not a png")
+    with pytest.raises(UserError, match="cannot decode image"):
+        CocoDetection(image_dir, ann)[0]
+
+
+def test_resolve_dataset(tmp_path, tiny):
+    cfg = _cfg(tmp_path, tiny)
+    assert resolve_dataset(cfg, "tiny") == (tiny / "images", tiny / "annotations.json")
+    assert resolve_dataset(cfg, str(tiny)) == (tiny / "images", tiny / "annotations.json")
+    with pytest.raises(UserError, match="unknown dataset 'coco_2017_trian' \\(did you mean coco_2017_train\\?\\)"):
+        resolve_dataset(cfg, "coco_2017_trian")
+    with pytest.raises(UserError, match="annotation file not found: .*instances_val2017.json"):
+        resolve_dataset(cfg, "coco_2017_val")
+    with pytest.raises(UserError, match="dataset folder not found"):
+        resolve_dataset(cfg, str(tmp_path / "nope"))
+    cfg["DATASET_CATALOG"]["coco_2017_val"] = {"IM_DIR": "x"}
+    with pytest.raises(UserError, match="needs IM_DIR and ANN_FN"):
+        resolve_dataset(cfg, "coco_2017_val")
+    assert data.CATALOG["keypoints_coco_2014_minival"] == (
+        "coco/val2014", "coco/annotations/person_keypoints_minival2014.json")
+    with pytest.raises(UserError, match="TRAIN.DATASETS is empty"):
+        build_train_loader(_cfg(tmp_path))
+
+
+def test_several_training_datasets(tmp_path, tiny):
+    other = write_synthetic_dataset(tmp_path / "other", num_images=4, image_size=64, seed=3)
+    cfg = _cfg(tmp_path, tiny)
+    cfg.TRAIN["DATASETS"] = ["tiny", str(other)]
+    _, ds = build_train_loader(cfg)
+    assert len(ds) == 16 and ds.num_classes == 4 and ds.num_keypoints == 4 and len(ds.aspect_ratios) == 16
+    image, target = ds[(13, True)]
+    assert torch.equal(image, CocoDetection(other / "images", other / "annotations.json")[(1, True)][0])
+    _write_coco(tmp_path / "odd", [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}], [_ann(1, 1, [0, 0, 4, 4])])
+    cfg.TRAIN["DATASETS"] = ["tiny", str(tmp_path / "odd")]
+    with pytest.raises(UserError, match="different categories"):
+        build_train_loader(cfg)
+
+
+# --- the sampler ------------------------------------------------------------------------------
+
+RATIOS = [1.0] * 13 + [0.7] * 7  # two aspect groups
+
+
+def _take(sampler, n):
+    return list(itertools.islice(iter(sampler), n))
+
+
+def test_sampler_is_a_pure_function_of_seed_and_iteration():
+    a = _take(InfiniteGroupedBatchSampler(RATIOS, 3, seed=5), 30)
+    assert a == _take(InfiniteGroupedBatchSampler(RATIOS, 3, seed=5), 30)
+    assert a != _take(InfiniteGroupedBatchSampler(RATIOS, 3, seed=6), 30)
+    fresh = InfiniteGroupedBatchSampler(RATIOS, 3, seed=5)
+    assert [fresh.batch_at(i) for i in (17, 3, 29, 0)] == [a[17], a[3], a[29], a[0]]
+    assert _take(InfiniteGroupedBatchSampler(RATIOS, 3, seed=5, start_iter=11), 19) == a[11:]
+    flips = [f for batch in a for _, f in batch]
+    assert any(flips) and not all(flips)
+    assert not any(f for b in _take(InfiniteGroupedBatchSampler(RATIOS, 3, 5, flip=False), 10) for _, f in b)
+
+
+def test_sampler_epochs_groups_and_ranks():
+    s = InfiniteGroupedBatchSampler(RATIOS, 3, seed=1)
+    assert s.batches_per_epoch == 4 + 2  # 13 // 3 + 7 // 3: each group's remainder is dropped
+    for epoch in range(3):
+        batches = [s.batch_at(epoch * 6 + k) for k in range(6)]
+        items = [i for b in batches for i, _ in b]
+        assert len(set(items)) == 18
+        assert all(len({RATIOS[i] < 1 for i, _ in b}) == 1 for b in batches)  # one aspect group per batch
+    ranks = [InfiniteGroupedBatchSampler(RATIOS, 3, seed=1, rank=r, world_size=3) for r in range(3)]
+    for it in (0, 1):  # iterations 0 and 1 use the epoch's six batches
+        seen = [i for r in ranks for i, _ in r.batch_at(it)]
+        assert len(seen) == len(set(seen)) == 9
+    assert [ranks[r].batch_at(1) for r in range(3)] == [s.batch_at(3 + r) for r in range(3)]
+
+
+def test_sampler_fallbacks():
+    s = InfiniteGroupedBatchSampler([1.0] * 10 + [0.5], 4, seed=0)  # the portrait group cannot fill a batch
+    assert s.batches_per_epoch == 2
+    assert any(i == 10 for e in range(5) for k in range(2) for i, _ in s.batch_at(e * 2 + k))
+    small = InfiniteGroupedBatchSampler([1.0, 0.5], 4, seed=0)  # smaller than one batch
+    assert all(len(small.batch_at(i)) == 4 and {j for j, _ in small.batch_at(i)} == {0, 1} for i in range(3))
+    ungrouped = InfiniteGroupedBatchSampler(RATIOS, 3, seed=1, group=False)
+    assert ungrouped.batches_per_epoch == 6
+
+
+# --- loaders and the prefetcher ---------------------------------------------------------------
+
+def test_loader_workers_give_the_same_batches(tmp_path, tiny):
+    def first_batches(workers, start_iter=0):
+        cfg = _cfg(tmp_path, tiny, IMS_PER_BATCH=2)
+        cfg.DATA_LOADER["NUM_THREADS"] = workers
+        cfg.MODEL["TYPE"] = "maskrcnn_resnet50_fpn"
+        loader, dataset = build_train_loader(cfg, start_iter=start_iter)
+        with Prefetcher(loader, torch.device("cpu")) as batches:
+            got = [batches.next() for _ in range(5)]
+            procs = list(getattr(batches._it, "_workers", []))
+        assert len(procs) == workers and not any(w.is_alive() for w in procs)  # none outlives close()
+        return got, dataset
+
+    single, dataset = first_batches(0)
+    multi, _ = first_batches(2)
+    assert dataset.num_classes == 4
+    for (images0, targets0), (images1, targets1) in zip(single, multi):
+        assert len(images0) == 2 and all(torch.equal(a, b) for a, b in zip(images0, images1))
+        assert [t["image_id"] for t in targets0] == [t["image_id"] for t in targets1]
+        assert all(torch.equal(a["masks"], b["masks"]) for a, b in zip(targets0, targets1))
+    resumed, _ = first_batches(0, start_iter=3)
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0][0], single[3][0]))
+
+
+def test_prefetcher_reraises_loader_errors(tmp_path):
+    def failing():
+        yield [torch.zeros(1)], [{}]
+        raise ValueError("boom")
+
+    p = Prefetcher(failing(), depth=2)
+    assert p.next()[0][0].shape == (1,)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="boom"):
+            p.next()
+    p.close()
+    # A UserError raised in a worker process comes back as one clean line.
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}],
+                                 [_ann(1, 1, [0, 0, 4, 4])])
+    cfg = _cfg(tmp_path, tmp_path)
+    cfg.DATA_LOADER["NUM_THREADS"] = 1
+    (image_dir / "1.png").write_bytes(b"broken")
+    loader, _ = build_train_loader(cfg)
+    with Prefetcher(loader) as p, pytest.raises(UserError) as info:
+        p.next()
+    assert str(info.value).startswith("cannot decode image") and "\n" not in str(info.value)
+
+
+class _Crash(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        os._exit(3)  # a worker killed mid-batch (out of memory, a segfault in a decoder)
+
+
+def test_prefetcher_reports_a_dead_worker():
+    loader = torch.utils.data.DataLoader(_Crash(), batch_size=2, num_workers=1)
+    with Prefetcher(loader) as p, pytest.raises(RuntimeError, match="worker"):
+        p.next()
+
+
+def test_prefetcher_close_is_prompt():
+    p = Prefetcher(itertools.repeat(([torch.ones(2)], [{"boxes": torch.zeros(0, 4)}])), depth=2)
+    deadline = time.monotonic() + 5
+    while p.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.qsize() == 2  # the thread now waits on a full queue
+    start = time.monotonic()
+    p.close()
+    assert time.monotonic() - start < 0.5 and not p._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        p.next()
+
+    release = threading.Event()
+
+    def stuck():  # a source that never produces (a hung worker)
+        release.wait(30)
+        yield None
+
+    p = Prefetcher(stuck())
+    start = time.monotonic()
+    p.close()
+    assert time.monotonic() - start < 3
+    release.set()

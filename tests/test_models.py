@@ -1,0 +1,227 @@
+"""trainer.models: every type builds, tiny models train and evaluate on CPU, weights load or fail clearly."""
+import pytest
+import torch
+import torchvision
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from trainer import config
+from trainer.errors import UserError
+from trainer.models import (MODEL_TYPES, build_model, describe_model, load_weights, set_test_size,
+                            set_train_size)
+
+RCNN_LOSSES = {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
+
+
+def make_cfg(model_type="fasterrcnn_resnet50_fpn", **model_keys):
+    cfg = config.defaults()
+    config.merge(cfg, {
+        "MODEL": {"TYPE": model_type, "RPN_PRE_NMS_TOP_N_TRAIN": 50, "RPN_POST_NMS_TOP_N_TRAIN": 20,
+                  "RPN_PRE_NMS_TOP_N_TEST": 50, "RPN_POST_NMS_TOP_N_TEST": 20, "RPN_BATCH_SIZE_PER_IMAGE": 32,
+                  "ROI_BATCH_SIZE_PER_IMAGE": 16, "DETECTIONS_PER_IMAGE": 10, **model_keys},
+        "TRAIN": {"SCALES": [64], "MAX_SIZE": 96},
+        "TEST": {"SCALE": 80, "MAX_SIZE": 120},
+    })
+    return cfg
+
+
+def tiny_cfg(model_type="fasterrcnn_resnet50_fpn", **model_keys):
+    """Mobilenet at half width for R-CNN (3 maps), resnet18 for the single-stage types (5 maps)."""
+    if model_type.split("_")[0].endswith("rcnn"):
+        keys = {"BACKBONE": "mobilenet_v3_large", "BACKBONE_WIDTH": 0.5, "ANCHOR_SIZES": [16, 32, 64]}
+    else:
+        keys = {"BACKBONE": "resnet18", "ANCHOR_SIZES": [16, 32, 64, 128, 256]}
+    keys |= {"FPN_CHANNELS": 32, "REPRESENTATION_SIZE": 64}
+    return make_cfg(model_type, **{**keys, **model_keys})
+
+
+def head_classes(model):
+    if hasattr(model, "roi_heads"):
+        return model.roi_heads.box_predictor.cls_score.out_features
+    head = model.head.classification_head
+    return getattr(head, "num_classes", None) or head.num_columns  # ssdlite calls it num_columns
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def batch(with_masks=False, keypoints=0, size=64):
+    torch.manual_seed(0)
+    images = [torch.rand(3, size, size) for _ in range(2)]
+    targets = []
+    for _ in images:
+        t = {"boxes": torch.tensor([[4.0, 6.0, 40.0, 50.0], [20.0, 10.0, 60.0, 30.0]]),
+             "labels": torch.tensor([1, 2])}
+        if with_masks:
+            t["masks"] = torch.zeros(2, size, size, dtype=torch.uint8)
+            t["masks"][0, 6:50, 4:40] = 1
+            t["masks"][1, 10:30, 20:60] = 1
+        if keypoints:
+            xy = torch.rand(2, keypoints, 2) * 30 + 10
+            t["keypoints"] = torch.cat([xy, torch.ones(2, keypoints, 1)], dim=2)
+        targets.append(t)
+    return images, targets
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_type_builds_with_the_classes_asked(model_type):
+    model = build_model(make_cfg(model_type), num_classes=5, num_keypoints=3)
+    assert head_classes(model) == 5
+    if model_type.startswith("ssdlite"):
+        assert model.transform.fixed_size == (320, 320)
+    else:
+        assert model.transform.min_size == (64,) and model.transform.max_size == 96
+    if model_type.startswith("keypoint"):
+        assert model.roi_heads.keypoint_predictor.kps_score_lowres.out_channels == 3
+    if hasattr(model, "rpn"):
+        assert model.rpn._pre_nms_top_n == {"training": 50, "testing": 50}
+        assert model.roi_heads.detections_per_img == 10
+    assert all(p.requires_grad for p in model.parameters())  # no TRAIN.WEIGHTS: everything trains
+
+
+def test_cfg_num_classes_wins_over_the_dataset():
+    assert head_classes(build_model(tiny_cfg(NUM_CLASSES=7), num_classes=3)) == 7
+    with pytest.raises(UserError, match="classes"):
+        build_model(tiny_cfg(), num_classes=1)
+
+
+@pytest.mark.parametrize("model_type,losses", [
+    ("fasterrcnn_resnet50_fpn", RCNN_LOSSES),
+    ("maskrcnn_resnet50_fpn", RCNN_LOSSES | {"loss_mask"}),
+    ("keypointrcnn_resnet50_fpn", RCNN_LOSSES | {"loss_keypoint"}),
+    ("retinanet_resnet50_fpn", {"classification", "bbox_regression"}),
+    ("fcos_resnet50_fpn", {"classification", "bbox_regression", "bbox_ctrness"}),
+])
+def test_tiny_model_trains_and_evaluates(model_type, losses):
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg(model_type), num_classes=3, num_keypoints=4)
+    images, targets = batch(with_masks="mask" in model_type, keypoints=4 if "keypoint" in model_type else 0)
+    model.train()
+    loss_dict = model(images, targets)
+    assert set(loss_dict) == losses
+    total = sum(loss_dict.values())
+    assert torch.isfinite(total)
+    total.backward()
+    assert any(p.grad is not None for p in model.backbone.body.parameters())
+    model.eval()
+    with torch.no_grad():
+        out = model(images)
+    assert len(out) == 2 and {"boxes", "labels", "scores"} <= set(out[0])
+    assert len(out[0]["boxes"]) <= 10
+
+
+def test_tiny_faster_rcnn_is_small():
+    assert n_params(build_model(tiny_cfg(), num_classes=3)) < 3_000_000
+
+
+def test_unknown_type_suggests_the_closest():
+    with pytest.raises(UserError, match="did you mean fasterrcnn_resnet50_fpn") as e:
+        build_model(make_cfg("fasterrcnn_resnet50"), num_classes=3)
+    assert "\n" not in str(e.value) and "ssdlite320_mobilenet_v3_large" in str(e.value)
+    with pytest.raises(UserError, match="MODEL.BACKBONE"):
+        build_model(tiny_cfg(BACKBONE="resnet19"), num_classes=3)
+
+
+def test_bad_model_keys_are_user_errors():
+    with pytest.raises(UserError, match="one size per feature map.*has 3, got 2"):
+        build_model(tiny_cfg(ANCHOR_SIZES=[16, 32]), num_classes=3)
+    with pytest.raises(UserError, match="FPN_CHANNELS"):
+        build_model(make_cfg(FPN_CHANNELS=64), num_classes=3)
+    with pytest.raises(UserError, match="multiple of 32"):
+        build_model(tiny_cfg("fcos_resnet50_fpn", FPN_CHANNELS=16), num_classes=3)
+    with pytest.raises(UserError, match="keypoints"):
+        build_model(tiny_cfg("keypointrcnn_resnet50_fpn"), num_classes=2)
+
+
+def test_anchor_sizes_on_a_torchvision_type_refit_the_rpn_head():
+    model = build_model(make_cfg("fasterrcnn_mobilenet_v3_large_fpn", ANCHOR_SIZES=[32, 64, 128]), num_classes=3)
+    assert model.rpn.anchor_generator.sizes == ((32,), (64,), (128,))
+    assert model.rpn.head.cls_logits.out_channels == 3  # was 15 with torchvision's anchors
+
+
+def test_pretrained_weights_freeze_batchnorm_and_early_stages():
+    cfg = tiny_cfg("retinanet_resnet50_fpn")
+    config.merge(cfg, {"TRAIN": {"WEIGHTS": "ResNet18_Weights.IMAGENET1K_V1"}})
+    body = build_model(cfg, num_classes=3).backbone.body
+    assert isinstance(body.bn1, FrozenBatchNorm2d)
+    assert not body.layer1[0].conv1.weight.requires_grad and body.layer2[0].conv1.weight.requires_grad
+    config.merge(cfg, {"MODEL": {"TRAINABLE_BACKBONE_LAYERS": 1}})
+    body = build_model(cfg, num_classes=3).backbone.body
+    assert not body.layer3[0].conv1.weight.requires_grad and body.layer4[0].conv1.weight.requires_grad
+
+
+@pytest.fixture(scope="module")
+def tiny_faster():
+    torch.manual_seed(1)
+    return build_model(tiny_cfg(), num_classes=3)
+
+
+@pytest.mark.parametrize("wrap", [lambda sd: sd, lambda sd: {"model": sd, "iter": 7}])
+def test_weights_load_from_a_file(tmp_path, tiny_faster, wrap):
+    path = tmp_path / "w.pth"
+    torch.save(wrap(tiny_faster.state_dict()), path)
+    torch.manual_seed(2)
+    fresh = build_model(tiny_cfg(), num_classes=3)
+    report = load_weights(fresh, str(path))
+    assert report.target == "model" and not report.skipped and not report.missing
+    for key, value in tiny_faster.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_a_head_for_other_classes_is_skipped(tmp_path, tiny_faster):
+    path = tmp_path / "w.pth"
+    torch.save(tiny_faster.state_dict(), path)
+    other = build_model(tiny_cfg(), num_classes=6)
+    report = load_weights(other, str(path))
+    head = "roi_heads.box_predictor."
+    assert set(report.skipped) == {head + k for k in ("cls_score.weight", "cls_score.bias", "bbox_pred.weight",
+                                                      "bbox_pred.bias")}
+    key = "rpn.head.conv.0.0.weight"  # everything else did load
+    assert torch.equal(other.state_dict()[key], tiny_faster.state_dict()[key])
+
+
+def test_classification_weights_go_into_the_backbone(tmp_path, monkeypatch):
+    model = build_model(tiny_cfg("fcos_resnet50_fpn"), num_classes=3)
+    imagenet = torchvision.models.resnet18(weights=None).state_dict()
+    torch.save(imagenet, tmp_path / "r18.pth")
+    report = load_weights(model, str(tmp_path / "r18.pth"))
+    assert report.target == "backbone.body" and set(report.unexpected) == {"fc.weight", "fc.bias"}
+    assert torch.equal(model.backbone.body.conv1.weight, imagenet["conv1.weight"])
+    # The same through a torchvision weight name, with the download faked (no network here).
+    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", lambda self, **kw: imagenet)
+    assert load_weights(model, "ResNet18_Weights.IMAGENET1K_V1").target == "backbone.body"
+
+
+def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
+    bad = tmp_path / "bad.pth"
+    bad.write_text("not a checkpoint")
+    cases = [(str(bad), "not a valid torch checkpoint"), (str(tmp_path / "nope.pth"), "no such file"),
+             ("ResNet18_Weights.NOPE", "unknown torchvision weight")]
+    torch.save({"iter": 3}, tmp_path / "empty.pth")
+    cases.append((str(tmp_path / "empty.pth"), "holds no model weights"))
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "r18.pth")
+    cases.append((str(tmp_path / "r18.pth"), "no tensor that fits"))  # resnet18 body vs a mobilenet model
+
+    def offline(self, **kw):
+        raise OSError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
+    cases.append(("ResNet18_Weights.IMAGENET1K_V1", "download failed"))
+    for spec, message in cases:
+        with pytest.raises(UserError, match=message) as e:
+            load_weights(tiny_faster, spec)
+        assert "\n" not in str(e.value)
+    assert load_weights(tiny_faster, "") is None
+
+
+def test_test_size_and_back():
+    cfg = make_cfg("fcos_resnet50_fpn", BACKBONE="resnet18", FPN_CHANNELS=32)
+    model = build_model(cfg, num_classes=3)
+    set_test_size(model, cfg)
+    assert model.transform.min_size == (80,) and model.transform.max_size == 120
+    set_train_size(model, cfg)
+    assert model.transform.min_size == (64,) and model.transform.max_size == 96
+
+
+def test_describe_model_counts_parameters(tiny_faster):
+    text = describe_model(tiny_faster)
+    assert f"{n_params(tiny_faster):,} total" in text and "FasterRCNN(" in text

@@ -1,0 +1,246 @@
+"""Learning rates against values worked out by hand from Detectron's lr_policy.py formulas."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, load_config
+from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients, lr_at_iter
+
+
+def cfg_of(**solver):
+    opts = []
+    for key, value in solver.items():
+        opts += [f"SOLVER.{key}", str(value)]
+    return load_config(None, opts)
+
+
+def f32(x):
+    """Detectron's get_lr_at_iter ends in np.float32(lr)."""
+    return float(np.float32(x))
+
+
+def check(cfg, expected: dict):
+    for it, lr in expected.items():
+        got = lr_at_iter(cfg, it)
+        assert isinstance(got, float)
+        assert got == f32(lr), f"iteration {it}"
+        assert got == f32(got)  # representable as a float32, as Detectron's value was
+
+
+# Detectron's 1x schedule: 0.02, x0.1 at 60k and 80k, 90k iterations, 500 linear warm-up from 1/3.
+ONE_X = dict(BASE_LR=0.02, LR_POLICY="steps_with_decay", GAMMA=0.1, STEPS="[0, 60000, 80000]",
+             MAX_ITER=90000, WARM_UP_ITERS=500, WARM_UP_METHOD="linear", WARM_UP_FACTOR=1 / 3)
+
+
+def test_steps_with_decay_1x_schedule_with_linear_warm_up():
+    third = 1 / 3
+    check(cfg_of(**ONE_X), {
+        0: 0.02 * third,                                     # alpha 0: factor 1/3
+        1: 0.02 * (third * (1 - 1 / 500) + 1 / 500),
+        250: 0.02 * (third * 0.5 + 0.5),                     # alpha 0.5: factor 2/3
+        499: 0.02 * (third * (1 - 0.998) + 0.998),
+        500: 0.02,                                           # warm-up over
+        59999: 0.02,
+        60000: 0.002,                                        # step index 1: 0.02 * 0.1
+        79999: 0.002,
+        80000: 0.02 * 0.1 ** 2,                              # step index 2
+        89999: 0.0002,
+        90000: 0.0002,                                       # past MAX_ITER: still the last step
+        120000: 0.0002,
+    })
+    assert lr_at_iter(cfg_of(**ONE_X), 250) == pytest.approx(0.02 * 2 / 3, rel=1e-7)
+
+
+def test_steps_with_lrs():
+    cfg = cfg_of(**{**ONE_X, "LR_POLICY": "steps_with_lrs", "LRS": "[0.02, 0.002, 0.0002]",
+                    "WARM_UP_ITERS": 0})
+    check(cfg, {0: 0.02, 59999: 0.02, 60000: 0.002, 79999: 0.002, 80000: 0.0002, 90000: 0.0002})
+
+
+def test_steps_with_lrs_is_warmed_up_too():
+    cfg = cfg_of(**{**ONE_X, "LR_POLICY": "steps_with_lrs", "LRS": "[0.02, 0.002, 0.0002]"})
+    check(cfg, {0: 0.02 / 3, 100: 0.02 * ((1 / 3) * 0.8 + 0.2), 500: 0.02})
+
+
+def test_step():
+    cfg = cfg_of(BASE_LR=0.01, LR_POLICY="step", GAMMA=0.1, STEP_SIZE=30000, WARM_UP_ITERS=0)
+    check(cfg, {0: 0.01, 29999: 0.01, 30000: 0.001, 59999: 0.001, 60000: 0.01 * 0.1 ** 2,
+                95000: 0.01 * 0.1 ** 3})
+
+
+def test_cosine_decay():
+    cfg = cfg_of(BASE_LR=0.02, LR_POLICY="cosine_decay", MAX_ITER=1000, WARM_UP_ITERS=0)
+    check(cfg, {0: 0.02, 250: 0.01 * (1 + math.sqrt(2) / 2), 500: 0.01,
+                750: 0.01 * (1 - math.sqrt(2) / 2), 999: 0.01 * (math.cos(math.pi * 0.999) + 1)})
+    assert lr_at_iter(cfg, 1000) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_exp_decay_ends_at_gamma_times_base_lr():
+    # Detectron: GAMMA is the final / initial LR ratio; lr = BASE_LR * exp(it / MAX_ITER * ln GAMMA)
+    cfg = cfg_of(BASE_LR=0.02, LR_POLICY="exp_decay", GAMMA=0.01, MAX_ITER=1000, WARM_UP_ITERS=0)
+    check(cfg, {0: 0.02, 250: 0.02 * 0.01 ** 0.25, 500: 0.002, 1000: 0.0002})
+
+
+def test_constant_warm_up():
+    cfg = cfg_of(BASE_LR=0.02, LR_POLICY="step", STEP_SIZE=30000, WARM_UP_ITERS=100,
+                 WARM_UP_METHOD="constant", WARM_UP_FACTOR=0.1)
+    check(cfg, {0: 0.002, 50: 0.002, 99: 0.002, 100: 0.02})
+
+
+def test_linear_warm_up_multiplies_the_policy():
+    cfg = cfg_of(BASE_LR=0.02, LR_POLICY="cosine_decay", MAX_ITER=1000, WARM_UP_ITERS=100,
+                 WARM_UP_METHOD="linear", WARM_UP_FACTOR=0.001)
+    cos_at_10 = 0.02 * 0.5 * (math.cos(math.pi * 10 / 1000) + 1)
+    check(cfg, {10: cos_at_10 * (0.001 * 0.9 + 0.1), 100: 0.01 * (math.cos(math.pi / 10) + 1)})
+
+
+def test_steps_must_start_at_zero():
+    with pytest.raises(ConfigError, match="starting at 0"):
+        cfg_of(LR_POLICY="steps_with_decay", STEPS="[60000, 80000]", MAX_ITER=90000)
+
+
+# --------------------------------------------------------------------------------------------- #
+
+
+SMALL = dict(BASE_LR=0.02, LR_POLICY="steps_with_decay", GAMMA=0.1, STEPS="[0, 6, 8]", MAX_ITER=10,
+             WARM_UP_ITERS=4, WARM_UP_METHOD="linear", WARM_UP_FACTOR=0.25)
+
+
+def built(cfg):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = build_optimizer(cfg, model)
+    return model, opt, build_lr_scheduler(cfg, opt)
+
+
+def train_step(model, opt, sched):
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def test_scheduler_lr_after_k_steps_is_lr_at_iter_k():
+    cfg = cfg_of(**SMALL)
+    model, opt, sched = built(cfg)
+    for k in range(14):
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, k), rel=1e-12), k
+        train_step(model, opt, sched)
+    assert lr_at_iter(cfg, 0) == f32(0.02 * 0.25)
+    assert lr_at_iter(cfg, 2) == f32(0.02 * (0.25 * 0.5 + 0.5))
+    assert lr_at_iter(cfg, 7) == f32(0.002)
+
+
+def test_scheduler_resumes_from_state_dict():
+    cfg = cfg_of(**SMALL)
+    model, opt, sched = built(cfg)
+    for _ in range(5):
+        train_step(model, opt, sched)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))  # a checkpoint
+    expected = []
+    for k in range(5, 12):
+        expected.append(opt.param_groups[0]["lr"])
+        train_step(model, opt, sched)
+
+    model2, opt2, sched2 = built(cfg)  # a fresh process: built at iteration 0, then loaded
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    assert sched2.last_epoch == 5
+    for k, lr in zip(range(5, 12), expected):
+        assert opt2.param_groups[0]["lr"] == lr == pytest.approx(lr_at_iter(cfg, k), rel=1e-12)
+        train_step(model2, opt2, sched2)
+    assert torch.equal(model.weight, model2.weight)
+
+
+def test_scheduler_ignores_a_preset_lr():
+    cfg = cfg_of(**SMALL)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    build_lr_scheduler(cfg, opt)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, 0), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------- #
+
+
+class MyFrozenNorm(nn.Module):
+    """Stands for a custom normalisation layer that is not a torch _NormBase."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def norm_model():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.GroupNorm(2, 4), MyFrozenNorm(4),
+                          nn.Conv2d(4, 4, 1, bias=False), nn.Flatten(), nn.Linear(4, 2),
+                          nn.LayerNorm(2))
+    model[4].weight.requires_grad_(False)  # frozen: in no group at all
+    return model
+
+
+def ids(params):
+    return {id(p) for p in params}
+
+
+def test_no_decay_for_norm_layers_and_biases():
+    model = norm_model()
+    opt = build_optimizer(cfg_of(NO_DECAY_NORM_AND_BIAS="true", WEIGHT_DECAY=0.0001, MOMENTUM=0.8), model)
+    decay, no_decay = opt.param_groups
+    assert ids(decay["params"]) == ids([model[0].weight, model[6].weight])
+    assert ids(no_decay["params"]) == ids([
+        model[0].bias, model[1].weight, model[1].bias, model[2].weight, model[2].bias,
+        model[3].scale, model[6].bias, model[7].weight, model[7].bias])
+    assert decay["weight_decay"] == 0.0001 and no_decay["weight_decay"] == 0.0
+    assert decay["momentum"] == no_decay["momentum"] == 0.8
+    assert decay["lr"] == no_decay["lr"] == 0.001
+
+
+def test_one_decayed_group_by_default():
+    model = norm_model()
+    opt = build_optimizer(cfg_of(), model)
+    (group,) = opt.param_groups
+    assert ids(group["params"]) == ids(p for p in model.parameters() if p.requires_grad)
+    assert len(group["params"]) == 11
+    assert group["weight_decay"] == 0.0005 and group["momentum"] == 0.9
+    assert isinstance(opt, torch.optim.SGD)
+
+
+def test_frozen_batchnorm_has_no_parameters_to_group():
+    from torchvision.ops.misc import FrozenBatchNorm2d
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), FrozenBatchNorm2d(4))
+    opt = build_optimizer(cfg_of(NO_DECAY_NORM_AND_BIAS="true"), model)
+    (group,) = opt.param_groups  # the empty no-decay group is left out
+    assert ids(group["params"]) == ids([model[0].weight])
+
+
+# --------------------------------------------------------------------------------------------- #
+
+
+def test_clip_gradients():
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    assert clip_gradients(cfg_of(CLIP_GRAD_NORM=1.0), [p]) == pytest.approx(5.0)
+    assert torch.allclose(p.grad, torch.tensor([0.6, 0.8]), atol=1e-5)
+
+
+def test_clip_gradients_of_a_model_skips_missing_grads():
+    model = nn.Linear(2, 1)
+    model.weight.grad = torch.tensor([[6.0, 8.0]])  # the bias has no gradient
+    assert clip_gradients(cfg_of(CLIP_GRAD_NORM=20.0), model) == pytest.approx(10.0)
+    assert torch.equal(model.weight.grad, torch.tensor([[6.0, 8.0]]))  # under the limit: untouched
+
+
+def test_no_clipping_by_default():
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([30.0, 40.0])
+    assert clip_gradients(cfg_of(), [p]) is None
+    assert torch.equal(p.grad, torch.tensor([30.0, 40.0]))

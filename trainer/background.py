@@ -1,0 +1,177 @@
+"""Background threads that do tracking's network work, so the training thread never waits on it.
+
+`MetricSender`: the training thread appends one tuple per iteration to a bounded deque; a thread
+turns them into `log_batch` calls of at most 1000 metrics, retrying with backoff while the server
+is down. A point is dropped only when the deque overflows (counted and reported), never twice
+sent on purpose: a retried batch carries the same timestamps, which the server deduplicates.
+
+`Uploader`: a FIFO of jobs (artifact uploads, checkpoint upload + tags, the run's final status),
+each retried with backoff until it succeeds or the close deadline passes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+
+
+class Backoff:
+    def __init__(self, first: float = 0.5, cap: float = 15.0):
+        self.first, self.cap, self.delay = first, cap, first
+
+    def failed(self) -> float:
+        delay, self.delay = self.delay, min(self.delay * 2, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+class MetricSender:
+    """Batches metric points to `send(list_of_(key, value, timestamp_ms, step))`."""
+
+    def __init__(self, send: Callable[[list], None], max_pending: int = 200_000, interval: float = 1.0):
+        self._send = send
+        self._pending: collections.deque = collections.deque(maxlen=max_pending)
+        self._interval = interval
+        self._stop = threading.Event()
+        self._deadline = float("inf")
+        self.dropped = 0
+        self.sent = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, metrics: dict, step: int) -> None:
+        """Training thread: one append, no conversion, no lock."""
+        if len(self._pending) == self._pending.maxlen:
+            self.dropped += 1
+        self._pending.append((step, int(time.time() * 1000), metrics))
+
+    def close(self, timeout: float) -> bool:
+        """Send what is queued, giving up at the deadline; True when nothing was left behind."""
+        self._deadline = time.monotonic() + timeout
+        self._stop.set()
+        self._thread.join(timeout + 1)
+        left = len(self._pending)
+        if left or self.dropped:
+            log.warning("metrics: %d iterations not sent before the deadline, %d dropped on overflow",
+                        left, self.dropped)
+        return left == 0 and not self._thread.is_alive()
+
+    def _next_batch(self) -> list:
+        batch: list = []
+        while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
+            step, ts, metrics = self._pending[0]
+            if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH and batch:
+                break
+            self._pending.popleft()
+            batch.extend((k, float(v), ts, step) for k, v in metrics.items())
+        return batch
+
+    def _run(self) -> None:
+        backoff, batch = Backoff(), []
+        while True:
+            if not batch:
+                batch = self._next_batch()
+            if not batch:
+                if self._stop.is_set():
+                    return
+                self._stop.wait(self._interval)
+                continue
+            try:
+                self._send(batch)
+                self.sent += len(batch)
+                batch = []
+                backoff.reset()
+            except Exception as e:  # noqa: BLE001 - a server that is down is retried
+                self.failures += 1
+                delay = backoff.failed()
+                if time.monotonic() + delay > self._deadline:
+                    log.warning("metrics: giving up on %d points: %s", len(batch), e)
+                    return
+                log.debug("metrics: send failed (%s), retrying in %.1fs", e, delay)
+                time.sleep(delay)
+
+
+class Uploader:
+    """Runs network jobs in order on one thread, each retried until it succeeds or time runs out."""
+
+    def __init__(self, retryable: Callable[[BaseException], bool] = lambda e: True):
+        self._retryable = retryable
+        self._jobs: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._deadline = float("inf")
+        self._closing = False
+        self.failed: list[str] = []
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="uploader", daemon=True)
+        self._thread.start()
+
+    def submit(self, description: str, job: Callable[[], None]) -> None:
+        with self._cv:
+            self._jobs.append((description, job))
+            self._cv.notify()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._jobs) + self._busy
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every job queued so far is done (or failed); True when the queue drained."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while (self._jobs or self._busy) and time.monotonic() < end:
+                self._cv.wait(min(0.1, max(0.0, end - time.monotonic())))
+            return not (self._jobs or self._busy)
+
+    def close(self, timeout: float) -> bool:
+        with self._cv:
+            self._deadline = time.monotonic() + timeout
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout + 1)
+        left = self.pending() if self._thread.is_alive() else len(self._jobs)
+        for description, _ in list(self._jobs):
+            self.failed.append(description)
+        if self.failed:
+            log.warning("tracking: not done before the deadline: %s", ", ".join(self.failed))
+        return left == 0 and not self.failed
+
+    def _take(self):
+        with self._cv:
+            while not self._jobs and not self._closing:
+                self._cv.wait()
+            if not self._jobs:
+                return None
+            self._busy = True
+            return self._jobs.popleft()
+
+    def _run(self) -> None:
+        while (item := self._take()) is not None:
+            description, job = item
+            self._attempt(description, job)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _attempt(self, description: str, job: Callable[[], None]) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                job()
+                return
+            except Exception as e:  # noqa: BLE001 - retried until the deadline
+                delay = backoff.failed()
+                if not self._retryable(e) or time.monotonic() + delay > self._deadline:
+                    log.warning("tracking: %s failed: %s", description, e)
+                    self.failed.append(description)
+                    return
+                log.warning("tracking: %s failed (%s); retrying in %.1fs", description, e, delay)
+                time.sleep(delay)

@@ -1,0 +1,200 @@
+"""Checkpoints: the full training state, written atomically, found again on resume.
+
+A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states
+and the sampler's position (the sampler is a pure function of seed and iteration, so the
+iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
+killed process leaves either the old set or the new file, never half of one. Writing happens on a
+background thread: the training thread only copies tensors to host memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import random
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FINAL = "model_final.pth"
+_ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that is partial, corrupt or not ours."""
+
+
+def checkpoint_name(iteration: int | None) -> str:
+    """`model_iter{N}.pth` for the zero-based iteration N just finished; None means final."""
+    return FINAL if iteration is None else f"model_iter{iteration}.pth"
+
+
+def iteration_of(name: str) -> float:
+    """Sort key: model_final is newer than every model_iter."""
+    if name == FINAL:
+        return float("inf")
+    m = _ITER_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- RNG state: python, numpy, torch, cuda (weights_only-loadable types only) ----
+
+def capture_rng() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---- files ----
+
+def to_cpu(obj):
+    """A host copy of a state tree, so training can go on while it is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def save_atomic(state: dict, path: Path) -> str:
+    """Write `state` to `path` via temporary file + fsync + rename; return the file's sha256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = sha256_of(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    return digest
+
+
+def load(path: Path) -> dict:
+    """Load a checkpoint safely: tensors and plain containers only, never arbitrary pickles."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, tampered pickle, not a torch file
+        raise CheckpointError(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not isinstance(state, dict) or "model" not in state or "iteration" not in state:
+        raise CheckpointError(f"{path}: not a tracktron checkpoint")
+    return state
+
+
+def local_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint files in output_dir, newest first (model_final before every model_iter)."""
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0]
+    return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
+
+
+def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; partial or corrupt files are skipped with a warning."""
+    for path in local_checkpoints(output_dir):
+        try:
+            return path, load(path)
+        except CheckpointError as e:
+            log.warning("skipping unusable checkpoint %s", e)
+    return None
+
+
+def prune(output_dir: Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
+    """Delete all but the `keep` newest model_iter files (never model_final, never `protect`)."""
+    iters = [p for p in local_checkpoints(output_dir) if p.name != FINAL]
+    removed = []
+    for path in iters[keep:]:
+        if path.name not in protect:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, one at a time, in order.
+
+    `on_saved(path, sha256)` runs on the writer thread after each file is complete (the tracker
+    hands it to its uploader). A write error is kept and re-raised on the training thread at the
+    next `submit()` or at `close()`, so a full disk stops the job instead of being lost.
+    """
+
+    def __init__(self, on_saved=None):
+        self._on_saved = on_saved
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: dict, path: Path) -> None:
+        self._raise_pending()
+        self._queue.put((to_cpu(state), path))  # waits only if the previous write is unfinished
+
+    def wait(self) -> None:
+        self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self._queue.join()
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            state, path = item
+            try:
+                digest = save_atomic(state, path)
+                log.info("wrote checkpoint %s", path)
+                if self._on_saved:
+                    self._on_saved(path, digest)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()

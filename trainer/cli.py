@@ -1,0 +1,121 @@
+"""Command line: `tracktron train|data synth`, also `python -m trainer`.
+
+Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a preempted job
+128 + the signal number (143 for SIGTERM), after its checkpoint is safe.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from trainer.errors import UserError
+
+log = logging.getLogger("tracktron")
+
+
+def _setup_logging(rank: int = 0) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr, force=True)
+    for noisy in ("alembic", "urllib3", "botocore", "mlflow.store.db.utils"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Detectron's training loop on PyTorch/torchvision, with every job tracked in MLflow."""
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True,
+              help="YAML config (see configs/).")
+@click.option("--resume", "resume_run_id", default=None, help="Continue this MLflow run id.")
+@click.option("--no-resume", is_flag=True, help="Start a new run even if this job has one.")
+@click.argument("opts", nargs=-1, type=click.UNPROCESSED)
+def train(config_file, resume_run_id, no_resume, opts):
+    """Train a detector. Trailing KEY VALUE pairs override config keys, as in Detectron:
+
+    tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4
+    """
+    from trainer.config import load_config
+    from trainer import distributed
+    from trainer.tracking import create_tracker
+
+    _setup_logging()
+    cfg = load_config(config_file, list(opts))
+    ctx = distributed.setup()
+    _setup_logging(ctx.rank)
+    if ctx.world_size > 1 and cfg.NUM_GPUS != ctx.world_size:
+        log.info("NUM_GPUS set to the world size, %d", ctx.world_size)
+        cfg.NUM_GPUS = ctx.world_size
+    if no_resume:
+        cfg.TRAIN.AUTO_RESUME = False
+    tracker = create_tracker(cfg, ctx.rank, ctx.world_size)
+    try:
+        run = tracker.start(cfg, resume_run_id, new_run=no_resume)
+        if run.run_id:
+            log.info("MLflow run %s%s", run.run_id, f": {run.ui_url}" if run.ui_url else "")
+        _train(cfg, tracker, ctx)
+    finally:
+        distributed.teardown(ctx)
+
+
+def _train(cfg, tracker, ctx) -> None:
+    from trainer.engine import NonFiniteLoss, train_model
+    from trainer.preemption import Preempted
+
+    try:
+        done = train_model(cfg, tracker, ctx)
+    except Preempted as e:
+        tracker.finish("KILLED", str(e))
+        log.warning("%s; the job resumes from its last checkpoint", e)
+        sys.exit(128 + e.signum)
+    except NonFiniteLoss as e:
+        tracker.finish("FAILED", str(e))
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except UserError as e:
+        tracker.finish("FAILED", str(e))
+        raise
+    except BaseException as e:
+        tracker.finish("FAILED", f"{type(e).__name__}: {e}")
+        raise
+    tracker.finish("FINISHED")
+    if done is not None:
+        click.echo(f"nothing to do: model_final already exists ({done.source})")
+    else:
+        click.echo(f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}")
+
+
+@cli.group()
+def data():
+    """Datasets."""
+
+
+@data.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
+@click.option("--num-images", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--size", "image_size", default=128, show_default=True, type=click.IntRange(16))
+@click.option("--seed", default=0, show_default=True, type=int)
+def synth(out_dir, num_images, image_size, seed):
+    """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
+    from trainer.synth import write_synthetic_dataset
+
+    path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed)
+    click.echo(f"wrote {num_images} images and annotations to {path}")
+
+
+def main(argv=None) -> None:
+    try:
+        cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)

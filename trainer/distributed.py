@@ -1,0 +1,82 @@
+"""Several processes under torchrun: DDP on NCCL (CUDA) or gloo (CPU).
+
+Only global rank 0 talks to MLflow and writes files; losses are averaged across ranks so every
+rank sees the same stats and stops together on a NaN.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def setup() -> Context:
+    """Read torchrun's environment and join the process group; a lone process needs nothing."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1:
+        return Context(device=device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    return Context(dist.get_rank(), world_size, local_rank, device)
+
+
+def teardown(ctx: Context) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_mean(ctx: Context, values: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of a small vector (one collective per iteration)."""
+    if ctx.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= ctx.world_size
+    return values
+
+
+def any_rank(ctx: Context, flag: bool) -> bool:
+    """True on every rank when it is true on one (preemption: every rank stops together)."""
+    if not ctx.distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(ctx: Context, obj):
+    """Rank 0's value on every rank (the resume decision, the run id)."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(ctx: Context) -> None:
+    if ctx.distributed:
+        dist.barrier()

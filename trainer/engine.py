@@ -1,0 +1,275 @@
+"""The training loop: Detectron's train_model(), step by step, each step one named call.
+
+    start = create_model(...)                  AUTO_RESUME: newest checkpoint, local or tracked
+    if start.final: nothing to do
+    setup_model_for_training(...)             weights, optimizer, scheduler, loader
+    for cur_iter in range(start_iter, MAX_ITER):
+        step; stats.update; stats.log
+        every SNAPSHOT_ITERS // NUM_GPUS: save model_iter{cur_iter}
+        at start_iter + LOG_PERIOD: reset the iteration timer
+        loss NaN: shut the loader down, fail
+    save model_final; shut the loader down
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer import checkpoint as ckpt
+from trainer.config import Config, write_config
+from trainer.data import build_train_loader
+from trainer.distributed import Context, all_mean, any_rank, broadcast_object
+from trainer.models import build_model, describe_model, load_weights
+from trainer.prefetch import Prefetcher
+from trainer.preemption import Preempted, PreemptionGuard
+from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
+from trainer.stats import TrainingStats
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN or infinite: the job fails (Detectron's 'Loss is NaN')."""
+
+
+@dataclass
+class StartPoint:
+    iteration: int = 0  # the first iteration to run
+    state: dict | None = None  # the checkpoint to restore, if any
+    source: str = "scratch"
+    final: bool = False  # model_final exists: nothing to do
+
+
+@dataclass
+class Trainer:
+    """What the loop works on."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    batches: Prefetcher
+    stats: TrainingStats
+    writer: ckpt.CheckpointWriter
+
+
+def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | None:
+    """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
+    output_dir = Path(cfg.OUTPUT_DIR)
+    seed_everything(cfg)
+    start = create_model(cfg, tracker, ctx, output_dir)
+    if start.final:
+        log.info("model_final already exists (%s): nothing to do", start.source)
+        return start
+    t = setup_model_for_training(cfg, tracker, ctx, output_dir, start)
+    snapshot_period = max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
+    cur_iter = start.iteration
+    try:
+        with PreemptionGuard() as guard:
+            for cur_iter in range(start.iteration, cfg.SOLVER.MAX_ITER):
+                losses = run_iteration(cfg, t, ctx, tracker, cur_iter)
+                check_finite(losses, cur_iter)
+                if (cur_iter + 1) % snapshot_period == 0 and cur_iter > start.iteration:
+                    save_snapshot(cfg, t, ctx, tracker, cur_iter)
+                t.stats.maybe_reset_timer(cur_iter)
+                if any_rank(ctx, guard.requested):
+                    raise Preempted(guard.signum or 15)
+            save_snapshot(cfg, t, ctx, tracker, None)
+            t.writer.close()
+            log_final_model(cfg, t, ctx, tracker)
+    except Preempted:
+        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, snapshot_period)
+        raise
+    finally:
+        t.batches.close()  # loader workers never outlive the loop
+    return None
+
+
+# ---- start: seed, resume point, model ----
+
+def seed_everything(cfg: Config) -> None:
+    random.seed(cfg.RNG_SEED)
+    np.random.seed(cfg.RNG_SEED)
+    torch.manual_seed(cfg.RNG_SEED)
+    if cfg.DETERMINISTIC:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
+
+
+def create_model(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path) -> StartPoint:
+    """Find where to start (rank 0 decides, every rank restores the same checkpoint)."""
+    start = find_start_point(cfg, tracker, output_dir) if ctx.is_main else None
+    start = broadcast_object(ctx, start)
+    if start.state is not None:
+        log.info("resuming from %s at iteration %d", start.source, start.iteration)
+    return start
+
+
+def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPoint:
+    """AUTO_RESUME: the newest complete checkpoint in OUTPUT_DIR or on the tracking server.
+
+    A local checkpoint wins when it is at least as new as the run's newest; a downloaded one
+    whose bytes do not match its sha256 tag is skipped for the one before it.
+    """
+    if not (cfg.TRAIN.AUTO_RESUME or tracker.run.resumed):
+        return StartPoint()
+    local = ckpt.newest_valid(output_dir)
+    local_iter = ckpt.iteration_of(local[0].name) if local else -1
+    if local and local[0].name == ckpt.FINAL:
+        return StartPoint(final=True, source=str(local[0]))
+    for name in tracker.run.checkpoints:
+        if ckpt.iteration_of(name) <= local_iter:
+            break
+        if name == ckpt.FINAL:
+            return StartPoint(final=True, source=f"run {tracker.run.run_id}")
+        path = tracker.fetch_checkpoint(name, output_dir)
+        if path is not None:
+            try:
+                state = ckpt.load(path)
+            except ckpt.CheckpointError as e:
+                log.warning("skipping %s", e)
+                continue
+            if not (output_dir / "json_stats.log").exists():
+                tracker.fetch_artifact("json_stats.log", output_dir)
+            return StartPoint(state["iteration"] + 1, state, f"run {tracker.run.run_id} ({name})")
+    if local:
+        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
+    return StartPoint()
+
+
+def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path,
+                             start: StartPoint) -> Trainer:
+    loader, dataset = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size)
+    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0)).to(ctx.device)
+    if ctx.is_main:
+        write_run_files(cfg, tracker, output_dir, model)
+    if start.state is None:
+        load_weights(model, cfg.TRAIN.WEIGHTS)
+    else:
+        model.load_state_dict(start.state["model"])
+    model.train()
+    if ctx.distributed:
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_lr_scheduler(cfg, optimizer)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.SOLVER.AMP and ctx.device.type == "cuda")
+    if start.state is not None:
+        restore_training_state(start.state, optimizer, scheduler, scaler)
+    stats = TrainingStats(cfg, start.iteration, output_dir / "json_stats.log" if ctx.is_main else None,
+                          is_main=ctx.is_main)
+    on_saved = (lambda path, digest: tracker.log_checkpoint(
+        path, digest, on_done=lambda: ckpt.prune(output_dir, cfg.TRAIN.CHECKPOINTS_KEEP)))
+    writer = ckpt.CheckpointWriter(on_saved if ctx.is_main else None)
+    return Trainer(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
+
+
+def write_run_files(cfg: Config, tracker: Tracker, output_dir: Path, model: torch.nn.Module) -> None:
+    """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, output_dir / "config.yaml")
+    (output_dir / "model.txt").write_text(describe_model(model))
+    for name in ("config.yaml", "model.txt"):
+        tracker.log_artifact(output_dir / name)
+
+
+def restore_training_state(state: dict, optimizer, scheduler, scaler) -> None:
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    ckpt.restore_rng(state["rng"])
+
+
+# ---- the loop ----
+
+def run_iteration(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int) -> dict:
+    t.stats.iter_tic()
+    data_start = time.perf_counter()
+    images, targets = t.batches.next()
+    data_time = time.perf_counter() - data_start
+    lr = t.optimizer.param_groups[0]["lr"]
+    losses = train_step(cfg, t, ctx, images, targets)
+    t.scheduler.step()
+    t.stats.iter_toc()
+    t.stats.update(losses, lr, data_time, t.batches.qsize(), len(images) * ctx.world_size)
+    if ctx.is_main:
+        tracker.log_metrics(t.stats.metrics(cur_iter), cur_iter)
+        t.stats.log(cur_iter)
+    return losses
+
+
+def train_step(cfg: Config, t: Trainer, ctx: Context, images, targets) -> dict[str, float]:
+    with torch.autocast(ctx.device.type, enabled=t.scaler.is_enabled()):
+        loss_dict = t.model(images, targets)
+    total = sum(loss_dict.values())
+    t.optimizer.zero_grad(set_to_none=True)
+    t.scaler.scale(total).backward()
+    if cfg.SOLVER.CLIP_GRAD_NORM > 0:
+        t.scaler.unscale_(t.optimizer)
+        clip_gradients(cfg, t.model)
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
+    # One host sync and one collective per iteration: every loss term in a single vector.
+    values = torch.stack([total.detach(), *(v.detach() for v in loss_dict.values())]).float()
+    values = all_mean(ctx, values).cpu().tolist()
+    return dict(zip(["loss", *loss_dict], values))
+
+
+def check_finite(losses: dict[str, float], cur_iter: int) -> None:
+    if not math.isfinite(losses["loss"]):
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in losses.items())
+        raise NonFiniteLoss(f"loss is {losses['loss']} at iteration {cur_iter} ({terms})")
+
+
+# ---- checkpoints ----
+
+def training_state(cfg: Config, t: Trainer, cur_iter: int) -> dict:
+    model = t.model.module if isinstance(t.model, DistributedDataParallel) else t.model
+    return {
+        "model": model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else {},
+        "iteration": cur_iter,
+        "config": cfg.to_dict(),
+        "rng": ckpt.capture_rng(),
+        "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1},
+    }
+
+
+def save_snapshot(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int | None) -> None:
+    """model_iter{cur_iter}.pth, or model_final.pth when cur_iter is None (rank 0 writes)."""
+    if not ctx.is_main:
+        return
+    it = cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
+    t.writer.submit(training_state(cfg, t, it), Path(cfg.OUTPUT_DIR) / ckpt.checkpoint_name(cur_iter))
+
+
+def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int,
+                             snapshot_period: int) -> None:
+    """Checkpoint the last finished iteration and wait (within the grace period) for its upload."""
+    deadline = time.monotonic() + cfg.TRAIN.PREEMPT_GRACE_S
+    if (cur_iter + 1) % snapshot_period != 0:  # not already saved by the loop
+        save_snapshot(cfg, t, ctx, tracker, cur_iter)
+    t.writer.close()
+    tracker.wait(max(0.0, deadline - time.monotonic() - 2.0))
+
+
+def log_final_model(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker) -> None:
+    if ctx.is_main and cfg.TRACKING.LOG_MODEL:
+        model = t.model.module if isinstance(t.model, DistributedDataParallel) else t.model
+        tracker.log_model(model.cpu().eval(), cfg)

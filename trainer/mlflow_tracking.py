@@ -1,0 +1,261 @@
+"""The MLflow implementation of the tracking interface (DESIGN.md's tracking contract).
+
+Only `start()` talks to the server synchronously (it must know the run before training starts);
+everything after goes through the background MetricSender and Uploader.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import torch
+import torchvision
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from trainer.background import MetricSender, Uploader
+from trainer.checkpoint import FINAL, iteration_of, sha256_of
+from trainer.config import Config, flatten, job_hash
+from trainer.errors import UserError
+from trainer.tracking import RunInfo, Tracker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+JOB_TAG = "tracktron.job"
+LATEST_TAG = "tracktron.ckpt.latest"
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+_SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "ACCESS_KEY", "CREDENTIAL")
+
+
+def sha_tag(name: str) -> str:
+    return f"tracktron.ckpt.{name}.sha256"
+
+
+def tracking_uri(cfg: Config) -> str:
+    return cfg.TRACKING.URI or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def experiment_name(cfg: Config) -> str:
+    return cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron"
+
+
+def checkpoints_of(run) -> list[str]:
+    """Complete checkpoints of a run (those whose sha256 tag was set), newest first."""
+    names = [k[len("tracktron.ckpt."):-len(".sha256")] for k in run.data.tags
+             if k.startswith("tracktron.ckpt.") and k.endswith(".sha256")]
+    return sorted(names, key=iteration_of, reverse=True)
+
+
+def safe_params(cfg: Config) -> dict[str, str]:
+    """The flattened config as params: secrets redacted, long values truncated."""
+    out = {}
+    for key, value in flatten(cfg.to_dict()).items():
+        text = str(value)
+        if any(w in key.upper() for w in _SECRET_WORDS):
+            text = "***"
+        out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
+    return out
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
+    tags = {
+        JOB_TAG: job_hash(cfg),
+        "tracktron.config_name": cfg.NAME,
+        "tracktron.torch": torch.__version__,
+        "tracktron.torchvision": torchvision.__version__,
+        "tracktron.cuda": torch.version.cuda or "none",
+        "tracktron.device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})",
+        "tracktron.world_size": str(world_size),
+    }
+    if commit := _git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+class MlflowTracker(Tracker):
+    def __init__(self, cfg: Config, world_size: int = 1):
+        # MLflow's own HTTP retries can block for minutes; ours run in the background instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        self.uri = tracking_uri(cfg)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.world_size = world_size
+        self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
+        self._skip_until = -1  # steps already logged by an earlier process of this run
+        self._sender: MetricSender | None = None
+        self._uploader = Uploader(_retryable)
+        self.run = RunInfo()
+
+    # ---- start: find or create the job's run ----
+
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> RunInfo:
+        try:
+            exp_id = self._experiment(experiment_name(cfg))
+            run = self._find_run(cfg, exp_id, resume_run_id, new_run)
+            if run is None:
+                run = self.client.create_run(exp_id, tags=_start_tags(cfg, self.world_size),
+                                             run_name=self._run_name(cfg))
+                resumed = False
+            else:
+                resumed = True
+                if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
+                    self.client.update_run(run.info.run_id, status="RUNNING")
+                self._skip_until = self._last_step(run.info.run_id)
+        except MlflowException as e:
+            raise UserError(f"tracking server {self.uri}: {_first_line(e)}") from None
+        except Exception as e:  # connection refused, DNS, TLS: nothing was written yet
+            raise UserError(f"cannot reach the tracking server at {self.uri}: {_first_line(e)}") from None
+        run_id = run.info.run_id
+        self.run = RunInfo(run_id, self._ui_url(exp_id, run_id), resumed, checkpoints_of(run))
+        self._sender = MetricSender(self._send_metrics)
+        self._log_params(cfg, run)
+        return self.run
+
+    def _experiment(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        return exp.experiment_id if exp else self.client.create_experiment(name)
+
+    def _find_run(self, cfg: Config, exp_id: str, resume_run_id: str | None, new_run: bool):
+        run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID")
+        if run_id:
+            try:
+                return self.client.get_run(run_id)
+            except MlflowException:
+                raise UserError(f"run {run_id} does not exist on {self.uri}") from None
+        if new_run or not cfg.TRAIN.AUTO_RESUME:
+            return None
+        runs = self.client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+        return runs[0] if runs else None
+
+    def _last_step(self, run_id: str) -> int:
+        history = self.client.get_metric_history(run_id, "loss")
+        return max((m.step for m in history), default=-1)
+
+    def _run_name(self, cfg: Config) -> str:
+        return cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def _ui_url(self, exp_id: str, run_id: str) -> str | None:
+        if self.uri.startswith(("http://", "https://")):
+            return f"{self.uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        return None
+
+    def _log_params(self, cfg: Config, run) -> None:
+        # A param cannot change value within a run: a restart on another machine (other paths)
+        # keeps the values the run started with.
+        params = {k: v for k, v in safe_params(cfg).items() if k not in run.data.params}
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            chunk = items[i:i + 100]
+            self._submit("params", lambda c=chunk: self.client.log_batch(self.run.run_id, params=c))
+
+    # ---- resume ----
+
+    def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
+        expected = self.client.get_run(self.run.run_id).data.tags.get(sha_tag(name))
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            path = Path(self.client.download_artifacts(self.run.run_id, f"checkpoints/{name}", str(dest_dir)))
+        except Exception as e:  # noqa: BLE001 - a missing or unreadable artifact: try an older one
+            log.warning("could not download checkpoint %s: %s", name, _first_line(e))
+            return None
+        if sha256_of(path) != expected:
+            log.warning("checkpoint %s from the tracking server does not match its sha256 tag; skipped", name)
+            path.unlink(missing_ok=True)
+            return None
+        return path
+
+    def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
+        try:
+            return Path(self.client.download_artifacts(self.run.run_id, name, str(dest_dir)))
+        except Exception:  # noqa: BLE001 - optional files (json_stats.log) may not exist yet
+            return None
+
+    # ---- during training: all queued ----
+
+    def log_params(self, params: dict) -> None:
+        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
+        self._submit("params", lambda: self.client.log_batch(self.run.run_id, params=items))
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        if step > self._skip_until:
+            self._sender.put(metrics, step)
+
+    def _send_metrics(self, points: list) -> None:
+        metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
+        self.client.log_batch(self.run.run_id, metrics=metrics, synchronous=True)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._submit(f"upload {path.name}", lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
+
+    def log_checkpoint(self, path: Path, sha256: str, on_done=None) -> None:
+        def upload():
+            self.client.log_artifact(self.run.run_id, str(path), "checkpoints")
+            # The tags say "complete": set only after the bytes are on the artifact store.
+            self.client.log_batch(self.run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
+                                                          RunTag(LATEST_TAG, path.name)])
+            if on_done:
+                on_done()
+
+        self._submit(f"upload checkpoint {path.name}", upload)
+
+    def log_model(self, model, cfg: Config) -> None:
+        def log():
+            mlflow.set_tracking_uri(self.uri)
+            with mlflow.start_run(run_id=self.run.run_id):
+                mlflow.pytorch.log_model(
+                    model, name="model", serialization_format="pickle",
+                    registered_model_name=cfg.TRACKING.REGISTERED_MODEL or None,
+                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                      f"torchvision=={torchvision.__version__.split('+')[0]}"])
+
+        self._submit("log the final model", log)
+
+    def wait(self, timeout: float) -> bool:
+        return self._uploader.wait(timeout)
+
+    def finish(self, status: str, reason: str = "") -> None:
+        if self.run.run_id is None:
+            self._uploader.close(0)
+            return
+        deadline = time.monotonic() + self.flush_timeout
+        if self._sender:
+            self._sender.close(self.flush_timeout)
+        tags = [RunTag("tracktron.status_reason", reason[:5000])] if reason else []
+        self._submit("set the run's status", lambda: (
+            tags and self.client.log_batch(self.run.run_id, tags=tags),
+            self.client.set_terminated(self.run.run_id, status)))
+        self._uploader.close(max(1.0, deadline - time.monotonic()))
+
+    def _submit(self, description: str, job) -> None:
+        self._uploader.submit(description, job)
+
+
+def _retryable(e: BaseException) -> bool:
+    """Retry what a server that is down or overloaded causes; a request it rejects is final."""
+    if isinstance(e, MlflowException):
+        status = e.get_http_status_code()
+        return status >= 500 or status == 429
+    return not isinstance(e, (TypeError, ValueError, KeyError, AttributeError))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+

@@ -1,0 +1,375 @@
+"""Detection models: torchvision's builders driven by MODEL.* keys, weight loading, model.txt.
+
+Two ways to build:
+- MODEL.BACKBONE '' (the default): torchvision's own builder for MODEL.TYPE, random init, so its
+  architecture is exactly torchvision's. MODEL.FPN_CHANNELS must then stay 256 (the builders hard-code
+  it) and MODEL.BACKBONE_WIDTH 1.0; ask for a BACKBONE to change either.
+- MODEL.BACKBONE resnet18/34/50/101 or mobilenet_v3_large: an FPN of FPN_CHANNELS on that network, and
+  the type's model class around it (tiny models for CPU tests and the demo). Mask and keypoint heads
+  then scale with the FPN: FPN_CHANNELS-wide mask convs, 2*FPN_CHANNELS-wide keypoint convs (at 256
+  that is torchvision's own). Default anchors: one size per level, 32*2**i (FCOS: 8*2**i). The
+  _v2 types get the same plain heads as v1 here (the model class defaults).
+
+On either: ANCHOR_SIZES (one base size per feature level; ratios 0.5, 1, 2; RetinaNet keeps its three
+octave scales per size and FCOS its single square anchor), REPRESENTATION_SIZE (R-CNN box head width;
+ignored by single-stage types) and TRAINABLE_BACKBONE_LAYERS. When TRAIN.WEIGHTS is set the network is
+prepared the way torchvision prepares a pretrained one: FrozenBatchNorm2d in the backbone (not in the
+_v2 types, which keep BatchNorm2d) and only the last 3 stages trainable unless
+TRAINABLE_BACKBONE_LAYERS says otherwise. Without weights everything trains.
+
+Nothing here downloads unless TRAIN.WEIGHTS names a torchvision weight.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+from torchvision.models import detection as tvd
+from torchvision.models.detection._utils import overwrite_eps
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.keypoint_rcnn import KeypointRCNNHeads, KeypointRCNNPredictor
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.rpn import RPNHead
+from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = (
+    "fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
+    "fasterrcnn_mobilenet_v3_large_320_fpn", "maskrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn_v2",
+    "keypointrcnn_resnet50_fpn", "retinanet_resnet50_fpn", "retinanet_resnet50_fpn_v2", "fcos_resnet50_fpn",
+    "ssdlite320_mobilenet_v3_large",
+)
+BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large")
+_CLASSES = {"fasterrcnn": tvd.FasterRCNN, "maskrcnn": tvd.MaskRCNN, "keypointrcnn": tvd.KeypointRCNN,
+            "retinanet": tvd.RetinaNet, "fcos": tvd.FCOS}
+_WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")
+
+
+def _family(model_type: str) -> str:
+    return model_type.split("_")[0]  # fasterrcnn, maskrcnn, keypointrcnn, retinanet, fcos, ssdlite320
+
+
+def _choice_error(what: str, value: str, valid) -> UserError:
+    close = difflib.get_close_matches(value, valid, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return UserError(f"unknown {what} {value!r}{hint}; valid: {', '.join(valid)}")
+
+
+# ---------------------------------------------------------------------------------------- building
+
+def build_model(cfg, num_classes: int, num_keypoints: int = 0) -> nn.Module:
+    """The MODEL.TYPE detector, randomly initialised; `num_classes` includes the background."""
+    m = cfg.MODEL
+    if m.TYPE not in MODEL_TYPES:
+        raise _choice_error("MODEL.TYPE", m.TYPE, MODEL_TYPES)
+    family = _family(m.TYPE)
+    n = m.NUM_CLASSES if m.NUM_CLASSES > 0 else num_classes
+    if n < 2:
+        raise UserError(f"the model needs >= 2 classes (background + objects), got {n}")
+    if family == "keypointrcnn" and num_keypoints <= 0:
+        raise UserError(f"{m.TYPE} needs the dataset's number of keypoints, got {num_keypoints}")
+    _check_keys(cfg, family)
+    if m.BACKBONE:
+        model = _build_custom(cfg, family, n, num_keypoints)
+    else:
+        builder = getattr(tvd, m.TYPE)
+        extra = {"num_keypoints": num_keypoints} if family == "keypointrcnn" else {}
+        model = builder(weights=None, weights_backbone=None, num_classes=n, **_size_kwargs(cfg, family), **extra)
+    if family != "ssdlite320":
+        _set_anchors(model, cfg, family)
+        _prepare_backbone(model, cfg)
+    if family.endswith("rcnn") and m.REPRESENTATION_SIZE != 1024 and not m.BACKBONE:
+        _set_box_head(model, m.REPRESENTATION_SIZE, n)
+    return model
+
+
+def _check_keys(cfg, family: str) -> None:
+    m = cfg.MODEL
+    if m.BACKBONE and m.BACKBONE not in BACKBONES:
+        raise _choice_error("MODEL.BACKBONE", m.BACKBONE, BACKBONES)
+    if family == "ssdlite320" and (m.BACKBONE or m.ANCHOR_SIZES or m.TRAINABLE_BACKBONE_LAYERS != -1):
+        raise UserError("MODEL.BACKBONE, ANCHOR_SIZES and TRAINABLE_BACKBONE_LAYERS do not apply to ssdlite")
+    if not m.BACKBONE and m.FPN_CHANNELS != 256:
+        raise UserError(f"MODEL.FPN_CHANNELS {m.FPN_CHANNELS} needs MODEL.BACKBONE set (torchvision's own "
+                        "builders use 256)")
+    if m.BACKBONE_WIDTH != 1.0 and m.BACKBONE != "mobilenet_v3_large":
+        raise UserError("MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only")
+    if m.FPN_CHANNELS <= 0 or m.REPRESENTATION_SIZE <= 0 or any(s <= 0 for s in m.ANCHOR_SIZES):
+        raise UserError("MODEL.FPN_CHANNELS, REPRESENTATION_SIZE and ANCHOR_SIZES must be positive")
+    if family == "fcos" and m.FPN_CHANNELS % 32:  # its head normalises with GroupNorm(32 groups)
+        raise UserError(f"fcos needs MODEL.FPN_CHANNELS a multiple of 32, got {m.FPN_CHANNELS}")
+
+
+def _size_kwargs(cfg, family: str) -> dict:
+    m = cfg.MODEL
+    if family == "ssdlite320":  # fixed 320x320 input: the scales do not apply
+        return {"detections_per_img": m.DETECTIONS_PER_IMAGE}
+    # A tuple of scales: GeneralizedRCNNTransform picks one at random per training batch, on the device.
+    kw = {"min_size": tuple(cfg.TRAIN.SCALES), "max_size": cfg.TRAIN.MAX_SIZE}
+    if not family.endswith("rcnn"):
+        return {**kw, "detections_per_img": m.DETECTIONS_PER_IMAGE}
+    return {**kw,
+            "rpn_pre_nms_top_n_train": m.RPN_PRE_NMS_TOP_N_TRAIN,
+            "rpn_post_nms_top_n_train": m.RPN_POST_NMS_TOP_N_TRAIN,
+            "rpn_pre_nms_top_n_test": m.RPN_PRE_NMS_TOP_N_TEST,
+            "rpn_post_nms_top_n_test": m.RPN_POST_NMS_TOP_N_TEST,
+            "rpn_batch_size_per_image": m.RPN_BATCH_SIZE_PER_IMAGE,
+            "box_batch_size_per_image": m.ROI_BATCH_SIZE_PER_IMAGE,
+            "box_detections_per_img": m.DETECTIONS_PER_IMAGE}
+
+
+def _build_custom(cfg, family: str, n: int, num_keypoints: int) -> nn.Module:
+    ch = cfg.MODEL.FPN_CHANNELS
+    backbone = _fpn_backbone(cfg.MODEL.BACKBONE, ch, cfg.MODEL.BACKBONE_WIDTH, single_stage=not family.endswith("rcnn"))
+    if not family.endswith("rcnn"):
+        return _CLASSES[family](backbone, num_classes=n, **_size_kwargs(cfg, family))
+    # R-CNN: we give the predictors, so the classes travel with them (num_classes=None, as torchvision asks).
+    width = cfg.MODEL.REPRESENTATION_SIZE
+    heads = {"box_head": TwoMLPHead(ch * 7 * 7, width), "box_predictor": FastRCNNPredictor(width, n)}
+    if family == "maskrcnn":
+        heads |= {"mask_head": MaskRCNNHeads(ch, (ch,) * 4, 1), "mask_predictor": MaskRCNNPredictor(ch, ch, n)}
+    elif family == "keypointrcnn":
+        heads |= {"keypoint_head": KeypointRCNNHeads(ch, (2 * ch,) * 8),
+                  "keypoint_predictor": KeypointRCNNPredictor(2 * ch, num_keypoints)}
+    return _CLASSES[family](backbone, num_classes=None, **_size_kwargs(cfg, family), **heads)
+
+
+def _fpn_backbone(name: str, channels: int, width: float, single_stage: bool) -> BackboneWithFPN:
+    # RetinaNet/FCOS: P3-P7 with P6/P7 from P5; R-CNN: P2-P6 (mobilenet: its last two stages + pool).
+    extra = LastLevelP6P7(channels, channels) if single_stage else LastLevelMaxPool()
+    if name == "mobilenet_v3_large":
+        features = torchvision.models.mobilenet_v3_large(weights=None, width_mult=width).features
+        stages = [i for i, b in enumerate(features) if getattr(b, "_is_cn", False)] + [len(features) - 1]
+        used = stages[-2:]  # like torchvision's _mobilenet_extractor
+        return BackboneWithFPN(features, {str(i): str(k) for k, i in enumerate(used)},
+                               [features[i].out_channels for i in used], channels, extra_blocks=extra)
+    net = getattr(torchvision.models, name)(weights=None)
+    layers = [2, 3, 4] if single_stage else [1, 2, 3, 4]
+    in_channels = [net.inplanes // 8 * 2 ** (i - 1) for i in layers]
+    return BackboneWithFPN(net, {f"layer{i}": str(k) for k, i in enumerate(layers)}, in_channels, channels,
+                           extra_blocks=extra)
+
+
+def _num_levels(backbone: BackboneWithFPN) -> int:
+    extra = {LastLevelMaxPool: 1, LastLevelP6P7: 2}.get(type(backbone.fpn.extra_blocks), 0)
+    return len(backbone.body.return_layers) + extra
+
+
+def _anchor_generator(sizes, family: str) -> AnchorGenerator:
+    if family == "fcos":  # FCOS takes exactly one square anchor per location
+        return AnchorGenerator(tuple((s,) for s in sizes), ((1.0,),) * len(sizes))
+    if family == "retinanet":  # three octave scales per level, as torchvision's default
+        per_level = tuple((s, int(s * 2 ** (1 / 3)), int(s * 2 ** (2 / 3))) for s in sizes)
+    else:
+        per_level = tuple((s,) for s in sizes)
+    return AnchorGenerator(per_level, ((0.5, 1.0, 2.0),) * len(sizes))
+
+
+def _set_anchors(model: nn.Module, cfg, family: str) -> None:
+    sizes, levels = list(cfg.MODEL.ANCHOR_SIZES), _num_levels(model.backbone)
+    if not sizes and not cfg.MODEL.BACKBONE:
+        return  # torchvision's own anchors already fit its own backbone
+    if sizes and len(sizes) != levels:
+        raise UserError(f"MODEL.ANCHOR_SIZES needs one size per feature map: {cfg.MODEL.TYPE} with "
+                        f"{cfg.MODEL.BACKBONE or 'its backbone'} has {levels}, got {len(sizes)}")
+    sizes = sizes or [(8 if family == "fcos" else 32) * 2 ** i for i in range(levels)]
+    generator = _anchor_generator(sizes, family)
+    if not family.endswith("rcnn"):
+        model.anchor_generator = generator  # anchors per location unchanged (9 / 1): heads still fit
+        return
+    rpn = model.rpn
+    rpn.anchor_generator = generator
+    count = generator.num_anchors_per_location()[0]
+    if rpn.head.cls_logits.out_channels != count:  # e.g. the mobilenet types' 15 anchors per location
+        rpn.head = RPNHead(model.backbone.out_channels, count, conv_depth=len(rpn.head.conv))
+
+
+def _set_box_head(model: nn.Module, width: int, n: int) -> None:
+    heads = model.roi_heads
+    if isinstance(heads.box_head, TwoMLPHead):
+        heads.box_head = TwoMLPHead(heads.box_head.fc6.in_features, width)
+    else:  # the _v2 conv head: keep its convs, resize its one fully-connected layer
+        i, fc = [(i, mod) for i, mod in enumerate(heads.box_head) if isinstance(mod, nn.Linear)][-1]
+        heads.box_head[i] = nn.Linear(fc.in_features, width)
+    heads.box_predictor = FastRCNNPredictor(width, n)
+
+
+def _prepare_backbone(model: nn.Module, cfg) -> None:
+    """Frozen BN and frozen early stages for pretrained weights, as torchvision's builders do."""
+    body, pretrained = model.backbone.body, bool(cfg.TRAIN.WEIGHTS)
+    if pretrained and not (cfg.MODEL.TYPE.endswith("_v2") and not cfg.MODEL.BACKBONE):
+        _freeze_batchnorm(body)
+    stages = _stages(body)
+    wanted = cfg.MODEL.TRAINABLE_BACKBONE_LAYERS
+    if wanted > len(stages):
+        raise UserError(f"MODEL.TRAINABLE_BACKBONE_LAYERS must be -1 or 0..{len(stages)} for this backbone, "
+                        f"got {wanted}")
+    trainable = wanted if wanted >= 0 else (3 if pretrained else len(stages))
+    frozen = [name for stage in stages[:len(stages) - trainable] for name in stage]
+    for name, p in body.named_parameters():
+        if name.split(".")[0] in frozen:
+            p.requires_grad_(False)
+
+
+def _stages(body: nn.Module) -> list[list[str]]:
+    """The body's top-level children grouped into stages, earliest first (torchvision's numbering)."""
+    if hasattr(body, "layer1"):  # resnet: stem (conv1 + bn1), layer1..layer4
+        return [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]]
+    names = [name for name, _ in body.named_children()]
+    starts = [0] + [i for i, b in enumerate(body.children()) if getattr(b, "_is_cn", False)] + [len(names) - 1]
+    return [names[a:b] for a, b in zip(starts, starts[1:] + [len(names)]) if a < b]
+
+
+def _freeze_batchnorm(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(child.num_features)  # torchvision's eps, as in its builders
+            for key in ("weight", "bias", "running_mean", "running_var"):
+                getattr(frozen, key).copy_(getattr(child, key).detach())
+            setattr(module, name, frozen)
+        else:
+            _freeze_batchnorm(child)
+
+
+def _transform(model: nn.Module):
+    return getattr(model, "module", model).transform  # DistributedDataParallel wraps the model
+
+
+def set_test_size(model: nn.Module, cfg) -> None:
+    """Evaluate at TEST.SCALE / TEST.MAX_SIZE (ssdlite's fixed 320 stays)."""
+    t = _transform(model)
+    if t.fixed_size is None:
+        t.min_size, t.max_size = (cfg.TEST.SCALE,), cfg.TEST.MAX_SIZE
+
+
+def set_train_size(model: nn.Module, cfg) -> None:
+    """Back to TRAIN.SCALES / TRAIN.MAX_SIZE after an evaluation during training."""
+    t = _transform(model)
+    if t.fixed_size is None:
+        t.min_size, t.max_size = tuple(cfg.TRAIN.SCALES), cfg.TRAIN.MAX_SIZE
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+@dataclass
+class LoadReport:
+    source: str
+    target: str  # "model" or "backbone.body"
+    loaded: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # shape differs from the model's (e.g. a class head)
+    missing: list = field(default_factory=list)  # the model's tensors the weights do not have
+    unexpected: list = field(default_factory=list)  # the weights' tensors the model does not have
+
+
+def load_weights(model: nn.Module, spec: str) -> LoadReport | None:
+    """Initialise from TRAIN.WEIGHTS: a checkpoint file or a torchvision weight name; '' = nothing.
+
+    Loads whatever fits: tensors of another shape are skipped, so COCO weights seed a model with
+    other classes. Weights that fit the backbone body better than the model (ImageNet) go there.
+    """
+    if not spec:
+        return None
+    model = getattr(model, "module", model)
+    state, weight = _read_weights(spec)
+    target, module, state = _pick_target(model, state)
+    own = module.state_dict()
+    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    kept = {k: v for k, v in state.items() if k not in skipped}
+    if not any(k in own for k in kept):
+        raise UserError(f"TRAIN.WEIGHTS {spec} has no tensor that fits {type(model).__name__} "
+                        f"(skipped for shape: {len(skipped)})")
+    result = module.load_state_dict(kept, strict=False)
+    missing = [k for k in result.missing_keys if k not in skipped]
+    report = LoadReport(spec, target, [k for k in own if k not in result.missing_keys], skipped, missing,
+                        list(result.unexpected_keys))
+    if weight is not None and weight in _zero_eps_weights():
+        overwrite_eps(model, 0.0)  # these legacy COCO weights were trained with eps 0, as torchvision does
+    _log_report(report)
+    return report
+
+
+def _read_weights(spec: str):
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _read_file(path), None
+    if not _WEIGHT_NAME.fullmatch(spec):
+        raise UserError(f"TRAIN.WEIGHTS {spec}: no such file (nor a torchvision weight name such as "
+                        "ResNet50_Weights.IMAGENET1K_V1)")
+    try:
+        weight = torchvision.models.get_weight(spec)
+    except (ValueError, KeyError, AttributeError):
+        raise UserError(f"TRAIN.WEIGHTS {spec}: unknown torchvision weight name") from None
+    try:
+        return weight.get_state_dict(progress=False, check_hash=True), weight
+    except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
+        raise UserError(f"TRAIN.WEIGHTS {spec}: download failed ({_first_line(e)}); fetch {weight.url} "
+                        "elsewhere and set TRAIN.WEIGHTS to the file's path") from None
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and format errors of every kind
+        raise UserError(f"TRAIN.WEIGHTS {path} is not a valid torch checkpoint ({_first_line(e)})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # our checkpoints: {'model': state_dict, 'optimizer': ..., ...}
+    state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
+    if not state:
+        raise UserError(f"TRAIN.WEIGHTS {path} holds no model weights (a state_dict or {{'model': state_dict}})")
+    if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def _pick_target(model: nn.Module, state: dict):
+    candidates = [("model", model, state)]
+    body = getattr(getattr(model, "backbone", None), "body", None)
+    if body is not None:  # classification weights: resnet keys as they are, mobilenet's without features.
+        candidates.append(("backbone.body", body, {k.removeprefix("features."): v for k, v in state.items()}))
+    return max(candidates, key=lambda c: len(c[1].state_dict().keys() & c[2].keys()))
+
+
+def _zero_eps_weights() -> set:
+    return {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
+            tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
+
+
+def _log_report(r: LoadReport) -> None:
+    log.info("weights %s: loaded %d tensors into %s", r.source, len(r.loaded), r.target)
+    if r.skipped:
+        log.warning("weights %s: skipped %d whose shape differs: %s", r.source, len(r.skipped), _short(r.skipped))
+    if r.missing:
+        log.info("weights %s: %d left initialised: %s", r.source, len(r.missing), _short(r.missing))
+    if r.unexpected:
+        log.info("weights %s: %d not in the model: %s", r.source, len(r.unexpected), _short(r.unexpected))
+
+
+def _short(keys: list, limit: int = 20) -> str:
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------- model.txt
+
+def describe_model(model: nn.Module) -> str:
+    """The module tree and parameter counts: the heir of Detectron's net.pbtxt."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{model}\n\nparameters: {total:,} total, {trainable:,} trainable\n"

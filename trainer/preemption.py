@@ -1,0 +1,51 @@
+"""SIGTERM/SIGINT handling: finish the iteration, checkpoint it, then stop.
+
+Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
+SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
+checks between iterations; a second one exits at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Raised by the engine after the preemption checkpoint is safe."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class PreemptionGuard:
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            os.write(2, b"second signal: exiting now\n")
+            os._exit(128 + signum)
+        self.signum = signum
+        log.warning("%s received: finishing this iteration, then checkpointing and stopping",
+                    signal.Signals(signum).name)

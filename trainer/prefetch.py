@@ -1,0 +1,104 @@
+"""Batches pulled ahead on a background thread and moved to the device, so the loop rarely waits.
+
+`qsize()` is Detectron's `mb_qsize`: how many ready minibatches wait for the training thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+
+import torch
+
+from trainer.errors import UserError
+
+
+class Prefetcher:
+    """Pulls batches on a background thread into a bounded queue, moved to `device` on the way."""
+
+    def __init__(self, batches, device=None, depth: int = 2):
+        self._source = batches
+        self._it = iter(batches)  # here, so loader workers fork before our thread exists
+        self._device = torch.device(device) if device is not None else None
+        self._queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._end = None  # the exception that ended the stream, raised again on every next()
+        self._thread = threading.Thread(target=self._run, name="prefetcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._put((True, _to_device(next(self._it), self._device)))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who re-raises it
+            self._put((False, _unwrap(e)))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():  # a timeout, so close() is never stuck behind a full queue
+            with contextlib.suppress(queue.Full):
+                self._queue.put(item, timeout=0.05)
+                return
+
+    def next(self):
+        while self._end is None:
+            if self._stop.is_set():
+                raise RuntimeError("Prefetcher is closed")
+            try:
+                ok, value = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if ok:
+                return value
+            self._end = value
+        raise self._end
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        """Stop the thread and the loader's worker processes; returns within about two seconds."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):  # free the ready batches (and pinned memory)
+            while True:
+                self._queue.get_nowait()
+        self._thread.join(timeout=0.5)
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # a DataLoader iterator
+        if shutdown is not None:
+            shutdown()
+            self._thread.join(timeout=1.0)  # the thread may have been waiting on a worker
+        if getattr(self._source, "_iterator", None) is self._it:  # persistent workers keep a reference
+            self._source._iterator = None
+        self._it = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _to_device(obj, device):
+    if device is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)  # the same tensor when already there
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """A UserError from a loader worker arrives with the worker's traceback; keep its one line."""
+    text = str(e)
+    if isinstance(e, UserError) and "Original Traceback" in text:
+        return type(e)(text.rstrip().splitlines()[-1].split(": ", 1)[-1])
+    return e

@@ -1,0 +1,159 @@
+"""SGD, Detectron's learning-rate policies and warm-up, gradient clipping.
+
+The policies reproduce Detectron's `detectron/utils/lr_policy.py` numerically, including its final
+`np.float32` cast, so a schedule here gives the same learning rate at every iteration as the
+Caffe2 original.
+
+Momentum: Detectron's Caffe2 MomentumSGDUpdate kept the learning rate inside the momentum buffer
+(v = m * v + lr * g; w -= v), so when the LR changed it rescaled the buffer by new_lr / old_lr
+(SOLVER.SCALE_MOMENTUM). PyTorch's SGD applies the LR outside the buffer (v = m * v + g;
+w -= lr * v), so a change of LR needs no correction and there is none here.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer.config import Config, ConfigError
+
+# --------------------------------------------------------------------------------------------- #
+# Learning-rate policies (Detectron's lr_func_*), before warm-up
+# --------------------------------------------------------------------------------------------- #
+
+
+def _step_index(s, it: int) -> int:
+    """Detectron's get_step_index: the last step of STEPS + [MAX_ITER] that `it` has reached."""
+    if not s.STEPS or s.STEPS[0] != 0:
+        raise ConfigError(f"SOLVER.STEPS must start at 0 (Detectron's convention), got {s.STEPS}")
+    steps = list(s.STEPS) + [s.MAX_ITER]
+    for ind, step in enumerate(steps):
+        if it < step:
+            return ind - 1
+    return len(steps) - 2  # past MAX_ITER Detectron's loop ends on the last index, minus one
+
+
+def _step(s, it: int) -> float:
+    return s.BASE_LR * s.GAMMA ** (it // s.STEP_SIZE)
+
+
+def _steps_with_decay(s, it: int) -> float:
+    return s.BASE_LR * s.GAMMA ** _step_index(s, it)
+
+
+def _steps_with_lrs(s, it: int) -> float:
+    return s.LRS[_step_index(s, it)]
+
+
+def _cosine_decay(s, it: int) -> float:
+    iter_frac = float(it) / s.MAX_ITER
+    return s.BASE_LR * (0.5 * (np.cos(np.pi * iter_frac) + 1))
+
+
+def _exp_decay(s, it: int) -> float:
+    # GAMMA is the ratio of the final to the initial learning rate
+    iter_frac = float(it) / s.MAX_ITER
+    return s.BASE_LR * np.exp(iter_frac * np.log(s.GAMMA))
+
+
+_POLICIES = {
+    "step": _step,
+    "steps_with_decay": _steps_with_decay,
+    "steps_with_lrs": _steps_with_lrs,
+    "cosine_decay": _cosine_decay,
+    "exp_decay": _exp_decay,
+}
+
+
+def _warm_up_factor(s, it: int) -> float:
+    if s.WARM_UP_METHOD == "constant":
+        return s.WARM_UP_FACTOR
+    if s.WARM_UP_METHOD == "linear":
+        alpha = it / s.WARM_UP_ITERS
+        return s.WARM_UP_FACTOR * (1 - alpha) + alpha
+    raise ConfigError(f"unknown SOLVER.WARM_UP_METHOD: {s.WARM_UP_METHOD!r}")
+
+
+def lr_at_iter(cfg: Config, it: int) -> float:
+    """Detectron's get_lr_at_iter: the policy's LR, times the warm-up factor while it < WARM_UP_ITERS."""
+    s = cfg.SOLVER
+    try:
+        policy = _POLICIES[s.LR_POLICY]
+    except KeyError:
+        raise ConfigError(f"unknown SOLVER.LR_POLICY: {s.LR_POLICY!r}") from None
+    lr = policy(s, it)
+    if it < s.WARM_UP_ITERS:
+        lr *= _warm_up_factor(s, it)
+    return float(np.float32(lr))  # Detectron returns np.float32; keep its rounding
+
+
+# --------------------------------------------------------------------------------------------- #
+# Optimizer, scheduler, clipping
+# --------------------------------------------------------------------------------------------- #
+
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # torchvision's FrozenBatchNorm2d and similar custom layers are not _NormBase subclasses
+    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def _split_decay(model: nn.Module) -> tuple[list, list]:
+    """Trainable parameters split into (decayed, not decayed: norm layers and biases)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        norm = _is_norm(module)
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:  # shared parameters go in one group only
+                continue
+            seen.add(id(p))
+            (no_decay if norm or name.endswith("bias") else decay).append(p)
+    return decay, no_decay
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.SGD:
+    """Momentum SGD at SOLVER.BASE_LR (the scheduler's factors are relative to it)."""
+    s = cfg.SOLVER
+    if s.NO_DECAY_NORM_AND_BIAS:
+        decay, no_decay = _split_decay(model)
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    return torch.optim.SGD(groups, lr=s.BASE_LR, momentum=s.MOMENTUM, weight_decay=s.WEIGHT_DECAY)
+
+
+def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose lr after k calls of .step() is lr_at_iter(cfg, k).
+
+    The factor is a plain function, so it is not saved in state_dict: a resumed job uses the
+    schedule of its own config and only the iteration count comes from the checkpoint.
+    """
+    base_lr = cfg.SOLVER.BASE_LR
+    lr_at_iter(cfg, 0)  # fail on a bad policy now, not at the first step
+    for group in optimizer.param_groups:
+        group["lr"] = base_lr
+        group["initial_lr"] = base_lr  # LambdaLR multiplies its factor with this
+
+    def factor(it: int) -> float:
+        return lr_at_iter(cfg, it) / base_lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> float | None:
+    """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM; return the norm before clipping.
+
+    With AMP the caller unscales the gradients first (GradScaler.unscale_).
+    """
+    max_norm = cfg.SOLVER.CLIP_GRAD_NORM
+    if max_norm <= 0:
+        return None
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))

@@ -1,0 +1,141 @@
+"""A tiny synthetic COCO-format dataset of coloured shapes, for tests and the demo (no network).
+
+Three categories (square, circle, triangle), boxes, polygon masks and 4 keypoints per shape (its
+top/right/bottom/left extreme points). Every fourth image is portrait, so aspect grouping sees two
+groups. Output is a pure function of the arguments: the same seed writes the same bytes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+from pycocotools import mask as mask_utils
+
+from trainer.errors import UserError
+
+ANNOTATIONS = "annotations.json"
+IMAGES = "images"
+SHAPES = ("square", "circle", "triangle")
+KEYPOINTS = ["top", "right", "bottom", "left"]
+SKELETON = [[1, 2], [2, 3], [3, 4], [4, 1]]  # 1-based, as COCO writes it
+
+
+def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128, seed: int = 0) -> Path:
+    """Write out_dir/images/*.png and out_dir/annotations.json unless out_dir already holds them."""
+    out = Path(out_dir)
+    if (out / ANNOTATIONS).is_file():
+        return out
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"{out} exists but holds no {ANNOTATIONS}; remove it or choose another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a hidden sibling and rename: a half-written dataset never looks complete.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write(tmp, num_images, image_size, seed)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    try:
+        os.rename(tmp, out)  # atomic; replaces an empty folder
+    except OSError:
+        if not (out / ANNOTATIONS).is_file():  # another process writing the same dataset won: fine
+            raise
+
+
+def _write(root: Path, num_images: int, image_size: int, seed: int) -> None:
+    (root / IMAGES).mkdir()
+    images, annotations = [], []
+    for i in range(num_images):
+        rng = np.random.default_rng([seed, i])
+        width, height = _image_size(i, image_size)
+        pixels, shapes = _draw_image(rng, width, height)
+        name = f"{i:06d}.png"
+        Image.fromarray(pixels).save(root / IMAGES / name, format="PNG", compress_level=1)
+        image_id = i + 1
+        images.append({"id": image_id, "file_name": name, "width": width, "height": height})
+        for category, polygon, keypoints in shapes:
+            annotations.append(_annotation(len(annotations) + 1, image_id, category, polygon, keypoints,
+                                           width, height))
+    categories = [{"id": k + 1, "name": name, "supercategory": "shape", "keypoints": KEYPOINTS,
+                   "skeleton": SKELETON} for k, name in enumerate(SHAPES)]
+    data = {"info": {"description": f"synthetic shapes, seed {seed}"}, "images": images,
+            "annotations": annotations, "categories": categories}
+    (root / ANNOTATIONS).write_text(json.dumps(data))
+
+
+def _image_size(i: int, size: int) -> tuple[int, int]:
+    if i % 4 == 3:  # portrait (w < h), a second aspect group
+        return round(size * 7 / 8), round(size * 5 / 4)
+    return size, size
+
+
+def _draw_image(rng, width: int, height: int):
+    base = rng.integers(30, 100)
+    noise = rng.normal(0, 8, size=(height, width, 3))
+    pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    draw = ImageDraw.Draw(image)
+    boxes, shapes = [], []
+    max_size = max(12, min(60, min(width, height) // 2))
+    for _ in range(int(rng.integers(1, 5))):
+        placed = _place(rng, boxes, width, height, max_size)
+        if placed is None:
+            continue
+        category = int(rng.integers(0, len(SHAPES)))
+        polygon, keypoints = _geometry(SHAPES[category], *placed)
+        color = tuple(int(c) for c in rng.integers(110, 256, size=3))
+        draw.polygon([tuple(p) for p in polygon], fill=color)
+        shapes.append((category + 1, polygon, keypoints))
+    return np.asarray(image), shapes
+
+
+def _place(rng, boxes: list, width: int, height: int, max_size: int):
+    """A centre and half-size whose box keeps clear of the shapes already drawn (occlusion-free masks)."""
+    for _ in range(20):
+        half = int(rng.integers(6, max_size // 2 + 1))
+        cx = int(rng.integers(half + 1, width - half - 1))
+        cy = int(rng.integers(half + 1, height - half - 1))
+        box = (cx - half - 2, cy - half - 2, cx + half + 2, cy + half + 2)
+        if all(box[2] < b[0] or b[2] < box[0] or box[3] < b[1] or b[3] < box[1] for b in boxes):
+            boxes.append(box)
+            return cx, cy, half
+    return None
+
+
+def _geometry(shape: str, cx: int, cy: int, h: int):
+    """Polygon vertices and the top/right/bottom/left keypoints."""
+    if shape == "square":
+        polygon = [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
+        keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
+    elif shape == "circle":
+        angles = [2 * math.pi * k / 24 for k in range(24)]
+        polygon = [(round(cx + h * math.cos(a), 2), round(cy + h * math.sin(a), 2)) for a in angles]
+        keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
+    else:
+        polygon = [(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
+        keypoints = [(cx, cy - h), (cx + h, cy + h), (cx, cy + h), (cx - h, cy + h)]
+    return polygon, keypoints
+
+
+def _annotation(ann_id, image_id, category, polygon, keypoints, width, height) -> dict:
+    flat = [float(v) for p in polygon for v in p]
+    xs, ys = flat[0::2], flat[1::2]
+    rle = mask_utils.merge(mask_utils.frPyObjects([flat], height, width))
+    return {
+        "id": ann_id, "image_id": image_id, "category_id": category,
+        "bbox": [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)],
+        "area": float(mask_utils.area(rle)), "iscrowd": 0, "segmentation": [flat],
+        "keypoints": [float(v) for x, y in keypoints for v in (x, y, 2)],
+        "num_keypoints": len(keypoints),
+    }
