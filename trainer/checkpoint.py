@@ -174,11 +174,13 @@ class CheckpointWriter:
         self._queue.join()
         self._raise_pending()
 
-    def close(self) -> None:
-        self._queue.join()
-        self._queue.put(None)
-        self._thread.join()
-        self._raise_pending()
+    def close(self, raise_errors: bool = True) -> None:
+        if self._thread.is_alive():
+            self._queue.join()
+            self._queue.put(None)
+            self._thread.join()
+        if raise_errors:
+            self._raise_pending()
 
     def _raise_pending(self) -> None:
         if self._error is not None:

@@ -79,7 +79,7 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
             for cur_iter in range(start.iteration, cfg.SOLVER.MAX_ITER):
                 losses = run_iteration(cfg, t, ctx, tracker, cur_iter)
                 check_finite(losses, cur_iter)
-                if (cur_iter + 1) % snapshot_period == 0 and cur_iter > start.iteration:
+                if is_snapshot_iter(cfg, cur_iter, start.iteration, snapshot_period):
                     save_snapshot(cfg, t, ctx, tracker, cur_iter)
                 t.stats.maybe_reset_timer(cur_iter)
                 if any_rank(ctx, guard.requested):
@@ -88,11 +88,17 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
             t.writer.close()
             log_final_model(cfg, t, ctx, tracker)
     except Preempted:
-        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, snapshot_period)
+        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period)
         raise
     finally:
         t.batches.close()  # loader workers never outlive the loop
+        t.writer.close(raise_errors=False)  # a checkpoint being written is finished, not torn
     return None
+
+
+def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -> bool:
+    """Detectron's rule; the last iteration is left to model_final (the same bytes)."""
+    return (cur_iter + 1) % period == 0 and cur_iter > start_iter and cur_iter < cfg.SOLVER.MAX_ITER - 1
 
 
 # ---- start: seed, resume point, model ----
@@ -171,10 +177,17 @@ def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output
         restore_training_state(start.state, optimizer, scheduler, scaler)
     stats = TrainingStats(cfg, start.iteration, output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
-    on_saved = (lambda path, digest: tracker.log_checkpoint(
-        path, digest, on_done=lambda: ckpt.prune(output_dir, cfg.TRAIN.CHECKPOINTS_KEEP)))
-    writer = ckpt.CheckpointWriter(on_saved if ctx.is_main else None)
+    writer = ckpt.CheckpointWriter(checkpoint_saved(cfg, tracker, output_dir) if ctx.is_main else None)
     return Trainer(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
+
+
+def checkpoint_saved(cfg: Config, tracker: Tracker, output_dir: Path):
+    """After a checkpoint file is complete: upload it (then prune older local ones) and the stats."""
+    def on_saved(path: Path, digest: str) -> None:
+        tracker.log_checkpoint(path, digest, on_done=lambda: ckpt.prune(output_dir, cfg.TRAIN.CHECKPOINTS_KEEP))
+        tracker.log_artifact(output_dir / "json_stats.log")
+
+    return on_saved
 
 
 def write_run_files(cfg: Config, tracker: Tracker, output_dir: Path, model: torch.nn.Module) -> None:
@@ -260,10 +273,10 @@ def save_snapshot(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_i
 
 
 def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int,
-                             snapshot_period: int) -> None:
+                             start_iter: int, snapshot_period: int) -> None:
     """Checkpoint the last finished iteration and wait (within the grace period) for its upload."""
     deadline = time.monotonic() + cfg.TRAIN.PREEMPT_GRACE_S
-    if (cur_iter + 1) % snapshot_period != 0:  # not already saved by the loop
+    if not is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):  # not saved by the loop
         save_snapshot(cfg, t, ctx, tracker, cur_iter)
     t.writer.close()
     tracker.wait(max(0.0, deadline - time.monotonic() - 2.0))

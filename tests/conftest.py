@@ -1,0 +1,64 @@
+"""Shared fixtures: the synthetic dataset (made once), a trainer runner, real servers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """DATA_DIR with synth_shapes_train/val, generated once for the whole session."""
+    from trainer.data import resolve_dataset
+    from trainer.config import load_config
+
+    path = tmp_path_factory.mktemp("datasets")
+    cfg = load_config(DEMO, ["DATA_DIR", str(path)])
+    for name in ("synth_shapes_train", "synth_shapes_val"):
+        resolve_dataset(cfg, name)  # generates on first use
+    return path
+
+
+def demo_overrides(tmp: Path, data_dir: Path, **keys) -> list[str]:
+    """The demo config, shrunk for tests: a few iterations, frequent logs and checkpoints."""
+    base = {"OUTPUT_DIR": str(tmp / "output"), "DATA_DIR": str(data_dir), "SOLVER.MAX_ITER": 8,
+            "TRAIN.SNAPSHOT_ITERS": 3, "LOG_PERIOD": 4, "DATA_LOADER.NUM_THREADS": 0,
+            "TRAIN.IMS_PER_BATCH": 2}
+    base.update(keys)
+    return [str(x) for kv in base.items() for x in kv]
+
+
+def trainer_cmd(*args: str, config: Path = DEMO) -> list[str]:
+    return [sys.executable, "-m", "trainer", "train", "--config", str(config), *args]
+
+
+def run_trainer(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 300,
+                config: Path = DEMO) -> subprocess.CompletedProcess:
+    return subprocess.run(trainer_cmd(*args, config=config), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    from tests.servers import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, s3_server):
+    """`mlflow server` (sqlite) whose artifacts go to moto's S3, proxied through the server."""
+    from tests.servers import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), artifacts=f"s3://{s3_server.bucket}/proxied",
+                          env=s3_server.env).start()
+    yield server
+    server.stop()

@@ -1,0 +1,270 @@
+"""trainer.evaluation: COCO results, metrics equal to pycocotools', tiny models, runs:/ weights, torchrun.
+
+Also runnable as a script: `torchrun --nproc_per_node 2 tests/test_evaluation.py ...` is the worker
+of the distributed test.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the torchrun worker runs this file as a script
+
+from trainer import config  # noqa: E402
+from trainer.data import CocoDetection, build_test_loader  # noqa: E402
+from trainer.distributed import Context  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
+from trainer.evaluation import (coco_evaluate, eval_command, evaluate, evaluate_during_training,  # noqa: E402
+                                format_metrics, iou_types_for, per_category_table, run_cocoeval,
+                                run_inference)
+from trainer.models import build_model  # noqa: E402
+from trainer.synth import write_synthetic_dataset  # noqa: E402
+from trainer.tracking import Tracker  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools
+              pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]  # torchvision 0.29
+
+TINY = {"BACKBONE": "mobilenet_v3_large", "BACKBONE_WIDTH": 0.5, "FPN_CHANNELS": 32, "ANCHOR_SIZES": [16, 32, 64],
+        "REPRESENTATION_SIZE": 64, "RPN_PRE_NMS_TOP_N_TEST": 50, "RPN_POST_NMS_TOP_N_TEST": 20,
+        "DETECTIONS_PER_IMAGE": 20}
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    return write_synthetic_dataset(tmp_path_factory.mktemp("eval") / "shapes", num_images=12, image_size=96, seed=3)
+
+
+def make_cfg(dataset: Path, model_type="fasterrcnn_resnet50_fpn", **keys) -> config.Config:
+    cfg = config.defaults()
+    config.merge(cfg, {"MODEL": {"TYPE": model_type, **TINY}, "TRAIN": {"SCALES": [64], "MAX_SIZE": 96},
+                       "TEST": {"DATASETS": [str(dataset)], "SCALE": 80, "MAX_SIZE": 120, "IMS_PER_BATCH": 4},
+                       "DATA_LOADER": {"NUM_THREADS": 0}})
+    config.merge(cfg, keys)
+    return cfg
+
+
+class Oracle(torch.nn.Module):
+    """Answers each image with its ground truth, in torchvision's output format, in dataset order."""
+
+    def __init__(self, dataset: CocoDetection):
+        super().__init__()
+        self.answers = []
+        for i in range(len(dataset)):
+            _, t = dataset[i]
+            out = {"boxes": t["boxes"], "labels": t["labels"], "scores": torch.ones(len(t["labels"]))}
+            if "masks" in t:
+                out["masks"] = t["masks"][:, None].float()
+            if "keypoints" in t:
+                out["keypoints"] = t["keypoints"]
+            self.answers.append(out)
+
+    def forward(self, images):
+        answers, self.answers = self.answers[:len(images)], self.answers[len(images):]
+        return answers
+
+
+class Recorder(Tracker):
+    def __init__(self):
+        self.metrics, self.artifacts = [], []
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((Path(path).name, artifact_path))
+
+
+def test_iou_types():
+    assert iou_types_for("fasterrcnn_resnet50_fpn") == ["bbox"]
+    assert iou_types_for("maskrcnn_resnet50_fpn_v2") == ["bbox", "segm"]
+    assert iou_types_for("keypointrcnn_resnet50_fpn") == ["bbox", "keypoints"]
+    assert iou_types_for("retinanet_resnet50_fpn") == ["bbox"]
+
+
+def test_ground_truth_as_detections_scores_one(shapes):
+    gt = CocoDetection(shapes / "images", shapes / "annotations.json", train=False, masks=True, keypoints=True)
+    loader, _ = build_test_loader(make_cfg(shapes), str(shapes))
+    results = run_inference(Oracle(gt), loader, gt, torch.device("cpu"))
+    assert len(results) == len(gt.coco.anns) and {r["score"] for r in results} == {1.0}
+    json.dumps(results)  # RLE counts are str, everything serialises
+    metrics = coco_evaluate(gt.coco, results, ["bbox", "segm", "keypoints"])
+    for iou_type in ("bbox", "segm", "keypoints"):
+        assert metrics[f"{iou_type}/AP"] == pytest.approx(1.0)
+        assert metrics[f"{iou_type}/AP50"] == pytest.approx(1.0)
+    assert all(v == pytest.approx(1.0) for v in metrics.values())
+    assert "bbox/APl" not in metrics  # no large shape: undefined (-1) stats are dropped
+
+
+def _handmade(coco: COCO) -> list[dict]:
+    """Shifted, rescored, relabelled and spurious boxes: every branch of the matching."""
+    rng = np.random.default_rng(0)
+    results = []
+    for ann in coco.anns.values():
+        x, y, w, h = ann["bbox"]
+        shift = rng.uniform(-0.3, 0.3, 2) * (w, h)
+        cat = ann["category_id"] if rng.random() > 0.2 else ann["category_id"] % 3 + 1
+        results.append({"image_id": ann["image_id"], "category_id": cat, "score": float(rng.random()),
+                        "bbox": [x + shift[0], y + shift[1], w, h]})
+        results.append({"image_id": ann["image_id"], "category_id": 1, "score": float(rng.random()) / 2,
+                        "bbox": [float(v) for v in rng.uniform(0, 60, 4)]})
+    return results
+
+
+def test_metrics_equal_pycocotools_own(shapes):
+    coco = CocoDetection(shapes / "images", shapes / "annotations.json", train=False).coco
+    results = _handmade(coco)
+    ours = coco_evaluate(coco, results, ["bbox"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        ev = COCOeval(coco, coco.loadRes(json.loads(json.dumps(results))), "bbox")
+        ev.evaluate(), ev.accumulate(), ev.summarize()
+    names = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+    expected = {f"bbox/{n}": float(v) for n, v in zip(names, ev.stats) if v >= 0}
+    assert ours == pytest.approx(expected) and 0 < ours["bbox/AP"] < 1
+    table = per_category_table(run_cocoeval(coco, results, "bbox"))
+    assert table.startswith("| category | AP | AP50 | instances |") and "| square |" in table
+
+
+def test_empty_results_give_zeros(shapes):
+    coco = CocoDetection(shapes / "images", shapes / "annotations.json", train=False).coco
+    metrics = coco_evaluate(coco, [], ["bbox", "segm", "keypoints"])
+    assert metrics["bbox/AP"] == metrics["segm/AP"] == metrics["keypoints/AP"] == 0.0
+    assert set(v for v in metrics.values()) == {0.0}
+    # Boxes only (a Faster R-CNN) evaluated for segm too: zeros, no crash.
+    assert coco_evaluate(coco, _handmade(coco), ["segm"])["segm/AP"] == 0.0
+
+
+@pytest.mark.parametrize("model_type, iou_type", [("maskrcnn_resnet50_fpn", "segm"),
+                                                  ("keypointrcnn_resnet50_fpn", "keypoints")])
+def test_tiny_models_evaluate_and_training_is_unchanged(shapes, tmp_path, model_type, iou_type):
+    cfg = make_cfg(shapes, model_type)
+    torch.manual_seed(0)
+    model = build_model(cfg, num_classes=4, num_keypoints=4).train()
+    rng_before = torch.get_rng_state()
+    tracker = Recorder()
+    metrics = evaluate(cfg, model, Context(), tmp_path, tracker, step=7)
+    assert {"bbox/AP", "bbox/AP50", f"{iou_type}/AP", f"{iou_type}/AP50"} <= set(metrics)
+    assert tracker.metrics == [(7, metrics)]
+    assert sorted(tracker.artifacts) == [("detections.json", "eval/shapes"), ("per_category_ap.md", "eval/shapes")]
+    detections = json.loads((tmp_path / "eval" / "shapes" / "detections.json").read_text())
+    if detections:
+        assert ("segmentation" if iou_type == "segm" else "keypoints") in detections[0]
+    # Training goes on as if nothing happened: mode, input size, RNG, autograd.
+    assert model.training and model.transform.min_size == (64,) and model.transform.max_size == 96
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    gt = CocoDetection(shapes / "images", shapes / "annotations.json", train=True, masks=True, keypoints=True)
+    images, targets = zip(*(gt[i] for i in range(2)))
+    losses = model(list(images), list(targets))
+    sum(losses.values()).backward()
+
+
+def test_hook_runs_on_the_period_and_after_the_final_model(shapes, tmp_path, monkeypatch):
+    cfg = make_cfg(shapes, SOLVER={"MAX_ITER": 10}, TEST={"EVAL_PERIOD": 4})
+    calls = []
+    monkeypatch.setattr("trainer.evaluation.evaluate", lambda *a, step=None: calls.append(step) or {})
+    for it in range(10):
+        evaluate_during_training(cfg, None, Context(), tmp_path, Tracker(), it)
+    evaluate_during_training(cfg, None, Context(), tmp_path, Tracker(), 9, final=True)
+    assert calls == [3, 7, 9]
+
+
+def test_several_datasets_prefix_all_but_the_first(shapes, tmp_path):
+    other = write_synthetic_dataset(tmp_path / "other", num_images=4, image_size=64, seed=5)
+    cfg = make_cfg(shapes)
+    cfg.TEST["DATASETS"] = [str(shapes), str(other)]
+    torch.manual_seed(0)
+    metrics = evaluate(cfg, build_model(cfg, 4), Context(), tmp_path)
+    assert "bbox/AP" in metrics and "other/bbox/AP" in metrics and "shapes/bbox/AP" not in metrics
+    assert (tmp_path / "eval" / "other" / "per_category_ap.md").is_file()
+    assert "| other/bbox |" in format_metrics(metrics)
+
+
+def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data_dir):
+    from mlflow import MlflowClient
+
+    from tests.conftest import demo_overrides, run_trainer
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 20, "TRAIN.SNAPSHOT_ITERS": 100,
+                                                 "TRACKING.URI": uri, "TRACKING.REGISTERED_MODEL": "demo_eval"})
+    done = run_trainer(args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    run_id = run.info.run_id
+
+    cfg = config.load_config(ROOT / "configs" / "demo.yaml",
+                             ["DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "eval_out"), "TRACKING.URI", uri])
+    metrics = eval_command(cfg, f"runs:/{run_id}/checkpoints/model_final.pth")
+    assert 0.0 <= metrics["bbox/AP"] <= 1.0
+    (logged,) = client.get_metric_history(run_id, "bbox/AP")
+    assert logged.step == 19 and logged.value == pytest.approx(metrics["bbox/AP"])
+    assert {f.path for f in client.list_artifacts(run_id, "eval/synth_shapes_val")} == {
+        "eval/synth_shapes_val/detections.json", "eval/synth_shapes_val/per_category_ap.md"}
+
+    # The registered model and the local checkpoint give the same numbers.
+    assert eval_command(cfg, "models:/demo_eval/1") == pytest.approx(metrics)
+    assert eval_command(cfg, str(tmp_path / "output" / "model_final.pth")) == pytest.approx(metrics)
+
+    with pytest.raises(UserError, match="cannot fetch runs:/0123456789abcdef") as e:
+        eval_command(cfg, "runs:/0123456789abcdef/checkpoints/model_final.pth")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="cannot fetch"):
+        eval_command(cfg, f"runs:/{run_id}/checkpoints/model_iter999.pth")
+
+
+def test_weights_of_another_model_are_refused(shapes, tmp_path):
+    cfg = make_cfg(shapes)
+    path = tmp_path / "other.pth"
+    torch.save({"model": build_model(cfg, num_classes=7).state_dict(), "iteration": 3}, path)
+    with pytest.raises(UserError, match="do not fit"):
+        eval_command(cfg, str(path))
+
+
+# ---- torchrun: every rank infers its shard, rank 0 gets them all ----
+
+def test_distributed_evaluation_equals_single_process(shapes, tmp_path):
+    cfg = make_cfg(shapes, TEST={"IMS_PER_BATCH": 1})  # batch of one: padding cannot differ between runs
+    torch.manual_seed(0)
+    model = build_model(cfg, num_classes=4)
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    single = evaluate(cfg, model, Context(), tmp_path / "single")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           __file__, str(shapes), str(tmp_path / "w.pth"), str(tmp_path / "dist")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    per_rank = [json.loads((tmp_path / "dist" / f"metrics{r}.json").read_text()) for r in range(2)]
+    assert per_rank[0] == per_rank[1] == pytest.approx(single)
+    key = lambda d: (d["image_id"], -d["score"])  # noqa: E731
+    ours = sorted(json.loads((tmp_path / "dist" / "eval" / "shapes" / "detections.json").read_text()), key=key)
+    theirs = sorted(json.loads((tmp_path / "single" / "eval" / "shapes" / "detections.json").read_text()), key=key)
+    assert [d["image_id"] for d in ours] == [d["image_id"] for d in theirs]
+    assert len({d["image_id"] for d in ours}) > 6  # both shards are there
+
+
+def _distributed_main(dataset: str, weights: str, out: str) -> None:
+    from trainer import distributed
+
+    ctx = distributed.setup()
+    cfg = make_cfg(Path(dataset), TEST={"IMS_PER_BATCH": 1})
+    model = build_model(cfg, num_classes=4)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    metrics = evaluate(cfg, model, ctx, out)
+    Path(out, f"metrics{ctx.rank}.json").write_text(json.dumps(metrics))
+    distributed.teardown(ctx)
+
+
+if __name__ == "__main__":
+    _distributed_main(*sys.argv[1:4])

@@ -1,0 +1,128 @@
+"""The trainer end to end, as a user runs it: real processes, real files, the embedded sqlite store."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.conftest import demo_overrides, run_trainer, trainer_cmd
+from trainer import checkpoint as ckpt
+from trainer.engine import NonFiniteLoss, check_finite
+
+
+def json_stats(output):
+    return [json.loads(line) for line in (output / "json_stats.log").read_text().splitlines()]
+
+
+def test_demo_job_trains_checkpoints_and_a_rerun_has_nothing_to_do(tmp_path, data_dir):
+    args = demo_overrides(tmp_path, data_dir)
+    first = run_trainer(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "output"
+    # SNAPSHOT_ITERS 3: after iterations 2 and 5 (Detectron's zero-based names); 7 is the final one.
+    assert sorted(p.name for p in out.glob("*.pth")) == ["model_final.pth", "model_iter2.pth", "model_iter5.pth"]
+    assert [e["iter"] for e in json_stats(out)] == [0, 4, 7]
+    assert "json_stats: {" in first.stdout
+    assert "parameters:" in (out / "model.txt").read_text()
+    final = ckpt.load(out / "model_final.pth")
+    assert final["iteration"] == 7 and final["sampler"]["next_iter"] == 8
+    assert set(final) >= {"model", "optimizer", "scheduler", "scaler", "config", "rng"}
+    assert (tmp_path / "mlflow.db").exists()  # the embedded default tracking store
+
+    stamp = (out / "model_final.pth").stat().st_mtime_ns
+    again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to do" in again.stdout
+    assert (out / "model_final.pth").stat().st_mtime_ns == stamp
+
+
+def _kill_after(cmd, cwd, marker, timeout=240):
+    """Start the trainer, SIGKILL it as soon as `marker` exists (a complete checkpoint)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, "the trainer ended before the checkpoint to kill it at"
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def final_weights(output):
+    return ckpt.load(output / "model_final.pth")["model"]
+
+
+def test_killed_job_resumes_to_bit_identical_weights(tmp_path, data_dir):
+    keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 14, "TRAIN.SNAPSHOT_ITERS": 4,
+                                         "TRACKING.ENABLED": "false", "DATA_LOADER.NUM_THREADS": 1})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys), cwd=tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+
+    args = demo_overrides(tmp_path / "b", data_dir, **keys)
+    out = tmp_path / "b" / "output"
+    _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter3.pth")
+    assert not (out / "model_final.pth").exists()
+    resumed = run_trainer(args, cwd=tmp_path / "b")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr
+
+    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    iters = [e["iter"] for e in json_stats(out)]
+    assert iters == sorted(set(iters)) == [e["iter"] for e in json_stats(tmp_path / "a" / "output")]
+
+
+def test_partial_newest_checkpoint_is_skipped(tmp_path, data_dir):
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRACKING.ENABLED": "false"})
+    out = tmp_path / "output"
+    _kill_after(trainer_cmd(*args), tmp_path, out / "model_iter2.pth")
+    good = (out / "model_iter2.pth").read_bytes()
+    (out / "model_iter9.pth").write_bytes(good[: len(good) // 2])  # a torn, newer-looking file
+    resumed = run_trainer(args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "skipping unusable checkpoint" in resumed.stderr
+    assert "at iteration 3" in resumed.stderr
+
+
+def test_nan_loss_stops_the_job_naming_iteration_and_terms(tmp_path, data_dir):
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.BASE_LR": 1e6, "SOLVER.WARM_UP_ITERS": 0,
+                                                 "SOLVER.MAX_ITER": 30, "TRAIN.SNAPSHOT_ITERS": 100,
+                                                 "TRACKING.ENABLED": "false"})
+    result = run_trainer(args, cwd=tmp_path)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: loss is nan at iteration") or last.startswith("error: loss is inf")
+    assert "loss_classifier=" in last
+    assert not list((tmp_path / "output").glob("*.pth"))  # no NaN weights saved
+
+
+def test_check_finite_accepts_numbers_and_rejects_nan_and_inf():
+    check_finite({"loss": 1.5, "loss_box_reg": 0.5}, 3)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteLoss, match="at iteration 3"):
+            check_finite({"loss": bad}, 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["SOLVER.BASE_LRR", "0.1"], "error: unknown config key SOLVER.BASE_LRR (did you mean SOLVER.BASE_LR?)"),
+    (["TRAIN.DATASETS", "('coco_2071_train',)"], "error: unknown dataset 'coco_2071_train' (did you mean coco_2017_train?)"),
+    (["MODEL.TYPE", "fasterrcnn_resnet51_fpn"], "error: unknown MODEL.TYPE"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, data_dir, args, message):
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.ENABLED": "false"}) + args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_config_file_is_exit_2(tmp_path):
+    result = subprocess.run(trainer_cmd(config=tmp_path / "nope.yaml"), cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"

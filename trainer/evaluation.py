@@ -1,0 +1,404 @@
+"""COCO evaluation: inference to COCO results json, pycocotools metrics, tracking, `tracktron eval`.
+
+    evaluate(cfg, model, ctx, output_dir, tracker, step)   every TEST.DATASETS entry:
+        build_test_loader -> set_test_size -> run_inference (each rank its shard, gathered on rank 0)
+        -> eval/<dataset>/detections.json, per_category_ap.md -> COCOeval -> tracker (rank 0)
+
+Metrics are COCOeval's stats (0..1) named `bbox/AP`, `bbox/AP50`, ... `segm/...`, `keypoints/...`.
+A stat COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` when
+there is no large object) is dropped rather than logged as -1, which would read as a score.
+With several TEST.DATASETS the first keeps the plain names (DESIGN.md's `bbox/AP`) and the others
+are prefixed with their name: `<dataset>/bbox/AP`.
+
+mlflow is imported only by the functions that need it (the engine imports this module).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from trainer.checkpoint import capture_rng, restore_rng
+from trainer.data import CocoDetection, build_test_loader, resolve_dataset
+from trainer.distributed import Context, broadcast_object
+from trainer.errors import UserError
+from trainer.models import build_model, load_weights, set_test_size
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+STAT_NAMES = {
+    "bbox": ("AP", "AP50", "AP75", "APs", "APm", "APl"),
+    "segm": ("AP", "AP50", "AP75", "APs", "APm", "APl"),
+    "keypoints": ("AP", "AP50", "AP75", "APm", "APl"),
+}
+# Which field a result needs to count for an iou type.
+_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
+# COCOeval's default sigmas are the 17 COCO person keypoints; other skeletons get their mean for
+# every point (as hard to place as an average COCO keypoint).
+_COCO_SIGMAS = np.array([.26, .25, .25, .35, .35, .79, .79, .72, .72, .62, .62, 1.07, 1.07, .87, .87,
+                         .89, .89]) / 10.0
+
+
+def iou_types_for(model_type: str) -> list[str]:
+    family = model_type.split("_")[0]
+    return ["bbox"] + (["segm"] if family == "maskrcnn" else []) + (["keypoints"] if family == "keypointrcnn" else [])
+
+
+# ---------------------------------------------------------------------------------------- inference
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """Eval mode for a while; train mode, input size and RNG states come back exactly as they were,
+    so an evaluation in the middle of training changes nothing the training sees."""
+    net = getattr(model, "module", model)
+    transform = getattr(net, "transform", None)
+    sizes = (transform.min_size, transform.max_size) if transform is not None else None
+    was_training, rng = net.training, capture_rng()
+    net.eval()
+    try:
+        yield net
+    finally:
+        net.train(was_training)
+        if sizes is not None:
+            transform.min_size, transform.max_size = sizes
+        restore_rng(rng)
+
+
+def run_inference(model, loader, dataset, device, ctx: Context | None = None) -> list[dict]:
+    """COCO results of the loader's images (this rank's shard); all ranks' on rank 0, [] elsewhere."""
+    results = []
+    with _eval_mode(model) as net, torch.inference_mode():
+        for images, targets in loader:
+            outputs = net([im.to(device, non_blocking=True) for im in images])
+            ids = [t["image_id"] for t in targets]
+            results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
+    return gather_results(ctx, results)
+
+
+def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: dict) -> list[dict]:
+    """torchvision detections (boxes already in original image pixels) -> COCO results entries."""
+    results = []
+    for out, image_id in zip(outputs, image_ids):
+        out = {k: v.detach().cpu() for k, v in out.items()}
+        boxes = out["boxes"].clone()
+        boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh
+        cats = [label_to_cat_id[int(label)] for label in out["labels"].tolist()]
+        entries = [{"image_id": image_id, "category_id": c, "bbox": b, "score": s}
+                   for c, b, s in zip(cats, boxes.tolist(), out["scores"].tolist())]
+        if "masks" in out:
+            for entry, rle in zip(entries, _encode_masks(out["masks"])):
+                entry["segmentation"] = rle
+        if "keypoints" in out:
+            for entry, kp in zip(entries, out["keypoints"].flatten(1).tolist()):
+                entry["keypoints"] = kp
+        results.extend(entries)
+    return results
+
+
+def _encode_masks(masks: torch.Tensor) -> list[dict]:
+    """[N, 1, H, W] probabilities -> RLEs of mask > 0.5, counts as str so they serialise to json."""
+    if len(masks) == 0:
+        return []
+    binary = (masks[:, 0] > 0.5).numpy().astype(np.uint8)
+    rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
+    for rle in rles:
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rles
+
+
+def gather_results(ctx: Context | None, results: list) -> list:
+    if ctx is None or not ctx.distributed:
+        return results
+    parts = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(results, parts, dst=0)
+    return [r for part in parts for r in part] if ctx.is_main else []
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def load_results(coco_gt: COCO, results: list[dict], iou_type: str) -> COCO:
+    """The results as a COCO object; an empty one when there are none (COCO.loadRes rejects [])."""
+    field = _RESULT_FIELD[iou_type]
+    # Copies: loadRes writes area/id into the dicts. For segm drop the box, or loadRes would take
+    # the box's area as the mask's and misfile it among small/medium/large (as detectron2 does).
+    dets = [{k: v for k, v in r.items() if not (iou_type == "segm" and k == "bbox")}
+            for r in results if field in r]
+    if not dets:
+        empty = COCO()
+        empty.dataset = {"images": list(coco_gt.dataset["images"]), "annotations": [],
+                         "categories": list(coco_gt.dataset["categories"])}
+        with _quiet():
+            empty.createIndex()
+        return empty
+    with _quiet():
+        return coco_gt.loadRes(dets)
+
+
+def run_cocoeval(coco_gt: COCO, results: list[dict], iou_type: str, sigmas=None) -> COCOeval:
+    """COCOeval evaluated, accumulated and summarised; its printed summary goes to the log."""
+    coco_dt = load_results(coco_gt, results, iou_type)
+    ev = COCOeval(coco_gt, coco_dt, iou_type)
+    if iou_type == "keypoints":
+        ev.params.kpt_oks_sigmas = sigmas if sigmas is not None else _oks_sigmas(coco_gt)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    log.info("COCOeval %s:\n%s", iou_type, text.getvalue().rstrip())
+    return ev
+
+
+def _oks_sigmas(coco_gt: COCO) -> np.ndarray:
+    k = max((len(c.get("keypoints") or []) for c in coco_gt.dataset["categories"]), default=0)
+    return _COCO_SIGMAS if k in (0, 17) else np.full(k, _COCO_SIGMAS.mean())
+
+
+def metrics_of(ev: COCOeval, iou_type: str) -> dict[str, float]:
+    return {f"{iou_type}/{name}": float(value) for name, value in zip(STAT_NAMES[iou_type], ev.stats)
+            if value >= 0}  # -1 = undefined (no ground truth in that range): dropped
+
+
+def coco_evaluate(coco_gt: COCO, results: list[dict], iou_types) -> dict[str, float]:
+    metrics = {}
+    for iou_type in iou_types:
+        metrics |= metrics_of(run_cocoeval(coco_gt, results, iou_type), iou_type)
+    return metrics
+
+
+def per_category_table(ev: COCOeval) -> str:
+    """Markdown: AP and AP50 per category (area all, 100 detections), with its ground-truth count."""
+    precision = ev.eval["precision"]  # [iou thresholds, recall, category, area, max dets]
+    gt = ev.cocoGt
+    lines = [f"| category | AP | AP50 | instances |", "|---|---:|---:|---:|"]
+    for k, cat_id in enumerate(ev.params.catIds):
+        p = precision[:, :, k, 0, -1]
+        ap, ap50 = (_mean_defined(x) for x in (p, p[0]))
+        name = gt.cats[cat_id].get("name", str(cat_id))
+        count = len(gt.getAnnIds(catIds=[cat_id], iscrowd=False))
+        lines.append(f"| {name} | {ap} | {ap50} | {count} |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_defined(p: np.ndarray) -> str:
+    p = p[p > -1]
+    return f"{p.mean():.4f}" if p.size else "n/a"
+
+
+@contextlib.contextmanager
+def _quiet():
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        yield
+
+
+# --------------------------------------------------------------------------------------- evaluate
+
+def evaluate(cfg, model, ctx: Context | None = None, output_dir=None, tracker: Tracker | None = None,
+             step: int | None = None) -> dict[str, float]:
+    """Evaluate on every TEST.DATASETS entry; every rank must call it. Same metrics on all ranks."""
+    ctx = ctx or Context()
+    tracker = tracker or Tracker()
+    output_dir = Path(output_dir if output_dir is not None else cfg.OUTPUT_DIR)
+    metrics = {}
+    for i, name in enumerate(cfg.TEST.DATASETS):
+        prefix = "" if i == 0 else f"{dataset_dirname(name)}/"
+        found = evaluate_dataset(cfg, model, ctx, name, output_dir, tracker)
+        metrics |= {prefix + k: v for k, v in found.items()}
+    if ctx.is_main and metrics:
+        tracker.log_metrics(metrics, 0 if step is None else step)
+    return broadcast_object(ctx, metrics)
+
+
+def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, tracker: Tracker) -> dict:
+    loader, dataset = build_test_loader(cfg, name, ctx.rank, ctx.world_size)
+    start = time.perf_counter()
+    with _eval_mode(model):
+        set_test_size(model, cfg)
+        results = run_inference(model, loader, dataset, ctx.device, ctx)
+    seconds = time.perf_counter() - start
+    if not ctx.is_main:
+        return {}
+    log.info("%s: %d images inferred in %.1fs (%.1f images/s), %d detections", name, len(dataset), seconds,
+             len(dataset) / max(seconds, 1e-9), len(results))
+    out = output_dir / "eval" / dataset_dirname(name)
+    metrics, table = {}, ""
+    for iou_type in iou_types_for(cfg.MODEL.TYPE):
+        ev = run_cocoeval(dataset.coco, results, iou_type)
+        metrics |= metrics_of(ev, iou_type)
+        table = table or per_category_table(ev)  # bbox comes first
+    files = [_write_atomic(out / "detections.json", json.dumps(results)),
+             _write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{table}")]
+    for path in files:
+        tracker.log_artifact(path, f"eval/{dataset_dirname(name)}")
+    return metrics
+
+
+def dataset_dirname(name: str) -> str:
+    """A catalog name as it is; a dataset folder by its last component; safe for paths and metrics."""
+    if "/" in name or os.sep in name or name.startswith((".", "~")):
+        name = Path(name).expanduser().resolve().name
+    return re.sub(r"[^\w.-]+", "_", name) or "dataset"
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    """Temporary file + rename: an upload still queued from the previous evaluation reads a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def evaluate_during_training(cfg, model, ctx: Context, output_dir, tracker: Tracker, cur_iter: int,
+                             final: bool = False) -> dict | None:
+    """The engine's hook: every TEST.EVAL_PERIOD iterations and after model_final (all ranks call it)."""
+    if not cfg.TEST.DATASETS:
+        return None
+    period = cfg.TEST.EVAL_PERIOD
+    last = cur_iter + 1 >= cfg.SOLVER.MAX_ITER
+    if not final and (period <= 0 or (cur_iter + 1) % period or last):  # the final one comes after
+        return None
+    return evaluate(cfg, model, ctx, output_dir, tracker, step=cur_iter)
+
+
+# ------------------------------------------------------------------------------ weights and the CLI
+
+def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int = 0):
+    """A model from a checkpoint path, a `runs:/<id>/...` artifact or a `models:/name/version`."""
+    return _load_for_eval(cfg, weights, num_classes, num_keypoints)[0]
+
+
+def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):
+    """(model, the checkpoint's iteration or None)."""
+    if weights.startswith("models:/"):
+        return _load_logged_model(cfg, weights), None
+    if not weights.startswith("runs:/"):
+        return _load_file(cfg, weights, num_classes, num_keypoints)
+    with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
+        path = _download(cfg, weights, tmp)
+        if path.is_dir():  # runs:/<id>/model: the logged MLflow model
+            return _load_logged_model(cfg, weights), None
+        return _load_file(cfg, str(path), num_classes, num_keypoints)
+
+
+def _load_file(cfg, path: str, num_classes: int, num_keypoints: int):
+    model = build_model(cfg, num_classes, num_keypoints)
+    report = load_weights(model, path)
+    if report is None:
+        raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
+    if report.skipped or report.missing:  # an evaluation of random heads would be meaningless
+        bad = (report.skipped + report.missing)[:3]
+        raise UserError(f"weights {path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
+                        f"{len(report.skipped)} tensors differ in shape, {len(report.missing)} missing "
+                        f"(e.g. {', '.join(bad)})")
+    return model, _iteration_in(path)
+
+
+def _iteration_in(path: str) -> int | None:
+    try:  # mmap: reads the small 'iteration' entry, not the tensors
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load_weights already read it; a raw state_dict has no iteration
+        return None
+    value = state.get("iteration") if isinstance(state, dict) else None
+    return int(value) if isinstance(value, int) else None
+
+
+def _download(cfg, uri: str, dest: str) -> Path:
+    import mlflow
+
+    from trainer.mlflow_tracking import tracking_uri
+
+    tracking = tracking_uri(cfg)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=tracking))
+    except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
+        raise UserError(f"cannot fetch {uri} from {tracking}: {_first_line(e)}") from None
+
+
+def _load_logged_model(cfg, uri: str):
+    import mlflow
+
+    from trainer.mlflow_tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    try:
+        return mlflow.pytorch.load_model(uri, map_location="cpu")
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"cannot load {uri} from {tracking_uri(cfg)}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+class _RunLogger(Tracker):
+    """Logs an eval's metrics and files into an existing run (`--weights runs:/<id>/...`)."""
+
+    def __init__(self, cfg, run_id: str):
+        from mlflow import MlflowClient
+
+        from trainer.mlflow_tracking import tracking_uri
+
+        self.client, self.run_id = MlflowClient(tracking_uri=tracking_uri(cfg)), run_id
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._call(lambda: self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def _call(self, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"cannot log the evaluation to run {self.run_id}: {_first_line(e)}") from None
+
+
+def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, float]:
+    """`tracktron eval --config FILE --weights PATH_OR_URI`: evaluate, print, log into the run."""
+    if not cfg.TEST.DATASETS:
+        raise UserError("TEST.DATASETS is empty: name at least one dataset (e.g. synth_shapes_val)")
+    ctx = ctx or Context(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    # Classes from the test set: the training sets need not exist on an evaluation machine.
+    probe = CocoDetection(*resolve_dataset(cfg, cfg.TEST.DATASETS[0]), train=False)
+    model, iteration = _load_for_eval(cfg, weights, probe.num_classes, probe.num_keypoints)
+    model.to(ctx.device)
+    run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") else None
+    tracker = _RunLogger(cfg, run_id) if run_id and ctx.is_main else Tracker()
+    metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0)
+    if ctx.is_main:
+        print(format_metrics(metrics, weights))
+    return metrics
+
+
+def format_metrics(metrics: dict[str, float], title: str = "") -> str:
+    """A short markdown table: one row per iou type (and dataset), one column per stat."""
+    rows: dict[str, dict] = {}
+    for key, value in metrics.items():
+        group, stat = key.rsplit("/", 1)
+        rows.setdefault(group, {})[stat] = value
+    stats = list(dict.fromkeys(s for r in rows.values() for s in r))
+    lines = [f"evaluation of {title}"] if title else []
+    lines += ["| | " + " | ".join(stats) + " |", "|---|" + "---:|" * len(stats)]
+    lines += [f"| {group} | " + " | ".join(f"{r[s]:.4f}" if s in r else "" for s in stats) + " |"
+              for group, r in rows.items()]
+    return "\n".join(lines)
