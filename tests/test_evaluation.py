@@ -41,6 +41,16 @@ TINY = {"BACKBONE": "mobilenet_v3_large", "BACKBONE_WIDTH": 0.5, "FPN_CHANNELS":
         "DETECTIONS_PER_IMAGE": 20}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on 2 shared cores: one intra-op thread is several times faster than two, which
+    spin against the suite's other processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
     return write_synthetic_dataset(tmp_path_factory.mktemp("eval") / "shapes", num_images=12, image_size=96, seed=3)
@@ -198,7 +208,7 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 20, "TRAIN.SNAPSHOT_ITERS": 100,
                                                  "TRACKING.URI": uri, "TRACKING.REGISTERED_MODEL": "demo_eval"})
-    done = run_trainer(args, cwd=tmp_path)
+    done = run_trainer(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

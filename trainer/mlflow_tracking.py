@@ -117,10 +117,10 @@ class MlflowTracker(Tracker):
                 if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                     self.client.update_run(run.info.run_id, status="RUNNING")
                 self._skip_until = self._last_step(run.info.run_id)
-        except MlflowException as e:
-            raise UserError(f"tracking server {self.uri}: {_first_line(e)}") from None
-        except Exception as e:  # connection refused, DNS, TLS: nothing was written yet
-            raise UserError(f"cannot reach the tracking server at {self.uri}: {_first_line(e)}") from None
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - nothing was written yet: say why in one line
+            raise UserError(_start_error(self.uri, e)) from None
         run_id = run.info.run_id
         self.run = RunInfo(run_id, self._ui_url(exp_id, run_id), resumed, checkpoints_of(run))
         self._sender = MetricSender(self._send_metrics)
@@ -253,6 +253,20 @@ def _retryable(e: BaseException) -> bool:
         status = e.get_http_status_code()
         return status >= 500 or status == 429
     return not isinstance(e, (TypeError, ValueError, KeyError, AttributeError))
+
+
+_UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
+                "NameResolutionError", "timed out", "RemoteDisconnected")
+
+
+def _start_error(uri: str, e: BaseException) -> str:
+    text = str(e)
+    if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
+        return (f"cannot reach the tracking server at {uri} (is it running?); "
+                "TRACKING.ENABLED false trains without tracking")
+    if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
+        return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
+    return f"tracking server {uri}: {_first_line(e)}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,0 +1,238 @@
+"""Kubeflow Pipelines v2: prepare data -> train -> evaluate -> register, on the tracktron image.
+
+    python pipeline/pipeline.py --out pipeline/tracktron_pipeline.yaml [--image REGISTRY/tracktron:TAG]
+
+Every step is a container component running the image built from the repository's Dockerfile
+(ENTRYPOINT tracktron; the components set their own command). The cluster provides:
+
+- a PersistentVolumeClaim with the datasets, mounted at /data (parameter `data_pvc`);
+- a Secret with the tracking settings (parameter `mlflow_secret`): MLFLOW_TRACKING_URI (required),
+  and, when the server needs them, MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD /
+  MLFLOW_TRACKING_TOKEN, and for an S3 artifact store AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+  MLFLOW_S3_ENDPOINT_URL (all optional keys).
+
+The train step hands its MLflow run id to the next steps through an output parameter: tracktron
+writes the id into the file named by TRACKTRON_RUN_ID_FILE (rank 0, right after it has found or
+created the run, also when there is nothing left to train). A preempted train pod is retried and
+the trainer resumes the same run from the tracking server (TRAIN.AUTO_RESUME).
+"""
+
+import argparse
+import os
+import sys
+
+from kfp import compiler, dsl, kubernetes
+
+DEFAULT_IMAGE = os.environ.get("TRACKTRON_IMAGE", "ghcr.io/tracktron/tracktron:latest")
+GPU_RESOURCE = "nvidia.com/gpu"
+DATA_MOUNT = "/data"
+OUTPUT_MOUNT = "/output"
+
+# Secret keys -> environment variables. The first is required; the others may be absent.
+REQUIRED_SECRET_KEYS = {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"}
+OPTIONAL_SECRET_KEYS = {k: k for k in (
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")}
+
+# ---- the step scripts (bash -c SCRIPT NAME ARG...; arguments are never spliced into code) ----
+
+PREPARE_SH = r"""
+set -euo pipefail
+dataset="$1" data_dir="$2" num_images="$3" out="$4"
+case "$dataset" in
+  synth)  # the demo's synthetic shapes, where the catalog looks for them (kept when present)
+    tracktron data synth --out "$data_dir/synth_shapes/train" --num-images "$num_images" --seed 0
+    tracktron data synth --out "$data_dir/synth_shapes/val" --num-images 16 --seed 1 ;;
+  coco)   # real COCO already on the volume: check it is there, copy nothing
+    for f in annotations/instances_train2017.json annotations/instances_val2017.json; do
+      [ -f "$data_dir/coco/$f" ] || { echo "error: $data_dir/coco/$f is not on the data volume" >&2; exit 2; }
+    done
+    [ -d "$data_dir/coco/train2017" ] || { echo "error: $data_dir/coco/train2017 is missing" >&2; exit 2; } ;;
+  none) ;;
+  *) echo "error: dataset must be synth, coco or none, got '$dataset'" >&2; exit 2 ;;
+esac
+mkdir -p "$(dirname "$out")"
+printf '%s' "$data_dir" > "$out"
+"""
+
+# `opts` is split into KEY VALUE words (globbing off). One GPU: tracktron itself; several:
+# torchrun on this pod. exec, so that SIGTERM reaches the trainer (it checkpoints, exits 143 and
+# the retried pod resumes).
+TRAIN_SH = r"""
+set -euo pipefail
+config="$1" opts="$2" data_dir="$3" experiment="$4" gpus="$5" run_id_file="$6"
+export TRACKTRON_RUN_ID_FILE="$run_id_file"
+mkdir -p "$(dirname "$run_id_file")"
+if [ -n "$experiment" ]; then export MLFLOW_EXPERIMENT_NAME="$experiment"; fi
+set -f
+if [ "$gpus" -gt 1 ]; then
+  exec torchrun --standalone --nnodes=1 --nproc-per-node="$gpus" -m trainer train --config "$config" \
+    DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
+fi
+exec tracktron train --config "$config" DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
+"""
+
+# `--weights runs:/<id>/...`: tracktron eval logs the metrics (bbox/AP, ...) into that run.
+EVAL_SH = r"""
+set -euo pipefail
+config="$1" data_dir="$2" run_id="$3" artifact="$4"
+[ -n "$run_id" ] || { echo "error: the train step gave no MLflow run id" >&2; exit 2; }
+exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" \
+  DATA_DIR "$data_dir" OUTPUT_DIR /output/eval
+"""
+
+REGISTER_PY = r"""
+import sys
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+
+run_id, name, metric, min_score, alias, out = sys.argv[1:7]
+min_score = float(min_score)
+client = MlflowClient()
+run = client.get_run(run_id)
+score = run.data.metrics.get(metric)
+if min_score > 0 and (score is None or score < min_score):
+    sys.exit(f"error: {metric} of run {run_id} is {score}, below {min_score}: not registered")
+# Idempotent: a re-run of the pipeline for a finished job finds the version it registered.
+versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+if versions:
+    version = max(versions, key=lambda v: int(v.version))
+    print(f"{name} version {version.version} already holds run {run_id}")
+else:
+    tags = {"tracktron.job": run.data.tags.get("tracktron.job", "")}
+    if score is not None:
+        tags[metric] = str(score)
+    version = mlflow.register_model(f"runs:/{run_id}/model", name, tags=tags)
+    print(f"registered runs:/{run_id}/model as {name} version {version.version}")
+if alias:
+    client.set_registered_model_alias(name, alias, version.version)
+    print(f"alias {alias} -> {name} version {version.version}")
+Path(out).parent.mkdir(parents=True, exist_ok=True)
+Path(out).write_text(str(version.version))
+"""
+
+
+def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str = "32Gi"):
+    """The pipeline function for `image` and the train step's resources.
+
+    These are compile-time settings: a component binds its image when it is defined, and KFP
+    backends before 2.4 take resource requests only as constants. `gpus` > 1 runs torchrun with one
+    process per GPU on the train pod.
+    """
+    if int(gpus) < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+
+    @dsl.container_component
+    def prepare_data(dataset: str, data_dir: str, num_images: int, prepared_dir: dsl.OutputPath(str)):
+        """Write the synthetic dataset onto the data volume, or check that COCO is there."""
+        return dsl.ContainerSpec(image=image, command=["bash", "-c", PREPARE_SH, "prepare"],
+                                 args=[dataset, data_dir, num_images, prepared_dir])
+
+    @dsl.container_component
+    def train(config: str, opts: str, data_dir: str, experiment: str, gpus: int,
+              run_id: dsl.OutputPath(str)):
+        """tracktron train; outputs the MLflow run id of the job."""
+        return dsl.ContainerSpec(image=image, command=["bash", "-c", TRAIN_SH, "train"],
+                                 args=[config, opts, data_dir, experiment, gpus, run_id])
+
+    @dsl.container_component
+    def evaluate(config: str, data_dir: str, run_id: str, weights_artifact: str):
+        """tracktron eval of the run's final weights; metrics are logged to that run."""
+        return dsl.ContainerSpec(image=image, command=["bash", "-c", EVAL_SH, "evaluate"],
+                                 args=[config, data_dir, run_id, weights_artifact])
+
+    @dsl.container_component
+    def register_model(run_id: str, model_name: str, metric: str, min_score: float, alias: str,
+                       model_version: dsl.OutputPath(str)):
+        """Register runs:/<run_id>/model in the MLflow Model Registry (gated on `metric`)."""
+        return dsl.ContainerSpec(image=image, command=["python3", "-c", REGISTER_PY],
+                                 args=[run_id, model_name, metric, min_score, alias, model_version])
+
+    def tracking_env(task, secret):
+        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=REQUIRED_SECRET_KEYS)
+        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=OPTIONAL_SECRET_KEYS,
+                                     optional=True)
+        return task
+
+    def on_gpu(task, gpus, cpu: str, memory: str):
+        task.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(gpus)
+        task.set_cpu_request(cpu).set_memory_request(memory)
+        kubernetes.add_toleration(task, key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")
+        # DataLoader workers pass batches through shared memory: the default 64 MiB is too small.
+        kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
+        return task
+
+    @dsl.pipeline(name="tracktron", description="prepare data -> train -> evaluate -> register, "
+                  "tracked in MLflow")
+    def tracktron_pipeline(
+        config: str = "/app/configs/demo.yaml",
+        opts: str = "",
+        dataset: str = "synth",
+        num_images: int = 64,
+        data_pvc: str = "tracktron-data",
+        mlflow_secret: str = "tracktron-mlflow",
+        experiment: str = "",
+        weights_artifact: str = "checkpoints/model_final.pth",
+        model_name: str = "tracktron-detector",
+        metric: str = "bbox/AP",
+        min_score: float = 0.0,
+        alias: str = "",
+    ):
+        prep = prepare_data(dataset=dataset, data_dir=DATA_MOUNT, num_images=num_images)
+        prep.set_display_name("prepare data").set_caching_options(False)
+        prep.set_cpu_request("1").set_memory_request("2Gi")
+        kubernetes.mount_pvc(prep, pvc_name=data_pvc, mount_path=DATA_MOUNT)
+
+        trn = train(config=config, opts=opts, data_dir=prep.outputs["prepared_dir"],
+                    experiment=experiment, gpus=gpus)
+        trn.set_display_name("train").set_caching_options(False)
+        trn.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0)
+        on_gpu(trn, gpus, cpu, memory)
+        tracking_env(trn, mlflow_secret)
+        kubernetes.mount_pvc(trn, pvc_name=data_pvc, mount_path=DATA_MOUNT)
+        kubernetes.empty_dir_mount(trn, volume_name="output", mount_path=OUTPUT_MOUNT)
+
+        ev = evaluate(config=config, data_dir=prep.outputs["prepared_dir"],
+                      run_id=trn.outputs["run_id"], weights_artifact=weights_artifact)
+        ev.set_display_name("evaluate").set_caching_options(False)
+        ev.set_retry(num_retries=2)
+        on_gpu(ev, 1, "4", "16Gi")
+        tracking_env(ev, mlflow_secret)
+        kubernetes.mount_pvc(ev, pvc_name=data_pvc, mount_path=DATA_MOUNT)
+        kubernetes.empty_dir_mount(ev, volume_name="output", mount_path=OUTPUT_MOUNT)
+
+        reg = register_model(run_id=trn.outputs["run_id"], model_name=model_name, metric=metric,
+                             min_score=min_score, alias=alias)
+        reg.set_display_name("register model").set_caching_options(False).after(ev)
+        reg.set_cpu_request("500m").set_memory_request("1Gi")
+        tracking_env(reg, mlflow_secret)
+
+    return tracktron_pipeline
+
+
+tracktron_pipeline = build()
+
+
+def compile_pipeline(out: str, image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8",
+                     memory: str = "32Gi") -> str:
+    compiler.Compiler().compile(build(image, gpus, cpu, memory), package_path=out)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="pipeline/tracktron_pipeline.yaml", help="where to write the YAML")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, help="the tracktron image (default: %(default)s)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of the train pod (default: %(default)s)")
+    parser.add_argument("--train-cpu", default="8", help="CPU request of the train pod (default: %(default)s)")
+    parser.add_argument("--train-memory", default="32Gi", help="memory request of the train pod (default: %(default)s)")
+    args = parser.parse_args(argv)
+    compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory)
+    print(f"wrote {args.out} (image {args.image}, {args.gpus} GPU(s) for training)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

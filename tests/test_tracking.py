@@ -1,0 +1,214 @@
+"""MLflow end to end: a real `mlflow server` (sqlite) with moto's S3 as the artifact store.
+
+What a user checks in the UI: every iteration's metrics, the checkpoints and model_final, the
+status; and that a job killed on one machine continues on another from the server alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.conftest import demo_overrides, run_trainer, trainer_cmd
+from tests.test_train import _kill_after
+from trainer import checkpoint as ckpt
+
+METRIC_KEYS = {"loss", "loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg", "lr", "time",
+               "data_time", "eta_seconds", "mem_mb", "mb_qsize", "images_per_sec"}
+
+
+def tracked(tmp, data_dir, server, experiment, **keys):
+    return demo_overrides(tmp, data_dir, **{"TRACKING.URI": server.url, "TRACKING.EXPERIMENT": experiment,
+                                            "TRACKING.FLUSH_TIMEOUT_S": 60, **keys})
+
+
+def only_run(client, experiment):
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, f"expected one run for the job, found {len(runs)}"
+    return runs[0]
+
+
+def steps(client, run_id, key="loss"):
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def s3_keys(s3_server, prefix=""):
+    listing = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
+    return [o["Key"] for o in listing.get("Contents", [])]
+
+
+def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir, mlflow_server, s3_server):
+    exp = f"e2e-{uuid.uuid4().hex[:6]}"
+    result = run_trainer(tracked(tmp_path, data_dir, mlflow_server, exp), cwd=tmp_path,
+                         env={**s3_server.env, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})  # config wins
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, exp)
+    assert run.info.status == "FINISHED"
+    assert f"{mlflow_server.url}/#/experiments/" in result.stderr  # the UI link at start
+    for key in METRIC_KEYS:
+        assert steps(client, run.info.run_id, key) == list(range(8)), key
+    tags = run.data.tags
+    assert tags["tracktron.ckpt.latest"] == "model_final.pth"
+    out = tmp_path / "output"
+    for name in ("model_iter2.pth", "model_iter5.pth", "model_final.pth"):
+        assert tags[f"tracktron.ckpt.{name}.sha256"] == ckpt.sha256_of(out / name)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "model.txt", "json_stats.log", "checkpoints"} <= artifacts
+    assert run.data.params["SOLVER.MAX_ITER"] == "8"
+    assert tags["tracktron.job"] and tags["tracktron.torch"] == torch.__version__
+    stored = s3_keys(s3_server)  # the bytes really are on S3, put there by the server
+    assert any(k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_final.pth") for k in stored)
+
+
+def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
+    keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 12, "TRAIN.SNAPSHOT_ITERS": 3, **keys}
+    first = tmp_path / "machine1"
+    first.mkdir()
+    args = tracked(first, data_dir, mlflow_server, exp, **keys)
+    return first, args, keys
+
+
+def _wait_for_tag(client, experiment, tag, timeout=120):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        if runs and tag in runs[0].data.tags:
+            return runs[0]
+        time.sleep(0.1)
+    raise TimeoutError(tag)
+
+
+def _start_and_kill_after_upload(tmp, args, client, exp, name):
+    """Run the job on 'machine 1' and SIGKILL it once `name` is complete on the server."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        run = _wait_for_tag(client, exp, f"tracktron.ckpt.{name}.sha256")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return run
+
+
+def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_dir, mlflow_server, s3_server):
+    exp = f"resume-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(mlflow_server.url)
+    first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
+    run = _start_and_kill_after_upload(first, args, client, exp, "model_iter5.pth")  # the second checkpoint
+
+    second = tmp_path / "machine2"  # nothing local: only the tracking URI
+    second.mkdir()
+    resumed = run_trainer(tracked(second, data_dir, mlflow_server, exp, **keys), cwd=second, env=s3_server.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from run {run.info.run_id} (model_iter" in resumed.stderr
+    run = only_run(client, exp)  # the same run, continued
+    assert run.info.status == "FINISHED"
+    assert steps(client, run.info.run_id) == list(range(12))  # one unbroken curve, no step twice
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    ref = run_trainer(tracked(straight, data_dir, mlflow_server, exp + "-ref", **keys), cwd=straight,
+                      env=s3_server.env)
+    assert ref.returncode == 0, ref.stderr
+    a = ckpt.load(straight / "output" / "model_final.pth")["model"]
+    b = ckpt.load(second / "output" / "model_final.pth")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    entries = [json.loads(x)["iter"] for x in (second / "output" / "json_stats.log").read_text().splitlines()]
+    assert entries == sorted(set(entries)) and entries[-1] == 11
+
+
+def test_tampered_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir, mlflow_server, s3_server):
+    exp = f"tamper-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(mlflow_server.url)
+    first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
+    run = _start_and_kill_after_upload(first, args, client, exp, "model_iter5.pth")
+    key = next(k for k in s3_keys(s3_server) if k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_iter5.pth"))
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=key, Body=b"not the checkpoint you uploaded")
+
+    second = tmp_path / "machine2"
+    second.mkdir()
+    resumed = run_trainer(tracked(second, data_dir, mlflow_server, exp, **keys), cwd=second, env=s3_server.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "model_iter5.pth from the tracking server does not match its sha256 tag" in resumed.stderr
+    assert f"resuming from run {run.info.run_id} (model_iter2.pth) at iteration 3" in resumed.stderr
+
+
+def test_tracking_server_down_mid_run_loses_no_point(tmp_path, data_dir, s3_server):
+    import subprocess
+
+    from tests.servers import MlflowServer
+
+    server = MlflowServer(tmp_path, artifacts=f"s3://{s3_server.bucket}/outage", env=s3_server.env).start()
+    exp = "outage"
+    args = tracked(tmp_path, data_dir, server, exp, **{"SOLVER.MAX_ITER": 40, "TRAIN.SNAPSHOT_ITERS": 10,
+                                                       "LOG_PERIOD": 1})
+    proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    log = tmp_path / "output" / "json_stats.log"
+    try:
+        client = MlflowClient(server.url)
+        _wait_for_tag(client, exp, "tracktron.ckpt.model_iter9.pth.sha256")
+        server.stop()
+        before = len(log.read_text().splitlines())
+        time.sleep(8)
+        trained_while_down = len(log.read_text().splitlines()) - before
+        server.start()
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert trained_while_down >= 5, f"training paused while the server was down ({trained_while_down} its in 8 s)"
+        run = only_run(client, exp)
+        assert run.info.status == "FINISHED"
+        for key in ("loss", "lr", "time"):
+            assert steps(client, run.info.run_id, key) == list(range(40)), key
+        assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
+    finally:
+        proc.kill()
+        server.stop()
+
+
+def test_artifacts_straight_to_s3_with_the_embedded_store(tmp_path, data_dir, s3_server):
+    """No server: sqlite tracking, an experiment whose artifact location is s3:// (boto3 direct)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment("direct", artifact_location=f"s3://{s3_server.bucket}/direct")
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "direct",
+                                                 "SOLVER.MAX_ITER": 4})
+    result = run_trainer(args, cwd=tmp_path, env=s3_server.env)
+    assert result.returncode == 0, result.stderr
+    run = only_run(client, "direct")
+    assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert f"direct/{run.info.run_id}/artifacts/checkpoints/model_final.pth" in s3_keys(s3_server, "direct/")
+
+
+def test_unreachable_tracking_server_is_one_line_exit_2(tmp_path, data_dir):
+    env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": "http://127.0.0.1:9"}),
+                         cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot reach the tracking server at http://127.0.0.1:9")
+    assert not (tmp_path / "output").exists()
+
+
+def test_unknown_resume_run_id_is_exit_2(tmp_path, data_dir):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}) + ["--resume", "0" * 32],
+                         cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"error: run {'0' * 32} does not exist on {uri}"
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_tracking(monkeypatch):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    os.environ.pop("MLFLOW_RUN_ID", None)
