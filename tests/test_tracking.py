@@ -45,7 +45,8 @@ def s3_keys(s3_server, prefix=""):
 
 def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir, mlflow_server, s3_server):
     exp = f"e2e-{uuid.uuid4().hex[:6]}"
-    result = run_trainer(tracked(tmp_path, data_dir, mlflow_server, exp), cwd=tmp_path,
+    args = tracked(tmp_path, data_dir, mlflow_server, exp, **{"TRACKING.REGISTERED_MODEL": exp})
+    result = run_trainer(args, cwd=tmp_path,
                          env={**s3_server.env, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})  # config wins
     assert result.returncode == 0, result.stderr
     client = MlflowClient(mlflow_server.url)
@@ -65,6 +66,16 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
     assert tags["tracktron.job"] and tags["tracktron.torch"] == torch.__version__
     stored = s3_keys(s3_server)  # the bytes really are on S3, put there by the server
     assert any(k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_final.pth") for k in stored)
+
+    # The final model is registered and loads from models:/ for inference.
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(mlflow_server.url)
+    os.environ.update(s3_server.env)
+    model = mlflow.pytorch.load_model(f"models:/{exp}/1")
+    with torch.inference_mode():
+        detections = model.eval()([torch.rand(3, 96, 128)])
+    assert set(detections[0]) == {"boxes", "labels", "scores"}
 
 
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
@@ -212,3 +223,39 @@ def _no_ambient_tracking(monkeypatch):
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(var, raising=False)
     os.environ.pop("MLFLOW_RUN_ID", None)
+
+
+def test_sigterm_checkpoints_the_current_iteration_and_marks_the_run_killed(tmp_path, data_dir, mlflow_server,
+                                                                            s3_server):
+    import signal
+    import subprocess
+
+    exp = f"sigterm-{uuid.uuid4().hex[:6]}"
+    keys = {"SOLVER.MAX_ITER": 500, "TRAIN.SNAPSHOT_ITERS": 1000, "LOG_PERIOD": 1}
+    args = tracked(tmp_path, data_dir, mlflow_server, exp, **keys)
+    proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **s3_server.env})
+    log = tmp_path / "output" / "json_stats.log"
+    while not log.exists() or len(log.read_text().splitlines()) < 5:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, exp)
+    assert run.info.status == "KILLED"
+    saved = run.data.tags["tracktron.ckpt.latest"]
+    done = ckpt.iteration_of(saved)
+    assert steps(client, run.info.run_id) == list(range(done + 1))  # every finished iteration is on the server
+
+    resumed = subprocess.Popen(trainer_cmd(*tracked(tmp_path / "m2", data_dir, mlflow_server, exp, **keys)),
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **s3_server.env})
+    line = ""
+    while "resuming from" not in line:
+        line = resumed.stderr.readline()
+        assert line, "the resumed job ended without resuming"
+    resumed.kill()
+    resumed.wait()
+    assert f"({saved}) at iteration {done + 1}" in line

@@ -126,3 +126,12 @@ def test_missing_config_file_is_exit_2(tmp_path):
     result = subprocess.run(trainer_cmd(config=tmp_path / "nope.yaml"), cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: config file not found: {tmp_path / 'nope.yaml'}"
+
+
+def test_old_local_checkpoints_are_pruned_to_checkpoints_keep(tmp_path, data_dir):
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 10, "TRAIN.SNAPSHOT_ITERS": 2,
+                                                 "TRAIN.CHECKPOINTS_KEEP": 2, "TRACKING.ENABLED": "false"})
+    result = run_trainer(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in (tmp_path / "output").glob("*.pth"))
+    assert names == ["model_final.pth", "model_iter5.pth", "model_iter7.pth"]

@@ -1,0 +1,409 @@
+"""Packaging: MLproject (python_env and docker_env), Dockerfile, console script, the Kubeflow
+pipeline (compiled with the kfp SDK) and the PyTorchJob manifest.
+
+Nothing here needs Docker, a GPU or a cluster: the files are parsed with the tools that consume
+them (mlflow's project loader, kfp's compiler, yaml), and the shell the commands go through is
+run with stand-ins for tracktron / torchrun that print what they were given.
+"""
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _torch_pins() -> dict[str, str]:
+    """The Makefile's TORCH_PINS: the torch/torchvision pair the project is tested with."""
+    line = next(l for l in (ROOT / "Makefile").read_text().splitlines() if l.startswith("TORCH_PINS"))
+    return dict(re.findall(r"(torch|torchvision)==([\w.]+)", line))
+
+
+def _req_name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _stub_bin(tmp_path: Path, *names: str) -> dict:
+    """An environment whose PATH starts with stand-ins that print argv and some env as JSON."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        stub = bin_dir / name
+        stub.write_text(
+            f"#!{sys.executable}\n"
+            "import json, os, sys\n"
+            "keys = ('TRACKTRON_RUN_ID_FILE', 'MLFLOW_EXPERIMENT_NAME', 'MLFLOW_RUN_ID')\n"
+            "print(json.dumps({'prog': os.path.basename(sys.argv[0]), 'argv': sys.argv[1:],\n"
+            "                  'env': {k: os.environ.get(k) for k in keys}}))\n")
+        stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "TRACKTRON_RUN_ID_FILE"):
+        env.pop(key, None)
+    return env
+
+
+def _bash(script: str, *args: str, env=None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script, "test", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=60)
+
+
+# ---- MLproject ----
+
+def _load_project(directory: Path):
+    from mlflow.projects._project_spec import load_project
+
+    return load_project(str(directory))
+
+
+def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
+    from mlflow.projects import env_type
+
+    project = _load_project(ROOT)
+    assert project.name == "tracktron"
+    assert project.env_type == env_type.PYTHON
+    assert Path(project.env_config_path).resolve() == ROOT / "python_env.yaml"
+
+    main = project.get_entry_point("main")
+    assert main.parameters["config"].type == "path"
+    assert main.parameters["config"].default == "configs/demo.yaml"
+    assert (ROOT / main.parameters["config"].default).is_file()
+    assert main.parameters["opts"].type == "string" and main.parameters["opts"].default == ""
+    assert re.search(r"(tracktron|python -m trainer) train --config \{config\}", main.command)
+
+    ev = project.get_entry_point("eval")
+    assert set(ev.parameters) == {"config", "weights"}
+    assert ev.parameters["weights"].default is None  # required
+    assert re.search(r"(tracktron|python -m trainer) eval --config \{config\} --weights \{weights\}", ev.command)
+
+    synth = project.get_entry_point("synth")
+    assert set(synth.parameters) == {"out", "num_images"}
+    assert synth.parameters["num_images"].type == "int"
+    assert re.search(r"data synth --out \{out\} --num-images \{num_images\}", synth.command)
+
+
+@pytest.mark.parametrize("opts, expected", [
+    ("", []),
+    ("SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4", ["SOLVER.MAX_ITER", "200", "TRAIN.IMS_PER_BATCH", "4"]),
+    ("TRAIN.SCALES (800,) SOLVER.STEPS [0,400] OUTPUT_DIR *", ["TRAIN.SCALES", "(800,)", "SOLVER.STEPS", "[0,400]",
+                                                               "OUTPUT_DIR", "*"]),
+])
+def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, opts, expected):
+    # MLflow shell-quotes each parameter value; the command must split `opts` back into words,
+    # without globbing (`*`, `[0,400]` stay as written even where files would match them).
+    (tmp_path / "0").touch()
+    (tmp_path / "x").touch()
+    project = _load_project(ROOT)
+    command = project.get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
+    stub = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    command = command.replace("python -m trainer", stub).replace("tracktron", stub)
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", *expected]
+
+
+def test_python_env_pins_torch_and_lists_the_package_requirements():
+    env = yaml.safe_load((ROOT / "python_env.yaml").read_text())
+    assert env["python"] == "3.11"
+    assert "pip" in [_req_name(d) for d in env["build_dependencies"]]
+    deps = env["dependencies"]
+    for name, version in _torch_pins().items():
+        assert f"{name}=={version}" in deps
+    named = {_req_name(d) for d in deps}
+    missing = {_req_name(r) for r in PYPROJECT["project"]["dependencies"]} - named
+    assert not missing, f"python_env.yaml lacks {sorted(missing)} from pyproject.toml"
+
+
+def test_docker_mlproject_runs_tracktron_subcommands_in_the_image():
+    from mlflow.projects import env_type
+
+    project = _load_project(ROOT / "docker")
+    assert project.name == "tracktron"
+    assert project.env_type == env_type.DOCKER
+    assert project.docker_env["image"].split(":")[0] == "tracktron"
+    for name, sub in (("main", "train"), ("eval", "eval"), ("synth", "data synth")):
+        entry = project.get_entry_point(name)
+        # ENTRYPOINT ["tracktron"]: the command is appended to `docker run IMAGE`.
+        assert entry.command.startswith(f"{sub} "), entry.command
+        for param in entry.parameters.values():
+            assert param.type != "path", "a path parameter would be checked on the host, not in the image"
+    config = project.get_entry_point("main").parameters["config"].default
+    assert config.startswith("/app/configs/") and (ROOT / "configs" / Path(config).name).is_file()
+
+
+# ---- Dockerfile ----
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_builds_on_a_pytorch_cuda_runtime_image_matching_the_torch_pin():
+    instructions = _dockerfile()
+    args = dict(re.match(r"(\w+)=(\S+)", a).groups() for i, a in instructions if i == "ARG" and "=" in a)
+    base = next(a for i, a in instructions if i == "FROM")
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base).split()[0]
+    m = re.fullmatch(r"pytorch/pytorch:(?P<torch>[\d.]+)-cuda(?P<cuda>[\d.]+)-cudnn\d+-runtime", base)
+    assert m, f"FROM {base} is not an official pytorch/pytorch CUDA runtime image"
+    assert m["torch"] == _torch_pins()["torch"]
+    # torch is not reinstalled: pip runs under a constraint file made from the base's packages
+    runs = " ".join(a for i, a in instructions if i == "RUN")
+    assert "pip install -c" in runs and "--no-deps" in runs
+
+
+def test_dockerfile_user_entrypoint_volumes_and_default_command():
+    instructions = _dockerfile()
+    users = [a for i, a in instructions if i == "USER"]
+    assert users, "no USER: the container would run as root"
+    args = dict(re.match(r"(\w+)=(\S+)", a).groups() for i, a in instructions if i == "ARG" and "=" in a)
+    user = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], users[-1]).split(":")[0]
+    assert user not in ("root", "0") and user.isdigit() and int(user) > 0  # numeric: runAsNonRoot can check it
+    assert json.loads(next(a for i, a in instructions if i == "ENTRYPOINT")) == ["tracktron"]
+    cmd = json.loads(next(a for i, a in instructions if i == "CMD"))
+    assert cmd[:3] == ["train", "--config", "configs/demo.yaml"] and (ROOT / cmd[2]).is_file()
+    assert dict(zip(cmd[3::2], cmd[4::2])) == {"DATA_DIR": "/data", "OUTPUT_DIR": "/output/demo"}
+    volumes = set(json.loads(next(a for i, a in instructions if i == "VOLUME")))
+    assert volumes == {"/data", "/output"}
+    assert [a for i, a in instructions if i == "WORKDIR"] == ["/app"]
+    for i, a in instructions:
+        if i == "COPY":
+            for src in a.split()[:-1]:
+                if not src.startswith("--") and not any(c in src for c in "*?["):
+                    assert (ROOT / src).exists(), f"COPY {src}: no such file"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_build_context():
+    ignored = {l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
+               if l.strip() and not l.startswith("#")}
+    for entry in (".venv", "output", "datasets", "mlflow.db", "mlruns", ".git"):
+        assert entry in ignored
+    assert "**/__pycache__" in ignored or "__pycache__" in ignored
+    for needed in ("trainer", "configs", "pyproject.toml"):
+        assert needed not in ignored
+
+
+def test_tracktron_console_script_resolves_to_a_callable():
+    assert PYPROJECT["project"]["scripts"]["tracktron"] == "trainer.cli:main"
+    eps = importlib.metadata.entry_points(group="console_scripts", name="tracktron")
+    assert eps, "the tracktron console script is not installed (pip install -e .)"
+    (ep,) = eps
+    assert ep.value == "trainer.cli:main"
+    assert callable(ep.load())
+
+
+# ---- Kubeflow Pipelines ----
+
+def _pipeline_module():
+    pytest.importorskip("kfp", reason="kfp is not installed (pip install -e '.[test]')")
+    pytest.importorskip("kfp.kubernetes", reason="kfp-kubernetes is not installed (pip install -e '.[test]')")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("pipeline.pipeline")
+
+
+def _compiled(tmp_path: Path, **kwargs) -> tuple[dict, dict]:
+    mod = _pipeline_module()
+    out = tmp_path / "tracktron_pipeline.yaml"
+    mod.compile_pipeline(str(out), **kwargs)
+    docs = [d for d in yaml.safe_load_all(out.read_text()) if d]
+    spec = next(d for d in docs if "pipelineInfo" in d)
+    platform = next((d["platforms"]["kubernetes"]["deploymentSpec"]["executors"] for d in docs
+                     if "platforms" in d), {})
+    return spec, platform
+
+
+def test_pipeline_compiles_to_four_steps_in_order(tmp_path):
+    spec, _ = _compiled(tmp_path)
+    assert set(spec["components"]) == {"comp-prepare-data", "comp-train", "comp-evaluate", "comp-register-model"}
+    tasks = spec["root"]["dag"]["tasks"]
+    assert set(tasks) == {"prepare-data", "train", "evaluate", "register-model"}
+    assert tasks["train"]["dependentTasks"] == ["prepare-data"]
+    assert "train" in tasks["evaluate"]["dependentTasks"]
+    assert {"train", "evaluate"} <= set(tasks["register-model"]["dependentTasks"])
+    # the run id flows from train to evaluate and register
+    for name in ("evaluate", "register-model"):
+        src = tasks[name]["inputs"]["parameters"]["run_id"]["taskOutputParameter"]
+        assert src == {"outputParameterKey": "run_id", "producerTask": "train"}
+    assert tasks["train"]["retryPolicy"]["maxRetryCount"] >= 1
+
+
+def test_pipeline_train_and_eval_get_a_gpu_and_the_tracking_secret(tmp_path):
+    spec, platform = _compiled(tmp_path, image="registry.example/tracktron:1.2", gpus=2, memory="48Gi")
+    executors = spec["deploymentSpec"]["executors"]
+    for name in ("exec-prepare-data", "exec-train", "exec-evaluate", "exec-register-model"):
+        assert executors[name]["container"]["image"] == "registry.example/tracktron:1.2"
+    train = executors["exec-train"]["container"]
+    acc = train["resources"]["accelerator"]
+    assert acc.get("resourceType", acc.get("type")) == "nvidia.com/gpu"
+    assert str(acc.get("resourceCount", acc.get("count"))) == "2"
+    assert train["resources"]["resourceMemoryRequest"] == "48Gi"
+    assert "resourceCpuRequest" in train["resources"]
+    ev = executors["exec-evaluate"]["container"]["resources"]["accelerator"]
+    assert ev.get("resourceType", ev.get("type")) == "nvidia.com/gpu"
+    assert "accelerator" not in executors["exec-register-model"]["container"].get("resources", {})
+
+    for name in ("exec-train", "exec-evaluate", "exec-register-model"):
+        secret_env = {e["envVar"] for s in platform[name]["secretAsEnv"] for e in s["keyToEnv"]}
+        assert {"MLFLOW_TRACKING_URI", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= secret_env
+    for name in ("exec-prepare-data", "exec-train", "exec-evaluate"):
+        assert [m["mountPath"] for m in platform[name]["pvcMount"]] == ["/data"]
+    shm = [m for m in platform["exec-train"]["emptyDirMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm and shm[0]["medium"] == "Memory"
+    assert any(t["key"] == "nvidia.com/gpu" for t in platform["exec-train"]["tolerations"])
+
+
+def test_pipeline_cli_writes_the_yaml(tmp_path):
+    _pipeline_module()
+    out = tmp_path / "p.yaml"
+    run = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pipeline.py"), "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "comp-train" in out.read_text()
+
+
+def _step(spec: dict, name: str) -> list[str]:
+    return spec["deploymentSpec"]["executors"][name]["container"]["command"]
+
+
+def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
+    spec, _ = _compiled(tmp_path)
+    command = _step(spec, "exec-train")
+    assert command[:2] == ["bash", "-c"]
+    env = _stub_bin(tmp_path, "tracktron", "torchrun")
+    run_id_file = tmp_path / "outputs" / "run_id" / "data"
+    out = _bash(command[2], "/app/configs/demo.yaml", "SOLVER.MAX_ITER 200 SOLVER.STEPS [0,400]", "/data",
+                "coco-r50", "1", run_id_file, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["prog"] == "tracktron"
+    assert got["argv"] == ["train", "--config", "/app/configs/demo.yaml", "DATA_DIR", "/data",
+                           "OUTPUT_DIR", "/output/train", "SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "[0,400]"]
+    assert got["env"]["TRACKTRON_RUN_ID_FILE"] == str(run_id_file)
+    assert got["env"]["MLFLOW_EXPERIMENT_NAME"] == "coco-r50"
+    assert run_id_file.parent.is_dir()
+
+    out = _bash(command[2], "c.yaml", "", "/data", "", "4", run_id_file, env=env, cwd=tmp_path)
+    got = json.loads(out.stdout)
+    assert got["prog"] == "torchrun" and got["env"]["MLFLOW_EXPERIMENT_NAME"] is None
+    assert got["argv"][:4] == ["--standalone", "--nnodes=1", "--nproc-per-node=4", "-m"]
+    assert got["argv"][4:7] == ["trainer", "train", "--config"]
+
+
+def test_pipeline_prepare_and_eval_steps(tmp_path):
+    spec, _ = _compiled(tmp_path)
+    env = _stub_bin(tmp_path, "tracktron")
+    prepare = _step(spec, "exec-prepare-data")[2]
+    out_file = tmp_path / "o" / "prepared_dir"
+    out = _bash(prepare, "synth", tmp_path / "data", "8", out_file, env=env)
+    assert out.returncode == 0, out.stderr
+    calls = [json.loads(l)["argv"] for l in out.stdout.splitlines()]
+    assert calls[0] == ["data", "synth", "--out", f"{tmp_path}/data/synth_shapes/train", "--num-images", "8",
+                        "--seed", "0"]
+    assert calls[1][:4] == ["data", "synth", "--out", f"{tmp_path}/data/synth_shapes/val"]
+    assert out_file.read_text() == str(tmp_path / "data")
+    out = _bash(prepare, "coco", tmp_path / "data", "8", out_file, env=env)
+    assert out.returncode == 2 and "instances_train2017.json" in out.stderr
+    assert _bash(prepare, "imagenet", tmp_path / "data", "8", out_file, env=env).returncode == 2
+
+    evaluate = _step(spec, "exec-evaluate")[2]
+    out = _bash(evaluate, "/app/configs/demo.yaml", "/data", "abc123", "checkpoints/model_final.pth", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["argv"] == [
+        "eval", "--config", "/app/configs/demo.yaml", "--weights", "runs:/abc123/checkpoints/model_final.pth",
+        "DATA_DIR", "/data", "OUTPUT_DIR", "/output/eval"]
+    assert _bash(evaluate, "c.yaml", "/data", "", "x", env=env).returncode == 2
+
+
+def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path):
+    spec, _ = _compiled(tmp_path)
+    command = _step(spec, "exec-register-model")
+    assert command[:2] == ["python3", "-c"]
+    import mlflow
+    import torch
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri)
+    env.pop("MLFLOW_RUN_ID", None)
+    mlflow.set_tracking_uri(uri)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the sqlite store's artifacts go to ./mlruns
+    try:
+        with mlflow.start_run() as run:
+            mlflow.log_metric("bbox/AP", 0.25)
+            mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", serialization_format="pickle")
+    finally:
+        os.chdir(cwd)
+        mlflow.set_tracking_uri(None)
+
+    def register(min_score, alias=""):
+        out_file = tmp_path / "out" / "version"
+        r = subprocess.run([sys.executable, "-c", command[2], run.info.run_id, "det", "bbox/AP", str(min_score),
+                            alias, str(out_file)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300)
+        return r, (out_file.read_text() if out_file.exists() else None)
+
+    r, version = register(0.5)
+    assert r.returncode != 0 and "below 0.5" in r.stderr and version is None
+    r, version = register(0.2, alias="candidate")
+    assert r.returncode == 0, r.stderr
+    assert version == "1"
+    r, version = register(0.0)
+    assert r.returncode == 0 and version == "1" and "already" in r.stdout
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert client.get_model_version_by_alias("det", "candidate").version == "1"
+    assert len(client.search_model_versions("name = 'det'")) == 1
+
+
+# ---- PyTorchJob ----
+
+def test_pytorchjob_has_master_and_workers_running_torchrun():
+    docs = [d for d in yaml.safe_load_all((ROOT / "pipeline" / "pytorchjob.yaml").read_text()) if d]
+    (job,) = docs
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
+    nproc = job["spec"]["nprocPerNode"]
+    assert isinstance(nproc, str) and nproc.isdigit()
+    for role, replica in specs.items():
+        assert replica["restartPolicy"] == "OnFailure"
+        pod = replica["template"]["spec"]
+        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        words = container.get("command", []) + container.get("args", [])
+        assert words[0] == "torchrun"
+        line = " ".join(words)
+        assert re.search(r"(-m trainer|tracktron) train --config \S+", line)
+        config = re.search(r"train --config (\S+)", line).group(1)
+        assert config.startswith("/app/configs/") and (ROOT / "configs" / Path(config).name).is_file()
+        assert "--nnodes=$(PET_NNODES)" in words
+        assert "--nproc-per-node=$(PET_NPROC_PER_NODE)" in words or "--nproc_per_node=$(PET_NPROC_PER_NODE)" in words
+        assert any(w.startswith("--rdzv-endpoint=$(PET_MASTER_ADDR)") or w.startswith("--rdzv_endpoint=$(PET_MASTER_ADDR)")
+                   for w in words)
+        assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == nproc
+        assert any(p.get("name") == "pytorchjob-port" for p in container["ports"])
+        assert any("secretRef" in e for e in container.get("envFrom", []))
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "persistentVolumeClaim" in volumes[mounts["/data"]]
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert pod["securityContext"]["runAsNonRoot"] is True
