@@ -101,7 +101,7 @@ if versions:
     version = max(versions, key=lambda v: int(v.version))
     print(f"{name} version {version.version} already holds run {run_id}")
 else:
-    tags = {"tracktron.job": run.data.tags.get("tracktron.job", "")}
+    tags = {k: run.data.tags[k] for k in ("tracktron.job", "tracktron.config_name") if run.data.tags.get(k)}
     if score is not None:
         tags[metric] = str(score)
     version = mlflow.register_model(f"runs:/{run_id}/model", name, tags=tags)

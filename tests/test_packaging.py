@@ -334,7 +334,7 @@ def test_pipeline_prepare_and_eval_steps(tmp_path):
     assert _bash(evaluate, "c.yaml", "/data", "", "x", env=env).returncode == 2
 
 
-def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path):
+def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path, monkeypatch, capsys):
     spec, _ = _compiled(tmp_path)
     command = _step(spec, "exec-register-model")
     assert command[:2] == ["python3", "-c"]
@@ -342,35 +342,32 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path)
     import torch
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = dict(os.environ, MLFLOW_TRACKING_URI=uri)
-    env.pop("MLFLOW_RUN_ID", None)
-    mlflow.set_tracking_uri(uri)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # the sqlite store's artifacts go to ./mlruns
-    try:
-        with mlflow.start_run() as run:
-            mlflow.log_metric("bbox/AP", 0.25)
-            mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", serialization_format="pickle")
-    finally:
-        os.chdir(cwd)
-        mlflow.set_tracking_uri(None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)  # the sqlite store's artifacts go to ./mlruns
+    with mlflow.start_run() as run:
+        mlflow.log_metric("bbox/AP", 0.25)
+        mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", serialization_format="pickle",
+                                 pip_requirements=["torch"])
+    code = compile(command[2], "register-model", "exec")
+    out_file = tmp_path / "out" / "version"
 
-    def register(min_score, alias=""):
-        out_file = tmp_path / "out" / "version"
-        r = subprocess.run([sys.executable, "-c", command[2], run.info.run_id, "det", "bbox/AP", str(min_score),
-                            alias, str(out_file)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                           timeout=300)
-        return r, (out_file.read_text() if out_file.exists() else None)
+    def register(min_score, alias=""):  # the step's script, run in this process (as `python3 -c`)
+        monkeypatch.setattr(sys, "argv", ["-c", run.info.run_id, "det", "bbox/AP", str(min_score), alias,
+                                          str(out_file)])
+        try:
+            exec(code, {"__name__": "__main__"})
+        except SystemExit as e:
+            return str(e.code)
+        return 0
 
-    r, version = register(0.5)
-    assert r.returncode != 0 and "below 0.5" in r.stderr and version is None
-    r, version = register(0.2, alias="candidate")
-    assert r.returncode == 0, r.stderr
-    assert version == "1"
-    r, version = register(0.0)
-    assert r.returncode == 0 and version == "1" and "already" in r.stdout
+    assert "below 0.5" in register(0.5) and not out_file.exists()
+    assert register(0.2, alias="candidate") == 0
+    assert out_file.read_text() == "1"
+    assert register(0.0) == 0 and out_file.read_text() == "1"
+    assert "already holds run" in capsys.readouterr().out
     client = mlflow.MlflowClient(tracking_uri=uri)
-    assert client.get_model_version_by_alias("det", "candidate").version == "1"
+    assert str(client.get_model_version_by_alias("det", "candidate").version) == "1"
     assert len(client.search_model_versions("name = 'det'")) == 1
 
 

@@ -127,6 +127,11 @@ class Config(dict):
         except KeyError:
             raise AttributeError(name) from None
 
+    def __setattr__(self, name, value):
+        if name not in self:  # a typo must not silently become an attribute nobody reads
+            raise AttributeError(f"unknown config key {name}")
+        self[name] = value
+
     def get_key(self, dotted: str):
         node = self
         for part in dotted.split("."):

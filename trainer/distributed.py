@@ -77,6 +77,15 @@ def broadcast_object(ctx: Context, obj):
     return box[0]
 
 
+def gather_object(ctx: Context, obj) -> list:
+    """Every rank's value, in rank order, on rank 0 (other ranks get [])."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
 def barrier(ctx: Context) -> None:
     if ctx.distributed:
         dist.barrier()

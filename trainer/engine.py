@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer import checkpoint as ckpt
 from trainer.config import Config, write_config
 from trainer.data import build_train_loader
-from trainer.distributed import Context, all_mean, any_rank, broadcast_object
+from trainer.distributed import Context, all_mean, any_rank, broadcast_object, gather_object
 from trainer.models import build_model, describe_model, load_weights
 from trainer.prefetch import Prefetcher
 from trainer.preemption import Preempted, PreemptionGuard
@@ -174,7 +174,7 @@ def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output
     scheduler = build_lr_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.SOLVER.AMP and ctx.device.type == "cuda")
     if start.state is not None:
-        restore_training_state(start.state, optimizer, scheduler, scaler)
+        restore_training_state(start.state, optimizer, scheduler, scaler, ctx)
     stats = TrainingStats(cfg, start.iteration, output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
     writer = ckpt.CheckpointWriter(checkpoint_saved(cfg, tracker, output_dir) if ctx.is_main else None)
@@ -199,12 +199,16 @@ def write_run_files(cfg: Config, tracker: Tracker, output_dir: Path, model: torc
         tracker.log_artifact(output_dir / name)
 
 
-def restore_training_state(state: dict, optimizer, scheduler, scaler) -> None:
+def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    ckpt.restore_rng(state["rng"])
+    rngs = state["rng"]  # one per rank: each rank's sampling (RPN, ROI) draws from its own stream
+    if len(rngs) != ctx.world_size:
+        log.warning("checkpoint from %d processes resumed on %d: random streams are not the same",
+                    len(rngs), ctx.world_size)
+    ckpt.restore_rng(rngs[ctx.rank % len(rngs)])
 
 
 # ---- the loop ----
@@ -250,7 +254,7 @@ def check_finite(losses: dict[str, float], cur_iter: int) -> None:
 
 # ---- checkpoints ----
 
-def training_state(cfg: Config, t: Trainer, cur_iter: int) -> dict:
+def training_state(cfg: Config, t: Trainer, cur_iter: int, rngs: list) -> dict:
     model = t.model.module if isinstance(t.model, DistributedDataParallel) else t.model
     return {
         "model": model.state_dict(),
@@ -259,17 +263,18 @@ def training_state(cfg: Config, t: Trainer, cur_iter: int) -> dict:
         "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else {},
         "iteration": cur_iter,
         "config": cfg.to_dict(),
-        "rng": ckpt.capture_rng(),
+        "rng": rngs,
         "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1},
     }
 
 
 def save_snapshot(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int | None) -> None:
     """model_iter{cur_iter}.pth, or model_final.pth when cur_iter is None (rank 0 writes)."""
+    rngs = gather_object(ctx, ckpt.capture_rng())  # every rank takes part; rank 0 gets them all
     if not ctx.is_main:
         return
     it = cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
-    t.writer.submit(training_state(cfg, t, it), Path(cfg.OUTPUT_DIR) / ckpt.checkpoint_name(cur_iter))
+    t.writer.submit(training_state(cfg, t, it, rngs), Path(cfg.OUTPUT_DIR) / ckpt.checkpoint_name(cur_iter))
 
 
 def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int,
