@@ -101,3 +101,13 @@ def test_job_hash_ignores_where_the_job_runs_but_not_what_it_trains():
     assert job_hash(load_config(None, ["OUTPUT_DIR", "/elsewhere", "TRACKING.URI", "http://x",
                                        "DATA_LOADER.NUM_THREADS", "8"])) == base
     assert job_hash(load_config(None, ["SOLVER.BASE_LR", "0.02"])) != base
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.TRAIN.DATASETS and cfg.SOLVER.MAX_ITER > 0, path

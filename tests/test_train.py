@@ -135,3 +135,13 @@ def test_old_local_checkpoints_are_pruned_to_checkpoints_keep(tmp_path, data_dir
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in (tmp_path / "output").glob("*.pth"))
     assert names == ["model_final.pth", "model_iter5.pth", "model_iter7.pth"]
+
+
+def test_another_jobs_checkpoints_in_output_dir_are_left_alone(tmp_path, data_dir):
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 4, "TRACKING.ENABLED": "false"})
+    assert run_trainer(args, cwd=tmp_path).returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "output").glob("*.pth")}
+    other = run_trainer(args + ["SOLVER.BASE_LR", "0.05"], cwd=tmp_path)
+    assert other.returncode == 2
+    assert "is from another job (SOLVER.BASE_LR differ)" in other.stderr.strip().splitlines()[-1]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "output").glob("*.pth")} == before

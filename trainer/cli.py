@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -54,13 +55,40 @@ def train(config_file, resume_run_id, no_resume, opts):
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
     tracker = create_tracker(cfg, ctx.rank, ctx.world_size)
+    monitor = None
     try:
         run = tracker.start(cfg, resume_run_id, new_run=no_resume)
         if run.run_id:
             log.info("MLflow run %s%s", run.run_id, f": {run.ui_url}" if run.ui_url else "")
+            _write_run_id(run.run_id)
+        monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
         _train(cfg, tracker, ctx)
     finally:
+        if monitor is not None:
+            monitor.finish()
         distributed.teardown(ctx)
+
+
+def _write_run_id(run_id: str) -> None:
+    """For pipelines (Kubeflow): the job's run id in the file TRACKTRON_RUN_ID_FILE names."""
+    import os
+
+    if target := os.environ.get("TRACKTRON_RUN_ID_FILE"):
+        path = Path(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(run_id)
+        tmp.replace(path)
+
+
+def _system_metrics(cfg, run_id, ctx):
+    from trainer import system_metrics
+
+    if not system_metrics.wanted(cfg):
+        return None
+    from trainer.mlflow_tracking import tracking_uri
+
+    return system_metrics.start_monitor(cfg, run_id, tracking_uri(cfg), ctx.local_rank, ctx.world_size)
 
 
 def _train(cfg, tracker, ctx) -> None:
@@ -70,7 +98,7 @@ def _train(cfg, tracker, ctx) -> None:
     try:
         done = train_model(cfg, tracker, ctx)
     except Preempted as e:
-        tracker.finish("KILLED", str(e))
+        tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 1.0))
         log.warning("%s; the job resumes from its last checkpoint", e)
         sys.exit(128 + e.signum)
     except NonFiniteLoss as e:
@@ -88,6 +116,26 @@ def _train(cfg, tracker, ctx) -> None:
         click.echo(f"nothing to do: model_final already exists ({done.source})")
     else:
         click.echo(f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}")
+
+
+@cli.command()
+@click.option("--experiment", default=None, help="Only this experiment (default: every one).")
+@click.option("--uri", default=None, help="Tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+def status(experiment, uri):
+    """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
+    import os
+
+    from mlflow import MlflowClient
+
+    from trainer.mlflow_tracking import DEFAULT_URI
+    from trainer.status import job_rows, render
+
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    try:
+        rows = job_rows(MlflowClient(uri), uri, experiment)
+    except Exception as e:  # noqa: BLE001 - an unreachable server is the user's to fix
+        raise UserError(f"cannot read jobs from {uri}: {str(e).splitlines()[0][:200]}") from None
+    click.echo(render(rows))
 
 
 @cli.group()

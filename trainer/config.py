@@ -90,6 +90,7 @@ _DEFAULTS: dict = {
         "REGISTERED_MODEL": "",
         "LOG_MODEL": True,
         "FLUSH_TIMEOUT_S": 30.0,
+        "SYSTEM_METRICS": "auto",  # CPU/memory/GPU as system/ metrics: auto = on for GPU runs
     },
 }
 
@@ -213,6 +214,10 @@ def _coerce(key: str, value, default):
             return value
         if value is None:
             return ""
+        if isinstance(value, bool):  # YAML reads `true` as a boolean
+            return str(value).lower()
+        if isinstance(value, (int, float)):  # a run name such as 2024
+            return str(value)
     elif isinstance(default, list):
         if isinstance(value, str):
             value = _literal(value)
@@ -322,6 +327,8 @@ def validate(cfg: Config) -> None:
         (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
+        (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
+         f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -332,12 +339,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
 
 
-def job_hash(cfg: Config) -> str:
-    """A short hash of the keys that change what is trained: two runs with it equal are one job."""
-    flat = flatten(cfg.to_dict())
-    kept = {k: v for k, v in flat.items()
+def job_keys(cfg: dict) -> dict:
+    """The flattened keys that change what is trained."""
+    return {k: v for k, v in flatten(json.loads(json.dumps(cfg))).items()
             if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def job_hash(cfg: dict) -> str:
+    """A short hash of the keys that change what is trained: two runs with it equal are one job."""
+    return hashlib.sha256(json.dumps(job_keys(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_config(cfg: Config, path: Path) -> None:

@@ -25,7 +25,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint as ckpt
-from trainer.config import Config, write_config
+from trainer.config import Config, job_keys, write_config
+from trainer.errors import UserError
 from trainer.data import build_train_loader
 from trainer.distributed import Context, all_mean, any_rank, broadcast_object, gather_object
 from trainer.models import build_model, describe_model, load_weights
@@ -75,7 +76,7 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
     snapshot_period = max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
     cur_iter = start.iteration
     try:
-        with PreemptionGuard() as guard:
+        with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
             for cur_iter in range(start.iteration, cfg.SOLVER.MAX_ITER):
                 losses = run_iteration(cfg, t, ctx, tracker, cur_iter)
                 check_finite(losses, cur_iter)
@@ -83,12 +84,12 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
                     save_snapshot(cfg, t, ctx, tracker, cur_iter)
                 t.stats.maybe_reset_timer(cur_iter)
                 if any_rank(ctx, guard.requested):
-                    raise Preempted(guard.signum or 15)
+                    raise guard.preempted()
             save_snapshot(cfg, t, ctx, tracker, None)
             t.writer.close()
             log_final_model(cfg, t, ctx, tracker)
-    except Preempted:
-        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period)
+    except Preempted as e:
+        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period, e.deadline)
         raise
     finally:
         t.batches.close()  # loader workers never outlive the loop
@@ -133,6 +134,8 @@ def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPo
     if not (cfg.TRAIN.AUTO_RESUME or tracker.run.resumed):
         return StartPoint()
     local = ckpt.newest_valid(output_dir)
+    if local:
+        check_same_job(cfg, *local)
     local_iter = ckpt.iteration_of(local[0].name) if local else -1
     if local and local[0].name == ckpt.FINAL:
         return StartPoint(final=True, source=str(local[0]))
@@ -154,6 +157,15 @@ def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPo
     if local:
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
     return StartPoint()
+
+
+def check_same_job(cfg: Config, path: Path, state: dict) -> None:
+    """Never resume (or call finished) another job's checkpoints left in OUTPUT_DIR."""
+    ours, theirs = job_keys(cfg), job_keys(state.get("config", {}))
+    if ours != theirs:
+        diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise UserError(f"{path} is from another job ({', '.join(diff[:4])} differ): use another "
+                        "OUTPUT_DIR, or --no-resume to start this job over in it")
 
 
 def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path,
@@ -278,13 +290,12 @@ def save_snapshot(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_i
 
 
 def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int,
-                             start_iter: int, snapshot_period: int) -> None:
+                             start_iter: int, snapshot_period: int, deadline: float) -> None:
     """Checkpoint the last finished iteration and wait (within the grace period) for its upload."""
-    deadline = time.monotonic() + cfg.TRAIN.PREEMPT_GRACE_S
     if not is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):  # not saved by the loop
         save_snapshot(cfg, t, ctx, tracker, cur_iter)
     t.writer.close()
-    tracker.wait(max(0.0, deadline - time.monotonic() - 2.0))
+    tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit
 
 
 def log_final_model(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker) -> None:

@@ -85,7 +85,19 @@ def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     }
     if commit := _git_commit():
         tags["mlflow.source.git.commit"] = commit
+    tags["mlflow.note.content"] = describe_job(cfg, world_size)
     return tags
+
+
+def describe_job(cfg: Config, world_size: int) -> str:
+    """The run's description in the UI: what was trained on what data, how."""
+    s, t = cfg.SOLVER, cfg.TRAIN
+    backbone = f" ({cfg.MODEL.BACKBONE} backbone)" if cfg.MODEL.BACKBONE else ""
+    weights = t.WEIGHTS or "random initialisation"
+    return (f"{cfg.MODEL.TYPE}{backbone} trained on {', '.join(t.DATASETS)} from {weights}: "
+            f"{s.MAX_ITER} iterations of {t.IMS_PER_BATCH} images x {world_size} process(es), "
+            f"LR {s.BASE_LR} ({s.LR_POLICY}), scales {t.SCALES}, max size {t.MAX_SIZE}. "
+            f"Evaluated on {', '.join(cfg.TEST.DATASETS) or 'nothing'}.")
 
 
 class MlflowTracker(Tracker):
@@ -106,14 +118,16 @@ class MlflowTracker(Tracker):
 
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> RunInfo:
         try:
-            exp_id = self._experiment(experiment_name(cfg))
-            run = self._find_run(cfg, exp_id, resume_run_id, new_run)
+            run, exp_id = self._find_run(cfg, resume_run_id, new_run)
+            resumed = run is not None and JOB_TAG in run.data.tags
             if run is None:
                 run = self.client.create_run(exp_id, tags=_start_tags(cfg, self.world_size),
                                              run_name=self._run_name(cfg))
-                resumed = False
+            elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
+                tags = _start_tags(cfg, self.world_size)
+                self.client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+                run = self.client.get_run(run.info.run_id)
             else:
-                resumed = True
                 if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                     self.client.update_run(run.info.run_id, status="RUNNING")
                 self._skip_until = self._last_step(run.info.run_id)
@@ -129,17 +143,43 @@ class MlflowTracker(Tracker):
 
     def _experiment(self, name: str) -> str:
         exp = self.client.get_experiment_by_name(name)
-        return exp.experiment_id if exp else self.client.create_experiment(name)
+        if exp:
+            return exp.experiment_id
+        # The UI groups experiments by kind: these are model-training ones.
+        return self.client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
 
-    def _find_run(self, cfg: Config, exp_id: str, resume_run_id: str | None, new_run: bool):
-        run_id = resume_run_id or os.environ.get("MLFLOW_RUN_ID")
-        if run_id:
-            try:
-                return self.client.get_run(run_id)
-            except MlflowException:
+    def _find_run(self, cfg: Config, resume_run_id: str | None, new_run: bool):
+        """(run or None, experiment id): --resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run."""
+        if resume_run_id:
+            run = self._get_run(resume_run_id)
+            return run, run.info.experiment_id
+        resume = cfg.TRAIN.AUTO_RESUME and not new_run
+        if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
+            launcher = self._get_run(launcher_id)
+            exp_id = launcher.info.experiment_id
+            if JOB_TAG in launcher.data.tags or not resume:
+                return launcher, exp_id
+            earlier = self._newest_job_run(exp_id, cfg)
+            if earlier is None:
+                return launcher, exp_id
+            # `mlflow run` made a new run for a job that has one: one job stays one run.
+            note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
+            self.client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", earlier.info.run_id),
+                                                     RunTag("mlflow.note.content", note)])
+            log.info("%s", note)
+            return earlier, exp_id
+        exp_id = self._experiment(experiment_name(cfg))
+        return (self._newest_job_run(exp_id, cfg) if resume else None), exp_id
+
+    def _get_run(self, run_id: str):
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException as e:
+            if e.get_http_status_code() == 404 or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
                 raise UserError(f"run {run_id} does not exist on {self.uri}") from None
-        if new_run or not cfg.TRAIN.AUTO_RESUME:
-            return None
+            raise
+
+    def _newest_job_run(self, exp_id: str, cfg: Config):
         runs = self.client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'",
                                        order_by=["attributes.start_time DESC"], max_results=1)
         return runs[0] if runs else None
@@ -230,13 +270,14 @@ class MlflowTracker(Tracker):
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
 
-    def finish(self, status: str, reason: str = "") -> None:
+    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> None:
         if self.run.run_id is None:
             self._uploader.close(0)
             return
-        deadline = time.monotonic() + self.flush_timeout
+        timeout = self.flush_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         if self._sender:
-            self._sender.close(self.flush_timeout)
+            self._sender.close(timeout)
         tags = [RunTag("tracktron.status_reason", reason[:5000])] if reason else []
         self._submit("set the run's status", lambda: (
             tags and self.client.log_batch(self.run.run_id, tags=tags),

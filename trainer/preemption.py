@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -17,14 +18,17 @@ log = logging.getLogger(__name__)
 class Preempted(Exception):
     """Raised by the engine after the preemption checkpoint is safe."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, deadline: float):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+        self.deadline = deadline  # time.monotonic() by which the process must be gone
 
 
 class PreemptionGuard:
-    def __init__(self):
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
         self.signum: int | None = None
+        self.deadline = float("inf")
         self._previous: dict = {}
 
     @property
@@ -37,6 +41,9 @@ class PreemptionGuard:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def preempted(self) -> Preempted:
+        return Preempted(self.signum or signal.SIGTERM, min(self.deadline, time.monotonic() + self.grace_s))
+
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -47,5 +54,6 @@ class PreemptionGuard:
             os.write(2, b"second signal: exiting now\n")
             os._exit(128 + signum)
         self.signum = signum
+        self.deadline = time.monotonic() + self.grace_s
         log.warning("%s received: finishing this iteration, then checkpointing and stopping",
                     signal.Signals(signum).name)

@@ -58,8 +58,9 @@ class Tracker:
         """Wait for queued uploads (preemption: the last checkpoint must reach the server)."""
         return True
 
-    def finish(self, status: str, reason: str = "") -> None:
-        """FINISHED, FAILED or KILLED; flushes what is queued within TRACKING.FLUSH_TIMEOUT_S."""
+    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> None:
+        """FINISHED, FAILED or KILLED; flushes what is queued within `timeout` (default
+        TRACKING.FLUSH_TIMEOUT_S)."""
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
