@@ -12,6 +12,22 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """No ambient MLflow settings, and none leak out of a test (mlflow.set_tracking_uri writes
+    os.environ): each test picks its tracking store explicitly."""
+    saved = dict(os.environ)
+    for var in [v for v in os.environ if v.startswith("MLFLOW_")]:
+        del os.environ[var]
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    if "mlflow" in sys.modules:
+        from mlflow.tracking._tracking_service import utils
+
+        utils._tracking_uri = None
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """DATA_DIR with synth_shapes_train/val, generated once for the whole session."""

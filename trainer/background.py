@@ -96,7 +96,9 @@ class MetricSender:
                 if time.monotonic() + delay > self._deadline:
                     log.warning("metrics: giving up on %d points: %s", len(batch), e)
                     return
-                log.debug("metrics: send failed (%s), retrying in %.1fs", e, delay)
+                # One warning per outage, not one per retry: logs stay readable, stderr never floods.
+                (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
+                    "metrics: send failed (%s), retrying in %.1fs", _short(e), delay)
                 time.sleep(delay)
 
 
@@ -173,5 +175,11 @@ class Uploader:
                     log.warning("tracking: %s failed: %s", description, e)
                     self.failed.append(description)
                     return
-                log.warning("tracking: %s failed (%s); retrying in %.1fs", description, e, delay)
+                first = backoff.delay == backoff.first * 2
+                (log.warning if first else log.debug)("tracking: %s failed (%s); retrying", description, _short(e))
                 time.sleep(delay)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__

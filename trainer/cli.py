@@ -21,8 +21,9 @@ def _setup_logging(rank: int = 0) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
-    for noisy in ("alembic", "urllib3", "botocore", "mlflow.store.db.utils"):
+    for noisy in ("alembic", "botocore", "mlflow.store.db.utils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
