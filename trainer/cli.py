@@ -60,7 +60,8 @@ def train(config_file, resume_run_id, no_resume, opts):
     try:
         run = tracker.start(cfg, resume_run_id, new_run=no_resume)
         if run.run_id:
-            log.info("MLflow run %s%s", run.run_id, f": {run.ui_url}" if run.ui_url else "")
+            where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
+            log.info("MLflow run %s: %s", run.run_id, where)
             _write_run_id(run.run_id)
         monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
         _train(cfg, tracker, ctx)

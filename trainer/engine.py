@@ -92,6 +92,7 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
         save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period, e.deadline)
         raise
     finally:
+        t.stats.close()
         t.batches.close()  # loader workers never outlive the loop
         t.writer.close(raise_errors=False)  # a checkpoint being written is finished, not torn
     return None
