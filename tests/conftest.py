@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Tiny models on 2 shared cores: one intra-op thread per process is several times faster than
+# torch's default (its threads spin against the trainer subprocess, loader workers and servers).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 

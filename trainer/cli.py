@@ -1,4 +1,4 @@
-"""Command line: `tracktron train|data synth`, also `python -m trainer`.
+"""Command line: `tracktron train|eval|status|data synth`, also `python -m trainer`.
 
 Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a preempted job
 128 + the signal number (143 for SIGTERM), after its checkpoint is safe.
@@ -118,6 +118,27 @@ def _train(cfg, tracker, ctx) -> None:
         click.echo(f"nothing to do: model_final already exists ({done.source})")
     else:
         click.echo(f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}")
+
+
+@cli.command("eval", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True)
+@click.option("--weights", required=True,
+              help="A checkpoint path, runs:/<run_id>/checkpoints/model_final.pth or models:/<name>/<version>.")
+@click.argument("opts", nargs=-1, type=click.UNPROCESSED)
+def eval_(config_file, weights, opts):
+    """COCO evaluation (pycocotools) of a checkpoint on TEST.DATASETS; a runs:/ URI gets the metrics."""
+    from trainer import distributed
+    from trainer.config import load_config
+    from trainer.evaluation import eval_command
+
+    _setup_logging()
+    cfg = load_config(config_file, list(opts))
+    ctx = distributed.setup()
+    _setup_logging(ctx.rank)
+    try:
+        eval_command(cfg, weights, ctx)
+    finally:
+        distributed.teardown(ctx)
 
 
 @cli.command()

@@ -6,6 +6,7 @@
     for cur_iter in range(start_iter, MAX_ITER):
         step; stats.update; stats.log
         every SNAPSHOT_ITERS // NUM_GPUS: save model_iter{cur_iter}
+        every TEST.EVAL_PERIOD: COCO evaluation, metrics to the run
         at start_iter + LOG_PERIOD: reset the iteration timer
         loss NaN: shut the loader down, fail
     save model_final; shut the loader down
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer import checkpoint as ckpt
 from trainer.config import Config, job_keys, write_config
 from trainer.errors import UserError
+from trainer.evaluation import evaluate_during_training
 from trainer.data import build_train_loader
 from trainer.distributed import Context, all_mean, any_rank, broadcast_object, gather_object
 from trainer.models import build_model, describe_model, load_weights
@@ -82,12 +84,14 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
                 check_finite(losses, cur_iter)
                 if is_snapshot_iter(cfg, cur_iter, start.iteration, snapshot_period):
                     save_snapshot(cfg, t, ctx, tracker, cur_iter)
+                evaluate_during_training(cfg, t.model, ctx, output_dir, tracker, cur_iter)
                 t.stats.maybe_reset_timer(cur_iter)
                 if any_rank(ctx, guard.requested):
                     raise guard.preempted()
             save_snapshot(cfg, t, ctx, tracker, None)
             t.writer.close()
-            log_final_model(cfg, t, ctx, tracker)
+            evaluate_during_training(cfg, t.model, ctx, output_dir, tracker, cfg.SOLVER.MAX_ITER - 1, final=True)
+            log_final_model(cfg, t, ctx, tracker)  # last: it moves the model to the CPU
     except Preempted as e:
         save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period, e.deadline)
         raise

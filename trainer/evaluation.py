@@ -1,15 +1,11 @@
 """COCO evaluation: inference to COCO results json, pycocotools metrics, tracking, `tracktron eval`.
 
-    evaluate(cfg, model, ctx, output_dir, tracker, step)   every TEST.DATASETS entry:
-        build_test_loader -> set_test_size -> run_inference (each rank its shard, gathered on rank 0)
-        -> eval/<dataset>/detections.json, per_category_ap.md -> COCOeval -> tracker (rank 0)
-
-Metrics are COCOeval's stats (0..1) named `bbox/AP`, `bbox/AP50`, ... `segm/...`, `keypoints/...`.
-A stat COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` when
-there is no large object) is dropped rather than logged as -1, which would read as a score.
-With several TEST.DATASETS the first keeps the plain names (DESIGN.md's `bbox/AP`) and the others
-are prefixed with their name: `<dataset>/bbox/AP`.
-
+evaluate() for each TEST.DATASETS entry: build_test_loader, set_test_size, run_inference (each rank
+its shard, gathered on rank 0), eval/<dataset>/detections.json + per_category_ap.md, COCOeval, tracker.
+Metrics are COCOeval's stats (0..1): `bbox/AP`, `bbox/AP50`, ..., `segm/...`, `keypoints/...`. A stat
+COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` without a large
+object) is dropped, not logged as a -1 that would read as a score. With several TEST.DATASETS the
+first keeps the plain names (DESIGN.md's `bbox/AP`), the others are prefixed: `<dataset>/bbox/AP`.
 mlflow is imported only by the functions that need it (the engine imports this module).
 """
 from __future__ import annotations
@@ -26,25 +22,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from trainer.checkpoint import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
-from trainer.distributed import Context, broadcast_object
+from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.errors import UserError
 from trainer.models import build_model, load_weights, set_test_size
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
-STAT_NAMES = {
-    "bbox": ("AP", "AP50", "AP75", "APs", "APm", "APl"),
-    "segm": ("AP", "AP50", "AP75", "APs", "APm", "APl"),
-    "keypoints": ("AP", "AP50", "AP75", "APm", "APl"),
-}
+_BOX_STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")  # COCOeval.stats[:6]; the rest are ARs
+STAT_NAMES = {"bbox": _BOX_STATS, "segm": _BOX_STATS, "keypoints": ("AP", "AP50", "AP75", "APm", "APl")}
 # Which field a result needs to count for an iou type.
 _RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
 # COCOeval's default sigmas are the 17 COCO person keypoints; other skeletons get their mean for
@@ -86,7 +78,9 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
             outputs = net([im.to(device, non_blocking=True) for im in images])
             ids = [t["image_id"] for t in targets]
             results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
-    return gather_results(ctx, results)
+    if ctx is None or not ctx.distributed:
+        return results
+    return [r for part in gather_object(ctx, results) for r in part]  # shards are disjoint
 
 
 def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: dict) -> list[dict]:
@@ -111,21 +105,11 @@ def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: di
 
 def _encode_masks(masks: torch.Tensor) -> list[dict]:
     """[N, 1, H, W] probabilities -> RLEs of mask > 0.5, counts as str so they serialise to json."""
-    if len(masks) == 0:
-        return []
     binary = (masks[:, 0] > 0.5).numpy().astype(np.uint8)
     rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
     for rle in rles:
         rle["counts"] = rle["counts"].decode("ascii")
     return rles
-
-
-def gather_results(ctx: Context | None, results: list) -> list:
-    if ctx is None or not ctx.distributed:
-        return results
-    parts = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(results, parts, dst=0)
-    return [r for part in parts for r in part] if ctx.is_main else []
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -137,15 +121,14 @@ def load_results(coco_gt: COCO, results: list[dict], iou_type: str) -> COCO:
     # the box's area as the mask's and misfile it among small/medium/large (as detectron2 does).
     dets = [{k: v for k, v in r.items() if not (iou_type == "segm" and k == "bbox")}
             for r in results if field in r]
-    if not dets:
-        empty = COCO()
-        empty.dataset = {"images": list(coco_gt.dataset["images"]), "annotations": [],
-                         "categories": list(coco_gt.dataset["categories"])}
-        with _quiet():
-            empty.createIndex()
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        if dets:
+            return coco_gt.loadRes(dets)
+        empty = COCO()  # no detection: every defined stat is 0, the undefined ones stay undefined
+        empty.dataset = {"images": coco_gt.dataset["images"], "annotations": [],
+                         "categories": coco_gt.dataset["categories"]}
+        empty.createIndex()
         return empty
-    with _quiet():
-        return coco_gt.loadRes(dets)
 
 
 def run_cocoeval(coco_gt: COCO, results: list[dict], iou_type: str, sigmas=None) -> COCOeval:
@@ -154,12 +137,10 @@ def run_cocoeval(coco_gt: COCO, results: list[dict], iou_type: str, sigmas=None)
     ev = COCOeval(coco_gt, coco_dt, iou_type)
     if iou_type == "keypoints":
         ev.params.kpt_oks_sigmas = sigmas if sigmas is not None else _oks_sigmas(coco_gt)
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    log.info("COCOeval %s:\n%s", iou_type, text.getvalue().rstrip())
+    with contextlib.redirect_stdout(text := io.StringIO()):
+        ev.evaluate(), ev.accumulate(), ev.summarize()
+    summary = [line for line in text.getvalue().splitlines() if line.lstrip().startswith("Average")]
+    log.info("COCOeval %s:\n%s", iou_type, "\n".join(summary))
     return ev
 
 
@@ -195,14 +176,7 @@ def per_category_table(ev: COCOeval) -> str:
 
 
 def _mean_defined(p: np.ndarray) -> str:
-    p = p[p > -1]
-    return f"{p.mean():.4f}" if p.size else "n/a"
-
-
-@contextlib.contextmanager
-def _quiet():
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
-        yield
+    return f"{p[p > -1].mean():.4f}" if (p > -1).any() else "n/a"  # -1: no such ground truth
 
 
 # --------------------------------------------------------------------------------------- evaluate
@@ -210,10 +184,7 @@ def _quiet():
 def evaluate(cfg, model, ctx: Context | None = None, output_dir=None, tracker: Tracker | None = None,
              step: int | None = None) -> dict[str, float]:
     """Evaluate on every TEST.DATASETS entry; every rank must call it. Same metrics on all ranks."""
-    ctx = ctx or Context()
-    tracker = tracker or Tracker()
-    output_dir = Path(output_dir if output_dir is not None else cfg.OUTPUT_DIR)
-    metrics = {}
+    ctx, tracker, output_dir, metrics = ctx or Context(), tracker or Tracker(), Path(output_dir or cfg.OUTPUT_DIR), {}
     for i, name in enumerate(cfg.TEST.DATASETS):
         prefix = "" if i == 0 else f"{dataset_dirname(name)}/"
         found = evaluate_dataset(cfg, model, ctx, name, output_dir, tracker)
@@ -232,8 +203,7 @@ def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, trac
     seconds = time.perf_counter() - start
     if not ctx.is_main:
         return {}
-    log.info("%s: %d images inferred in %.1fs (%.1f images/s), %d detections", name, len(dataset), seconds,
-             len(dataset) / max(seconds, 1e-9), len(results))
+    log.info("%s: %d images inferred in %.1fs, %d detections", name, len(dataset), seconds, len(results))
     out = output_dir / "eval" / dataset_dirname(name)
     metrics, table = {}, ""
     for iou_type in iou_types_for(cfg.MODEL.TYPE):
@@ -266,13 +236,9 @@ def _write_atomic(path: Path, text: str) -> Path:
 def evaluate_during_training(cfg, model, ctx: Context, output_dir, tracker: Tracker, cur_iter: int,
                              final: bool = False) -> dict | None:
     """The engine's hook: every TEST.EVAL_PERIOD iterations and after model_final (all ranks call it)."""
-    if not cfg.TEST.DATASETS:
-        return None
-    period = cfg.TEST.EVAL_PERIOD
-    last = cur_iter + 1 >= cfg.SOLVER.MAX_ITER
-    if not final and (period <= 0 or (cur_iter + 1) % period or last):  # the final one comes after
-        return None
-    return evaluate(cfg, model, ctx, output_dir, tracker, step=cur_iter)
+    period, last = cfg.TEST.EVAL_PERIOD, cur_iter + 1 >= cfg.SOLVER.MAX_ITER
+    due = final or (period > 0 and (cur_iter + 1) % period == 0 and not last)  # the last: final=True
+    return evaluate(cfg, model, ctx, output_dir, tracker, step=cur_iter) if due and cfg.TEST.DATASETS else None
 
 
 # ------------------------------------------------------------------------------ weights and the CLI
@@ -282,16 +248,15 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
     return _load_for_eval(cfg, weights, num_classes, num_keypoints)[0]
 
 
-def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):
-    """(model, the checkpoint's iteration or None)."""
+def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # (model, iteration)
     if weights.startswith("models:/"):
         return _load_logged_model(cfg, weights), None
     if not weights.startswith("runs:/"):
         return _load_file(cfg, weights, num_classes, num_keypoints)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
         path = _download(cfg, weights, tmp)
-        if path.is_dir():  # runs:/<id>/model: the logged MLflow model
-            return _load_logged_model(cfg, weights), None
+        if path.is_dir():  # runs:/<id>/model: the logged MLflow model, already here
+            return _load_logged_model(cfg, str(path)), None
         return _load_file(cfg, str(path), num_classes, num_keypoints)
 
 
@@ -309,36 +274,37 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int):
 
 
 def _iteration_in(path: str) -> int | None:
-    try:  # mmap: reads the small 'iteration' entry, not the tensors
+    try:  # mmap: reads the small 'iteration' entry, not the tensors again
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - load_weights already read it; a raw state_dict has no iteration
+        return state["iteration"] if isinstance(state.get("iteration"), int) else None
+    except Exception:  # noqa: BLE001 - a raw state_dict, or an old (non-zip) file mmap cannot map
         return None
-    value = state.get("iteration") if isinstance(state, dict) else None
-    return int(value) if isinstance(value, int) else None
+
+
+def _tracking_uri(cfg) -> str:
+    from trainer.mlflow_tracking import tracking_uri  # imports mlflow: only when a URI is given
+
+    return tracking_uri(cfg)
 
 
 def _download(cfg, uri: str, dest: str) -> Path:
     import mlflow
 
-    from trainer.mlflow_tracking import tracking_uri
-
-    tracking = tracking_uri(cfg)
     try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=tracking))
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest,
+                                                        tracking_uri=_tracking_uri(cfg)))
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
-        raise UserError(f"cannot fetch {uri} from {tracking}: {_first_line(e)}") from None
+        raise UserError(f"cannot fetch {uri} from {_tracking_uri(cfg)}: {_first_line(e)}") from None
 
 
 def _load_logged_model(cfg, uri: str):
     import mlflow
 
-    from trainer.mlflow_tracking import tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri(cfg))
+    mlflow.set_tracking_uri(_tracking_uri(cfg))
     try:
         return mlflow.pytorch.load_model(uri, map_location="cpu")
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"cannot load {uri} from {tracking_uri(cfg)}: {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - unknown name or version, unreachable server
+        raise UserError(f"cannot load {uri} from {_tracking_uri(cfg)}: {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -352,24 +318,21 @@ class _RunLogger(Tracker):
     def __init__(self, cfg, run_id: str):
         from mlflow import MlflowClient
 
-        from trainer.mlflow_tracking import tracking_uri
-
-        self.client, self.run_id = MlflowClient(tracking_uri=tracking_uri(cfg)), run_id
+        self.client, self.run_id = MlflowClient(tracking_uri=_tracking_uri(cfg)), run_id
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._call(lambda: self.client.log_batch(
-            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]))
+        self._call("log_batch", metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+        self._call("log_artifact", str(path), artifact_path)
 
-    def _call(self, fn) -> None:
+    def _call(self, method: str, *args, **kwargs) -> None:
         try:
-            fn()
-        except Exception as e:  # noqa: BLE001
+            getattr(self.client, method)(self.run_id, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - deleted run, unreachable server
             raise UserError(f"cannot log the evaluation to run {self.run_id}: {_first_line(e)}") from None
 
 
