@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The torch/torchvision pair this project is tested with (CUDA wheels, run on CPU too).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-long test bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tracktron train --config configs/demo.yaml
+	OMP_NUM_THREADS=1 $(VENV)/bin/tracktron train --config configs/demo.yaml
+
+demo-long: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/tracktron train --config configs/demo_long.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
