@@ -1,0 +1,129 @@
+"""The MLflow UI end to end: a short job against a real `mlflow server`, its run page in headless
+Chromium, the `loss` and `lr` charts with every logged point, and a screenshot of them.
+
+Chromium is Debian's `chromium` package, installed by `apt-get` when missing (CI runs as root on a
+fresh machine); the test skips only where that is impossible. Playwright drives the system browser
+(`executable_path`): `playwright install` is never run. The screenshot is saved in the test's tmp
+dir and in `test-artifacts/ui-loss-curves.png` (kept after a failure too, to see what was drawn).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import ROOT, demo_overrides, run_trainer
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACT = ROOT / "test-artifacts" / "ui-loss-curves.png"
+# MLflow draws a marker per point while a line has fewer than 60 points: the check counts markers.
+MAX_ITER = 30
+TIMEOUT_MS = 60_000  # each wait for the single-page app (2 slow CPU cores serve and render it)
+
+
+def _apt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["apt-get", *args], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """/usr/bin/chromium, installed from Debian's archive when missing; a skip only if it cannot be."""
+    if CHROMIUM.exists():
+        return CHROMIUM
+    if shutil.which("apt-get") is None:
+        pytest.skip("Chromium cannot be installed: /usr/bin/chromium is missing and there is no apt-get")
+    if os.geteuid() != 0:
+        pytest.skip("Chromium cannot be installed: /usr/bin/chromium is missing and apt-get needs root "
+                    "(run `apt-get install -y chromium` as root)")
+    start = time.monotonic()
+    for args in (("update",), ("install", "-y", "chromium")):
+        done = _apt(*args)
+        if done.returncode != 0:
+            tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-5:]
+            pytest.skip(f"Chromium cannot be installed: apt-get {' '.join(args)} exited {done.returncode}: "
+                        + " | ".join(tail))
+    if not CHROMIUM.exists():
+        pytest.skip("Chromium cannot be installed: apt-get installed chromium but not /usr/bin/chromium")
+    print(f"installed Debian's chromium in {time.monotonic() - start:.0f} s")
+    return CHROMIUM
+
+
+def chart_card(page, key: str):
+    """The chart card titled exactly `key` (`loss` is not `loss_box_reg`)."""
+    return (page.locator('[data-testid="experiment-view-compare-runs-card"]')
+            .filter(has=page.locator(f'h4[title="{key}"]')))
+
+
+def check_chart(page, key: str, history) -> None:
+    """The card for `key` is there and draws every logged point: one marker per point in the
+    plotly SVG, a line through them, and the plotted (step, value) pairs are the logged ones.
+    Without logged points there is no card (MLflow hides empty charts), or fewer markers."""
+    from playwright.sync_api import expect
+
+    card = chart_card(page, key)
+    expect(card, f"no chart for {key!r} on the run page").to_have_count(1, timeout=TIMEOUT_MS)
+    markers = card.locator(".js-plotly-plot g.scatterlayer g.trace g.points path.point")
+    expect(markers, f"the {key!r} chart does not draw one marker per logged point").to_have_count(
+        len(history), timeout=TIMEOUT_MS)
+    line = card.locator(".js-plotly-plot g.scatterlayer g.trace path.js-line").first
+    expect(line, f"the {key!r} chart draws no line").to_have_attribute("d", re.compile(r"^M[\d.,-]+L"),
+                                                                       timeout=TIMEOUT_MS)
+    plotted = card.locator(".js-plotly-plot").evaluate("gd => ({x: gd.data[0].x, y: gd.data[0].y})")
+    assert plotted["x"] == [m.step for m in history], f"the {key!r} chart plots other steps than were logged"
+    assert plotted["y"] == pytest.approx([m.value for m in history], rel=1e-6), \
+        f"the {key!r} chart plots other values than were logged"
+
+
+def test_run_page_shows_loss_and_lr_curves(tmp_path, data_dir, mlflow_server, s3_server, chromium):
+    from playwright.sync_api import sync_playwright
+
+    exp = f"ui-{uuid.uuid4().hex[:6]}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp,
+                                                 "TRACKING.FLUSH_TIMEOUT_S": 60, "SOLVER.MAX_ITER": MAX_ITER,
+                                                 "LOG_PERIOD": 10, "TRAIN.SNAPSHOT_ITERS": 1000})
+    result = run_trainer(args, cwd=tmp_path, env=s3_server.env)
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.get_experiment_by_name(exp)
+    (run,) = client.search_runs([experiment.experiment_id])
+    history = {key: sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+               for key in ("loss", "lr")}
+    assert all([m.step for m in h] == list(range(MAX_ITER)) for h in history.values())
+
+    url = f"{mlflow_server.url}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
+    shots = [tmp_path / "ui-loss-curves.png", ARTIFACT]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS, headless=True)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 720})
+            # Cosmetic, for the screenshot: MLflow 3's "Model training" sidebar (a trainer's user picks
+            # it), and its assistant panel, which opens by itself on a first visit, left closed.
+            context.add_init_script("localStorage.setItem('mlflow.workflowType_v1', '\"machine_learning\"');"
+                                    "localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');")
+            page = context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            try:
+                page.goto(url)
+                # Only the charts asked for: both in view (off-screen cards render lazily) and in the shot.
+                page.get_by_placeholder("Search metric charts").fill("^(loss|lr)$")
+                for key in ("loss", "lr"):
+                    check_chart(page, key, history[key])
+                page.mouse.move(0, 0)  # no hover label over a chart
+            finally:
+                page.wait_for_timeout(500)  # let the last re-render settle
+                for shot in shots:
+                    shot.parent.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    assert all(shot.stat().st_size > 10_000 for shot in shots)
