@@ -25,6 +25,7 @@ import difflib
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -150,7 +151,10 @@ def _fpn_backbone(name: str, channels: int, width: float, single_stage: bool) ->
     # RetinaNet/FCOS: P3-P7 with P6/P7 from P5; R-CNN: P2-P6 (mobilenet: its last two stages + pool).
     extra = LastLevelP6P7(channels, channels) if single_stage else LastLevelMaxPool()
     if name == "mobilenet_v3_large":
-        features = torchvision.models.mobilenet_v3_large(weights=None, width_mult=width).features
+        # torchvision's BN momentum 0.01 suits fine-tuning; from scratch the weights move fast and
+        # running statistics that slow lag far behind the batch ones (eval scores collapse).
+        norm = partial(nn.BatchNorm2d, eps=0.001, momentum=0.1)
+        features = torchvision.models.mobilenet_v3_large(weights=None, width_mult=width, norm_layer=norm).features
         stages = [i for i, b in enumerate(features) if getattr(b, "_is_cn", False)] + [len(features) - 1]
         used = stages[-2:]  # like torchvision's _mobilenet_extractor
         return BackboneWithFPN(features, {str(i): str(k) for k, i in enumerate(used)},
