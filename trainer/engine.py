@@ -198,11 +198,20 @@ def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output
     return Trainer(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
 
 
+STATS_UPLOAD_PERIOD_S = 300.0
+
+
 def checkpoint_saved(cfg: Config, tracker: Tracker, output_dir: Path):
-    """After a checkpoint file is complete: upload it (then prune older local ones) and the stats."""
+    """After a checkpoint file is complete: upload it (then prune older local ones), and now and
+    then json_stats.log (whole each time, so not with every checkpoint; always with model_final)."""
+    last_stats_upload = [-math.inf]
+
     def on_saved(path: Path, digest: str) -> None:
         tracker.log_checkpoint(path, digest, on_done=lambda: ckpt.prune(output_dir, cfg.TRAIN.CHECKPOINTS_KEEP))
-        tracker.log_artifact(output_dir / "json_stats.log")
+        now = time.monotonic()
+        if path.name == ckpt.FINAL or now - last_stats_upload[0] >= STATS_UPLOAD_PERIOD_S:
+            last_stats_upload[0] = now
+            tracker.log_artifact(output_dir / "json_stats.log")
 
     return on_saved
 
@@ -300,6 +309,8 @@ def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cu
     if not is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):  # not saved by the loop
         save_snapshot(cfg, t, ctx, tracker, cur_iter)
     t.writer.close()
+    if ctx.is_main:
+        tracker.log_artifact(Path(cfg.OUTPUT_DIR) / "json_stats.log")  # the resumed job continues it
     tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit
 
 

@@ -31,6 +31,7 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
 LATEST_TAG = "tracktron.ckpt.latest"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+METRICS_INTERVAL_S = 5.0
 _SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "ACCESS_KEY", "CREDENTIAL")
 
 
@@ -137,7 +138,9 @@ class MlflowTracker(Tracker):
             raise UserError(_start_error(self.uri, e)) from None
         run_id = run.info.run_id
         self.run = RunInfo(run_id, self._ui_url(exp_id, run_id), resumed, checkpoints_of(run))
-        self._sender = MetricSender(self._send_metrics)
+        # One log_batch every few seconds: the UI lags that much, the server does a fraction of the
+        # work (its CPU per request hardly grows with the points in it; bench/RESULTS.md).
+        self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
         self._log_params(cfg, run)
         return self.run
 

@@ -1,0 +1,257 @@
+"""What every benchmark shares: the machine's description, the real servers, timing helpers, results.
+
+Every figure the suite reports is a RATIO of two things measured side by side in the same process,
+interleaved (A, B, A, B, ...), so that it holds on a shared, noisy machine: the absolute numbers
+move with the load, the ratio of neighbours much less.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+# ---------------------------------------------------------------------------------------- results
+
+@dataclass
+class Section:
+    """One benchmark's outcome, rendered into RESULTS.md."""
+
+    name: str
+    title: str
+    what: str  # how it was measured, in a paragraph
+    headline: str  # the key figure(s), one line
+    target: str
+    passed: bool | None  # None: no target, or it could not be judged
+    tables: list[str] = field(default_factory=list)  # markdown tables
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def md_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(headers) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt_s(seconds: float) -> str:
+    if seconds != seconds:  # NaN
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def verdict(passed: bool | None) -> str:
+    return {True: "PASS", False: "**FAIL**", None: "n/a"}[passed]
+
+
+# ---------------------------------------------------------------------------------------- machine
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def loadavg() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "n/a"
+
+
+def machine_info() -> dict:
+    import torch
+    import torchvision
+    import mlflow
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    mem = "n/a"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": cpu_model(),
+        "cores": f"{os.cpu_count()} logical, {usable} usable by this process",
+        "memory": mem,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": f"{torch.__version__} (intra-op threads {torch.get_num_threads()})",
+        "torchvision": torchvision.__version__,
+        "mlflow": mlflow.__version__,
+        "python": f"{sys.version.split()[0]} on {platform.platform()}",
+    }
+
+
+# ---------------------------------------------------------------------------------------- CPU time
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """user+system CPU seconds of the live processes in process group `pgid` (a server and its workers)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
+
+
+# ---------------------------------------------------------------------------------------- servers
+
+class Env:
+    """What the benchmarks run against: a scratch folder, the demo's datasets, and (lazily) the
+    servers of tests/servers.py: moto's S3 and `mlflow server` (sqlite) whose artifacts it proxies
+    to that S3, all on 127.0.0.1."""
+
+    def __init__(self, quick: bool, workdir: Path | None = None):
+        self.quick = quick
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tracktron-bench-")
+            workdir = Path(self._tmp.name)
+        self.workdir = Path(workdir)
+        self.data_dir = self.workdir / "datasets"
+        self._s3 = None
+        self._mlflow = None
+
+    # datasets ------------------------------------------------------------------------------
+    def demo_cfg(self, *opts, config: Path = DEMO):
+        """The demo config with DATA_DIR here and KEY VALUE overrides (strings or not)."""
+        from trainer.config import load_config
+
+        base = ["DATA_DIR", str(self.data_dir), "OUTPUT_DIR", str(self.workdir / "output")]
+        return load_config(config, base + [str(x) for x in opts])
+
+    def ensure_datasets(self) -> None:
+        from trainer.data import resolve_dataset
+
+        cfg = self.demo_cfg()
+        for name in ("synth_shapes_train", "synth_shapes_val"):
+            resolve_dataset(cfg, name)  # generated on first use
+
+    # servers -------------------------------------------------------------------------------
+    @property
+    def s3(self):
+        if self._s3 is None:
+            from tests.servers import S3Server
+
+            self._s3 = S3Server(self._mkdir("s3")).start()
+            os.environ.update(self._s3.env)  # boto3 clients of this process find moto
+        return self._s3
+
+    @property
+    def mlflow(self):
+        if self._mlflow is None:
+            from tests.servers import MlflowServer
+
+            s3 = self.s3
+            self._mlflow = MlflowServer(self._mkdir("mlflow"), artifacts=f"s3://{s3.bucket}/proxied",
+                                        env=s3.env).start()
+        return self._mlflow
+
+    def server_cpu_seconds(self) -> float:
+        """CPU seconds used so far by the mlflow server and moto (both process groups)."""
+        return sum(group_cpu_seconds(s.proc.pid) for s in (self._s3, self._mlflow) if s and s.proc)
+
+    def _mkdir(self, name: str) -> Path:
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def scratch(self, name: str) -> Path:
+        """A fresh, empty folder."""
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir))
+
+    def close(self) -> None:
+        for server in (self._mlflow, self._s3):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.stop()
+        self._mlflow = self._s3 = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def quiet_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+                        stream=sys.stderr)
+    for name in ("mlflow", "alembic", "urllib3", "botocore", "boto3", "s3transfer"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+
+
+class Stopwatch:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """user+system CPU seconds of each live Python thread of this process, by thread name.
+
+    Threads that are not Python's (torch's intra-op pool, loader pin threads) are summed under
+    "other native threads"; the process total is time.process_time().
+    """
+    import threading
+
+    out: dict[str, float] = {}
+    for th in threading.enumerate():
+        tid = getattr(th, "native_id", None)
+        if tid is None:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[th.name] = out.get(th.name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
+    return out
