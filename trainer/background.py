@@ -41,6 +41,8 @@ class MetricSender:
         self._pending: collections.deque = collections.deque(maxlen=max_pending)
         self._interval = interval
         self._stop = threading.Event()
+        self._nudge = threading.Event()  # send now, don't wait out the interval
+        self._inflight_from: int | None = None  # the first step of the batch being sent
         self._deadline = float("inf")
         self.dropped = 0
         self.sent = 0
@@ -54,12 +56,37 @@ class MetricSender:
             self.dropped += 1
         self._pending.append((step, int(time.time() * 1000), metrics))
 
+    def wait_sent(self, step: float, timeout: float) -> bool:
+        """Block until every point put for iterations <= `step` has been sent; False on timeout.
+
+        The uploader calls this before it marks checkpoint N complete, so a job killed after that
+        resumes at N+1 with no hole in its curves.
+        """
+        end = time.monotonic() + timeout
+        self._nudge.set()
+        while self._unsent_through(step):
+            if time.monotonic() >= end or not self._thread.is_alive():
+                return False
+            self._nudge.set()
+            time.sleep(0.02)
+        return True
+
+    def _unsent_through(self, step: float) -> bool:
+        inflight = self._inflight_from
+        if inflight is not None and inflight <= step:
+            return True
+        try:
+            return self._pending[0][0] <= step  # steps are put in order
+        except IndexError:
+            return False
+
     def close(self, timeout: float) -> bool:
         """Send what is queued, giving up at the deadline; True when nothing was left behind."""
         self._deadline = time.monotonic() + timeout
         self._stop.set()
-        self._thread.join(timeout + 1)
-        left = len(self._pending)
+        self._nudge.set()
+        self._thread.join(max(0.0, timeout))  # not a moment longer: a hung server must not hold the exit
+        left = len(self._pending) + (self._inflight_from is not None)  # a batch given up on counts too
         if left or self.dropped:
             log.warning("metrics: %d iterations not sent before the deadline, %d dropped on overflow",
                         left, self.dropped)
@@ -67,12 +94,16 @@ class MetricSender:
 
     def _next_batch(self) -> list:
         batch: list = []
+        if self._pending:
+            self._inflight_from = self._pending[0][0]  # before the pop: wait_sent() must see it somewhere
         while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
             step, ts, metrics = self._pending[0]
             if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH and batch:
                 break
             self._pending.popleft()
             batch.extend((k, float(v), ts, step) for k, v in metrics.items())
+        if not batch:
+            self._inflight_from = None
         return batch
 
     def _run(self) -> None:
@@ -83,12 +114,14 @@ class MetricSender:
             if not batch:
                 if self._stop.is_set():
                     return
-                self._stop.wait(self._interval)
+                self._nudge.wait(self._interval)
+                self._nudge.clear()
                 continue
             try:
                 self._send(batch)
                 self.sent += len(batch)
                 batch = []
+                self._inflight_from = None
                 backoff.reset()
             except Exception as e:  # noqa: BLE001 - a server that is down is retried
                 self.failures += 1
@@ -138,7 +171,7 @@ class Uploader:
             self._deadline = time.monotonic() + timeout
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(timeout + 1)
+        self._thread.join(max(0.0, timeout))  # a job stuck in a hung request is left behind (daemon thread)
         left = self.pending() if self._thread.is_alive() else len(self._jobs)
         for description, _ in list(self._jobs):
             self.failed.append(description)

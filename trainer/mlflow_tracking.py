@@ -250,6 +250,10 @@ class MlflowTracker(Tracker):
     def log_checkpoint(self, path: Path, sha256: str, on_done=None) -> None:
         def upload():
             self.client.log_artifact(self.run.run_id, str(path), "checkpoints")
+            # Complete means resumable without a hole: the metrics of every iteration it holds
+            # are on the server too, or a job killed now would resume past unsent points.
+            if not self._sender.wait_sent(iteration_of(path.name), timeout=60.0):
+                raise TimeoutError(f"metrics up to {path.name} not delivered yet")
             # The tags say "complete": set only after the bytes are on the artifact store.
             self.client.log_batch(self.run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                           RunTag(LATEST_TAG, path.name)])
