@@ -3,8 +3,13 @@
 A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states
 and the sampler's position (the sampler is a pure function of seed and iteration, so the
 iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
-killed process leaves either the old set or the new file, never half of one. Writing happens on a
-background thread: the training thread only copies tensors to host memory.
+killed process leaves either the old set or the new file, never half of one (its temporary file is
+removed by the next job in that folder). Writing happens on a background thread: the training
+thread only copies tensors to host memory. A write that fails (disk full, file size limit) raises
+`CheckpointWriteError` naming the file and the reason, and leaves the older checkpoints as they were.
+
+Loading checks every record of the zip archive against its CRC-32 before unpickling (with
+`weights_only=True`), so a truncated or bit-flipped file is skipped, never trained on.
 """
 from __future__ import annotations
 
@@ -14,7 +19,11 @@ import os
 import queue
 import random
 import re
+import shutil
+import socket
 import threading
+import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +37,25 @@ _ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
 
 class CheckpointError(Exception):
     """A checkpoint file that is partial, corrupt or not ours."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota, file size limit): one clear line."""
+
+    def __init__(self, path: Path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.path = Path(path)
+        self.free = _free_space(self.path.parent)  # when it failed, before the partial file goes
+
+    def __str__(self) -> str:
+        return f"cannot write checkpoint {self.path}: {self.strerror}{self.free}"
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder})"
+    except OSError:
+        return ""
 
 
 def checkpoint_name(iteration: int | None) -> str:
@@ -89,19 +117,63 @@ def to_cpu(obj):
     return obj
 
 
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+_TMP_RE = re.compile(r"^\.model_(?:iter\d+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>\d+)$")
+STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
+
+
+def temp_name(path: Path) -> Path:
+    """`.model_iter5.pth.tmp.<host>.<pid>`: whose it is, so a later job knows when it is stale."""
+    return path.with_name(f".{path.name}.tmp.{_HOST}.{os.getpid()}")
+
+
+class _RecordingFile:
+    """The file torch.save writes through, keeping the OSError that torch turns into
+    "[enforce fail at inline_container.cc] unexpected pos" (ENOSPC, EFBIG, EDQUOT)."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+
 def save_atomic(state: dict, path: Path) -> str:
-    """Write `state` to `path` via temporary file + fsync + rename; return the file's sha256."""
+    """Write `state` to `path` via temporary file + fsync + rename; return the file's sha256.
+
+    On failure the temporary file is removed, `path` (an older file of that name included) is
+    untouched, and a disk error is raised as `CheckpointWriteError`.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temp_name(path)
+    sink = None
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            sink = _RecordingFile(f)
+            torch.save(state, sink)
             f.flush()
             os.fsync(f.fileno())
         digest = sha256_of(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        cause = sink.error if sink is not None and sink.error is not None else e
+        error = None
+        if isinstance(cause, OSError) and not isinstance(cause, CheckpointWriteError) and cause.errno is not None:
+            error = CheckpointWriteError(path, cause)
         tmp.unlink(missing_ok=True)
+        if error is not None:
+            raise error from e
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -111,8 +183,23 @@ def save_atomic(state: dict, path: Path) -> str:
     return digest
 
 
+def verify_archive(path: Path) -> None:
+    """Every record of a zip-format torch file matches its CRC-32 (torch.load does not check)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a complete checkpoint archive ({e})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: corrupt (record {bad} does not match its CRC-32)")
+
+
 def load(path: Path) -> dict:
-    """Load a checkpoint safely: tensors and plain containers only, never arbitrary pickles."""
+    """Load a checkpoint safely: tensors and plain containers only, never arbitrary pickles.
+
+    A truncated or corrupted file raises CheckpointError before anything is unpickled.
+    """
+    verify_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, tampered pickle, not a torch file
@@ -130,8 +217,47 @@ def local_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
 
 
+def remove_stale_temps(output_dir: Path) -> list[Path]:
+    """Delete temporary checkpoint files left by killed writers: this host's whose process is
+    gone, another host's (or an unnamed one's) after a day."""
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for path in output_dir.iterdir():
+        m = _TMP_RE.match(path.name)
+        if not m:
+            continue
+        try:
+            if m.group("host") == _HOST:
+                if _pid_alive(int(m.group("pid"))):
+                    continue
+            elif time.time() - path.stat().st_mtime < STALE_FOREIGN_TMP_S:
+                continue
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d partial checkpoint file(s) left by a killed job: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; partial or corrupt files are skipped with a warning."""
+    remove_stale_temps(output_dir)
     for path in local_checkpoints(output_dir):
         try:
             return path, load(path)

@@ -3,6 +3,11 @@
 Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
 SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
 checks between iterations; a second one exits at once.
+
+The first signal also arms a deadline: whatever the process is still doing when TRAIN.PREEMPT_GRACE_S
+is over (an upload to a server that stopped answering, a collective that waits for a dead rank,
+interpreter shutdown), it exits then with 128 + the signal number. The checkpoint, written first,
+is complete by then or not renamed into place at all.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
+
+EXIT_MARGIN_S = 0.2  # the hard exit comes this long before the deadline
 
 
 class Preempted(Exception):
@@ -55,5 +62,17 @@ class PreemptionGuard:
             os._exit(128 + signum)
         self.signum = signum
         self.deadline = time.monotonic() + self.grace_s
+        _exit_at(self.deadline - EXIT_MARGIN_S, signum, self.grace_s)
         log.warning("%s received: finishing this iteration, then checkpointing and stopping",
                     signal.Signals(signum).name)
+
+
+def _exit_at(when: float, signum: int, grace_s: float) -> None:
+    """A daemon thread that ends the process at `when` (time.monotonic()) unless it ended before."""
+    def watchdog():
+        while (left := when - time.monotonic()) > 0:
+            time.sleep(min(left, 1.0))
+        os.write(2, f"grace period of {grace_s:g}s over: exiting now\n".encode())
+        os._exit(128 + signum)
+
+    threading.Thread(target=watchdog, name="preemption-deadline", daemon=True).start()

@@ -1,0 +1,453 @@
+"""Bad input ends in one clear line on stderr and exit status 2, never a traceback.
+
+The table these cases come from is docs/FAULTS.md ("Bad input"). The CLI runs in this process
+(`trainer.cli.main`, catching SystemExit): bad input is found before any training, so this is the
+same code path as `tracktron train` at a fraction of the cost of a subprocess. One case runs as a
+real process to pin the exit status the shell sees.
+
+Already covered elsewhere, not repeated: a misspelt key with a suggestion, an unknown dataset,
+an unknown MODEL.TYPE (tests/test_train.py::test_bad_input_is_one_line_and_exit_2), a missing
+config file (test_train.py::test_missing_config_file_is_exit_2), an unreachable tracking server
+(test_tracking.py::test_unreachable_tracking_server_is_one_line_exit_2) and an unknown --resume
+run id on sqlite (test_tracking.py::test_unknown_resume_run_id_is_exit_2).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from mlflow.exceptions import MlflowException
+from hypothesis import strategies as st
+
+from tests.conftest import DEMO, trainer_cmd
+from trainer import cli
+from trainer.config import _ALL_KEYS, load_config
+from trainer.errors import UserError
+from trainer.synth import write_synthetic_dataset
+
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]
+
+
+@dataclass
+class Outcome:
+    code: int | None
+    stderr: str
+    stdout: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.stderr.strip().split("\n")  # not splitlines(): it also splits at \x1c-\x1e, \x85...
+        return lines[-1] if lines else ""
+
+
+def run_cli(argv: list[str]) -> Outcome:
+    """`tracktron <argv>` in this process: exit code (None = returned), stderr, stdout.
+
+    Anything but SystemExit escaping main() is a traceback the user would see: it fails the test.
+    The root logger's handlers, the environment (the tracker sets MLFLOW_HTTP_* defaults) and the
+    working directory are restored afterwards.
+    """
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    environ = dict(os.environ)
+    err, out = io.StringIO(), io.StringIO()
+    code = None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                cli.main(argv)
+            except SystemExit as e:
+                code = e.code
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
+    return Outcome(code, err.getvalue(), out.getvalue())
+
+
+@pytest.fixture
+def train(tmp_path, monkeypatch, data_dir):
+    """Train the demo config with overrides, tracking off, in a fresh OUTPUT_DIR."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run(*opts: str, config: Path = DEMO, tracking: bool = False) -> Outcome:
+        base = ["OUTPUT_DIR", str(tmp_path / "output"), "DATA_DIR", str(data_dir), "SOLVER.MAX_ITER", "1",
+                "DATA_LOADER.NUM_THREADS", "0", "TRAIN.IMS_PER_BATCH", "2"]
+        if not tracking:
+            base += ["TRACKING.ENABLED", "false"]
+        return run_cli(["train", "--config", str(config), *base, *opts])
+
+    return run
+
+
+def assert_exit_2(result: Outcome, message: str) -> None:
+    assert result.code == 2, f"exit {result.code}, stderr:\n{result.stderr[-2000:]}"
+    assert "Traceback" not in result.stderr
+    assert result.last_line.startswith("error: "), result.last_line
+    assert message in result.last_line, result.last_line
+
+
+def _ids(cases) -> list[str]:
+    return [getattr(c, "values", c)[0] for c in cases]
+
+
+# ---- configuration: overrides and files -----------------------------------------------------------
+
+# Pending fixes in files this work may not edit; the diffs are in its hand-back (D1-D4), see docs/FAULTS.md.
+_FIX_CONFIG = "config.py diff D1 (bad input never a traceback)"
+
+CONFIG_CASES = [
+    # (id, overrides, the one line; marks)
+    ("unknown-key", ["NOT_A_KEY", "1"], "error: unknown config key NOT_A_KEY"),
+    ("misspelt-leaf", ["TRAIN.IMS_PER_BACTH", "4"], "did you mean TRAIN.IMS_PER_BATCH?"),
+    ("misspelt-section", ["SOLVR.MAX_ITER", "4"], "did you mean SOLVER.MAX_ITER?"),
+    ("section-as-key", ["TRACKING", "1"], "error: unknown config key TRACKING"),
+    ("wrong-type-int", ["SOLVER.MAX_ITER", "ten"], "error: SOLVER.MAX_ITER must be int, got 'ten'"),
+    ("wrong-type-int-fraction", ["TRAIN.SNAPSHOT_ITERS", "2.5"], "TRAIN.SNAPSHOT_ITERS must be int"),
+    ("wrong-type-float", ["SOLVER.BASE_LR", "fast"], "SOLVER.BASE_LR must be float"),
+    ("wrong-type-bool", ["DETERMINISTIC", "maybe"], "DETERMINISTIC must be bool"),
+    ("wrong-type-list-item", ["TRAIN.SCALES", "(big,)"], "TRAIN.SCALES[0] must be int"),
+    ("wrong-type-mapping", ["DATASET_CATALOG", "x"], "DATASET_CATALOG must be a mapping"),
+    ("wrong-type-str", ["NAME", "[1]"], "NAME must be str"),
+    ("negative-lr", ["SOLVER.BASE_LR", "-0.1"], "SOLVER.BASE_LR must be > 0"),
+    ("zero-lr", ["SOLVER.BASE_LR", "0"], "SOLVER.BASE_LR must be > 0"),
+    ("steps-not-increasing", ["SOLVER.STEPS", "[0, 500, 300]"], "SOLVER.STEPS must be increasing"),
+    ("steps-negative", ["SOLVER.LR_POLICY", "step", "SOLVER.STEPS", "[-5, 10]"], "SOLVER.STEPS must be >= 0"),
+    ("snapshot-iters-0", ["TRAIN.SNAPSHOT_ITERS", "0"], "TRAIN.SNAPSHOT_ITERS must be > 0"),
+    ("max-iter-negative", ["SOLVER.MAX_ITER", "-3"], "SOLVER.MAX_ITER must be > 0"),
+    ("ims-per-batch-0", ["TRAIN.IMS_PER_BATCH", "0"], "TRAIN.IMS_PER_BATCH must be > 0"),
+    ("loader-threads-negative", ["DATA_LOADER.NUM_THREADS", "-1"], "DATA_LOADER.NUM_THREADS must be >= 0"),
+    ("preempt-grace-0", ["TRAIN.PREEMPT_GRACE_S", "0"], "TRAIN.PREEMPT_GRACE_S must be > 0"),
+    ("unknown-lr-policy", ["SOLVER.LR_POLICY", "poly"], "SOLVER.LR_POLICY must be one of"),
+    ("lrs-per-step", ["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"],
+     "one rate per step"),
+    ("override-without-value", ["SOLVER.MAX_ITER"], "has no value"),
+    ("catalog-entry-incomplete", ["DATASET_CATALOG.mine.IM_DIR", "x", "TRAIN.DATASETS", "('mine',)"],
+     "DATASET_CATALOG.mine needs IM_DIR and ANN_FN"),
+    ("empty-datasets", ["TRAIN.DATASETS", "()"], "TRAIN.DATASETS is empty"),
+    ("weights-missing-file", ["TRAIN.WEIGHTS", "/nonexistent/w.pth"], "TRAIN.WEIGHTS /nonexistent/w.pth: no such file"),
+    pytest.param("non-finite-lr", ["SOLVER.BASE_LR", ".inf"], "SOLVER.BASE_LR must be > 0 and finite",
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason=f"trains with an infinite LR; fix: {_FIX_CONFIG}")),
+    pytest.param("non-finite-gamma", ["SOLVER.GAMMA", ".inf"], "SOLVER.GAMMA must be a finite number",
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason=f"accepted; fix: {_FIX_CONFIG}")),
+    pytest.param("rng-seed-too-large", ["RNG_SEED", str(2**32)], "RNG_SEED must be in [0, 2**32)",
+                 marks=pytest.mark.xfail(strict=True, raises=ValueError,
+                                         reason=f"numpy's ValueError traceback at seeding; fix: {_FIX_CONFIG}")),
+    pytest.param("newline-in-key", ["A\nB", "1"], "unknown config key 'A\\nB'",
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason=f"the message is two lines; fix: {_FIX_CONFIG}")),
+    pytest.param("rng-seed-negative", ["RNG_SEED", "-1"], "RNG_SEED must be in [0, 2**32)",
+                 marks=pytest.mark.xfail(strict=True, raises=ValueError,
+                                         reason=f"numpy's ValueError traceback at seeding; fix: {_FIX_CONFIG}")),
+    pytest.param("unhashable-literal", ["TRAIN.SCALES", "{[1]: 2}"], "TRAIN.SCALES[0] must be int",
+                 marks=pytest.mark.xfail(strict=True, raises=TypeError,
+                                         reason=f"ast.literal_eval's TypeError escapes; fix: {_FIX_CONFIG}")),
+    pytest.param("catalog-path-through-value", ["DATASET_CATALOG.a", "1", "DATASET_CATALOG.a.b", "2"],
+                 "DATASET_CATALOG.a is 1, not a mapping",
+                 marks=pytest.mark.xfail(strict=True, raises=TypeError,
+                                         reason=f"TypeError escapes _set(); fix: {_FIX_CONFIG}")),
+]
+
+
+@pytest.mark.parametrize("case, opts, message", CONFIG_CASES, ids=_ids(CONFIG_CASES))
+def test_bad_config_override(train, case, opts, message):
+    assert_exit_2(train(*opts), message)
+    assert not Path("output").exists() or not list(Path("output").glob("*.pth"))
+
+
+FILE_CASES = [
+    ("malformed-yaml", "SOLVER:\n  BASE_LR: [0.1\n", "malformed YAML in {path} line"),
+    ("yaml-not-a-mapping", "- a\n- b\n", "{path} must hold a mapping of config keys, got list"),
+    ("misspelt-key-in-file", "SOLVER:\n  BASE_LRR: 0.1\n", "unknown config key SOLVER.BASE_LRR (did you mean SOLVER.BASE_LR?)"),
+    ("misspelt-section-in-file", "SOLVR:\n  BASE_LR: 0.1\n", "unknown config key SOLVR"),
+    ("wrong-type-in-file", "TRAIN:\n  IMS_PER_BATCH: two\n", "TRAIN.IMS_PER_BATCH must be int, got 'two'"),
+    ("out-of-range-in-file", "SOLVER:\n  STEPS: [0, 30, 20]\n", "SOLVER.STEPS must be increasing"),
+    pytest.param("binary-file", b"\x89PNG\r\n\x1a\n\x00\x00", "cannot read config file {path}",
+                 marks=pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
+                                         reason=f"UnicodeDecodeError escapes _read_yaml; fix: {_FIX_CONFIG}")),
+]
+
+
+@pytest.mark.parametrize("case, text, message", FILE_CASES, ids=_ids(FILE_CASES))
+def test_bad_config_file(train, tmp_path, case, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert_exit_2(train(config=path), message.format(path=path))
+
+
+def test_bad_input_exit_status_seen_by_the_shell(tmp_path):
+    """One real process: the status and the single line that a shell or a pipeline sees."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("SOLVER:\n  BASE_LR: -1\n")
+    result = subprocess.run(trainer_cmd("TRACKING.ENABLED", "false", config=bad), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: SOLVER.BASE_LR must be > 0, got -1.0" or \
+        result.stderr.strip().startswith("error: SOLVER.BASE_LR must be > 0")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.xfail(strict=True, raises=FileExistsError,
+                   reason="FileExistsError traceback from engine.write_run_files; fix: engine.py diff D3")
+def test_output_dir_that_is_a_file(train, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("mine")
+    result = train("OUTPUT_DIR", str(blocker))
+    assert_exit_2(result, f"cannot write to OUTPUT_DIR {blocker}")
+    assert blocker.read_text() == "mine"
+
+
+# ---- datasets --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def good_dataset(tmp_path_factory) -> Path:
+    return write_synthetic_dataset(tmp_path_factory.mktemp("good") / "shapes", num_images=4, image_size=64, seed=0)
+
+
+def make_dataset(root: Path, good: Path, mutate) -> Path:
+    shutil.copytree(good, root)
+    ann = root / "annotations.json"
+    data = json.loads(ann.read_text())
+    if mutate(data, root) is not False:
+        ann.write_text(json.dumps(data))
+    return root
+
+
+def _set(where: str, key: str, value, index: int = 0):
+    def mutate(data, root):
+        data[where][index][key] = value
+    return mutate
+
+
+def _each_ann(key: str, value):
+    def mutate(data, root):
+        for a in data["annotations"]:
+            a[key] = value
+    return mutate
+
+
+def _write(text: str | bytes, name: str = "annotations.json"):
+    def mutate(data, root):
+        (root / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+        return False
+    return mutate
+
+
+def _unlink_first_image(data, root):
+    (root / "images" / data["images"][0]["file_name"]).unlink()
+
+
+def _garbage_images(data, root):
+    for im in data["images"]:
+        (root / "images" / im["file_name"]).write_bytes(b"this is not an image")
+
+
+def _wrong_size(data, root):
+    data["images"][0]["width"] += 1
+
+
+DATASET_CASES = [
+    ("json-truncated", lambda d, r: _write(json.dumps(d)[:-10])(d, r), "malformed annotation file {ann}: Expecting"),
+    ("json-not-coco", _write("[1, 2, 3]"), "malformed annotation file {ann}: needs 'images' and 'categories' lists"),
+    ("json-null", _write("null"), "malformed annotation file {ann}"),
+    ("json-nested-too-deep", _write("[" * 100_000), "malformed annotation file {ann}: nested too deeply"),
+    ("json-not-utf8", _write(b"\xff\xfe{\x00}\x00"), "cannot read annotation file {ann}"),
+    ("annotation-file-missing", lambda d, r: (r / "annotations.json").unlink() or False,
+     "annotation file not found"),
+    ("image-folder-missing", lambda d, r: shutil.rmtree(r / "images"), "image folder not found"),
+    ("image-missing", _unlink_first_image, "1 of 4 images listed in {ann} are missing from {root}/images, e.g. 000000.png"),
+    ("images-unreadable", _garbage_images, "cannot decode image {root}/images/"),
+    ("image-size-differs", _wrong_size, "but {ann} says 65x64"),
+    ("image-entry-incomplete", lambda d, r: d["images"][0].pop("width"), "needs id, file_name, width and height"),
+    ("image-height-zero", _set("images", "height", 0), "image 1 has width 64 and height 0; both must be positive integers"),
+    ("image-width-string", _set("images", "width", "64"), "width '64'"),
+    ("image-file-name-number", _set("images", "file_name", 5), "image 1 has file_name 5, not a file name"),
+    ("image-id-list", _set("images", "id", [1]), "image id [1] is not a number or a string"),
+    ("image-id-twice", lambda d, r: d["images"].append(dict(d["images"][0])), "image id 1 appears twice"),
+    ("category-without-id", lambda d, r: d["categories"][0].pop("id"), "every category needs an id"),
+    ("unknown-category-id", _set("annotations", "category_id", 99), "annotation 1 has category_id 99, not among the categories [1, 2, 3]"),
+    ("unknown-image-id", _set("annotations", "image_id", 99), "annotation 1 refers to unknown image_id 99"),
+    ("annotation-not-an-object", lambda d, r: d["annotations"].append(5), "annotation entry 5 is not an object"),
+    ("bbox-missing", lambda d, r: d["annotations"][0].pop("bbox"), "annotation 1 has no [x, y, w, h] bbox"),
+    ("bbox-three-numbers", _set("annotations", "bbox", [1, 2, 3]), "annotation 1 has no [x, y, w, h] bbox"),
+    ("bbox-not-numbers", _set("annotations", "bbox", ["a", 1, 2, 3]), "x, y, w, h must be finite numbers"),
+    ("bbox-null", _set("annotations", "bbox", [None, 1, 2, 3]), "x, y, w, h must be finite numbers"),
+    ("bbox-nan", _set("annotations", "bbox", [float("nan"), 1, 2, 3]), "x, y, w, h must be finite numbers"),
+    ("area-not-a-number", _set("annotations", "area", "big"), "annotation 1 has area 'big', not a number"),
+    ("iscrowd-not-0-or-1", _set("annotations", "iscrowd", "yes"), "iscrowd 'yes'; it must be 0 or 1"),
+    ("no-annotations", lambda d, r: d.update(annotations=[]), "{ann} has no usable annotation"),
+    ("every-box-zero-size", _each_ann("bbox", [3, 3, 0, 0]), "{ann} has no usable annotation"),
+    ("every-box-negative-size", _each_ann("bbox", [30, 30, -5, -5]), "{ann} has no usable annotation"),
+    ("every-box-outside-its-image", _each_ann("bbox", [500, 500, 5, 5]), "{ann} has no usable annotation"),
+    ("every-annotation-crowd", _each_ann("iscrowd", 1), "{ann} has no usable annotation"),
+]
+
+
+@pytest.mark.parametrize("case, mutate, message", DATASET_CASES, ids=_ids(DATASET_CASES))
+def test_bad_dataset(train, tmp_path, good_dataset, case, mutate, message):
+    root = make_dataset(tmp_path / "data", good_dataset, mutate)
+    result = train("TRAIN.DATASETS", f"('{root}',)")
+    assert_exit_2(result, message.format(ann=root / "annotations.json", root=root))
+    assert not list((tmp_path / "output").glob("*.pth"))
+
+
+def test_unreadable_image_found_in_a_loader_worker_is_one_line(train, tmp_path, good_dataset):
+    root = make_dataset(tmp_path / "data", good_dataset, _garbage_images)
+    result = train("TRAIN.DATASETS", f"('{root}',)", "DATA_LOADER.NUM_THREADS", "1")
+    assert_exit_2(result, f"cannot decode image {root}/images/")
+
+
+def test_degenerate_and_out_of_image_boxes_are_dropped_or_clipped_and_training_goes_on(train, tmp_path,
+                                                                                        good_dataset, caplog):
+    """Not errors: empty boxes are dropped, boxes reaching outside are clipped, with a logged count."""
+    def mutate(data, root):
+        extra = [[5, 5, 0, 10], [5, 5, 10, 0], [20, 20, -4, 6],  # zero and negative size: dropped
+                 [500, 500, 8, 8],  # wholly outside its 64x64 image: dropped
+                 [-10, -10, 30, 30], [50, 50, 40, 40]]  # partly outside: clipped, kept
+        next_id = max(a["id"] for a in data["annotations"]) + 1
+        for i, bbox in enumerate(extra):
+            data["annotations"].append({"id": next_id + i, "image_id": data["images"][0]["id"], "category_id": 1,
+                                        "bbox": bbox, "area": 1.0, "iscrowd": 0})
+
+    root = make_dataset(tmp_path / "data", good_dataset, mutate)
+    result = train("TRAIN.DATASETS", f"('{root}',)")
+    assert result.code is None, result.stderr[-2000:]
+    assert "dropped 0 crowd and 4 empty boxes; 0 of 4 images have no usable box" in result.stderr
+    assert (tmp_path / "output" / "model_final.pth").is_file()
+
+    from trainer.data import CocoDetection
+
+    ds = CocoDetection(root / "images", root / "annotations.json")
+    boxes = ds[0][1]["boxes"].tolist()
+    assert [0.0, 0.0, 20.0, 20.0] in boxes and [50.0, 50.0, 64.0, 64.0] in boxes  # clipped to the image
+
+
+# ---- tracking -------------------------------------------------------------------------------------
+
+def test_run_id_that_does_not_exist_on_a_tracking_server(train, mlflow_server):
+    result = train("TRACKING.URI", mlflow_server.url, "--resume", "0" * 32, tracking=True)
+    assert_exit_2(result, f"error: run {'0' * 32} does not exist on {mlflow_server.url}")
+
+
+def test_malformed_run_id_is_one_line(train, mlflow_server):
+    result = train("TRACKING.URI", mlflow_server.url, "--resume", "not a run id", tracking=True)
+    assert_exit_2(result, "not a run id")
+
+
+@pytest.mark.parametrize("uri", ["ftp://example.org/mlflow", "file:///tmp/mlruns-not-supported"])
+@pytest.mark.xfail(strict=True, raises=MlflowException,
+                   reason="MlflowClient() raises in MlflowTracker.__init__, outside start()'s error handling; "
+                          "fix: mlflow_tracking.py diff D4")
+def test_unsupported_tracking_uri_is_one_line(train, uri):
+    result = train("TRACKING.URI", uri, tracking=True)
+    assert_exit_2(result, uri)
+
+
+# ---- property: random overrides never give a traceback --------------------------------------------
+
+_SECTIONS = sorted({k.split(".")[0] for k in _ALL_KEYS})
+_TRICKY = ["", " ", "[", "]", "(", "()", "{}", "{[1]: 2}", "[[1]]", "(1,", "1e400", "-1e400", ".nan", ".inf",
+           "~", "null", "yes", "no", "0x10", "0o7", "1_000", "2024-01-01", "!!python/object:os.system", "&a", "*a",
+           "'", '"', "\\", "\x00", "%", "{a: [1, {b: 2}]}", "[" * 50, "(" * 30 + ")" * 30, "1" * 400, "-0", "+1",
+           "True", "False", "None", "[1, 'a']", "('a', 'b')", "{1, 2}", "b'x'", "1j", "lambda: 0", "--help"]
+_keys = st.one_of(st.sampled_from(_ALL_KEYS), st.sampled_from(_SECTIONS),
+                  st.sampled_from(["DATASET_CATALOG.x", "DATASET_CATALOG.x.IM_DIR", "DATASET_CATALOG.x.y.z"]),
+                  st.text(max_size=20))
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=8)
+_values = st.one_of(st.sampled_from(_TRICKY), st.text(max_size=30), st.integers().map(str),
+                    st.floats().map(repr), _json.map(json.dumps), _json.map(repr))
+_overrides = st.lists(st.tuples(_keys, _values), max_size=4).map(lambda kv: [x for pair in kv for x in pair])
+
+
+def _no_training(*args, **kwargs):
+    return None
+
+
+@pytest.mark.xfail(strict=True, reason="tracebacks on the @example inputs; fix: config.py diff D1 and cli.py diff D2")
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 300)), deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(opts=_overrides, drop_last=st.booleans())
+@example(opts=["TRAIN.SCALES", "{[1]: 2}"], drop_last=False)
+@example(opts=["DATASET_CATALOG.a", "1", "DATASET_CATALOG.a.b", "2"], drop_last=False)
+def test_random_overrides_never_give_a_traceback(opts, drop_last, tmp_path):
+    opts = opts[:-1] if drop_last and opts else opts
+    # The config layer: a Config or a one-line UserError, nothing else.
+    try:
+        load_config(DEMO, opts)
+    except UserError as e:
+        assert "\n" not in str(e) and str(e)
+    # The CLI: exit 2 with an `error:` line, or on to training (stubbed out), never a traceback.
+    with mock.patch.object(cli, "_train", _no_training), \
+            mock.patch("trainer.tracking.create_tracker", lambda *a, **k: mock.MagicMock()), \
+            mock.patch.object(cli, "_system_metrics", lambda *a, **k: None):
+        result = run_cli(["train", "--config", str(DEMO), *opts])
+    assert result.code in (None, 0, 2), result.stderr[-1000:]
+    if result.code == 2:
+        assert "Traceback" not in result.stderr
+        assert result.last_line.startswith(("error: ", "Error: ")), result.last_line
+        assert result.last_line.isprintable(), result.last_line
+
+
+# ---- property: a damaged annotation file is a UserError or a usable dataset -----------------------
+
+_FIELDS = {"images": ["id", "file_name", "width", "height"],
+           "annotations": ["id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmentation", "keypoints"],
+           "categories": ["id", "name", "keypoints"]}
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 200), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=6))
+_any_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
+    st.sampled_from(["counts", "size", "x"]), inner, max_size=2), max_leaves=10)
+_edit = st.tuples(st.sampled_from(sorted(_FIELDS)), st.integers(0, 20), st.data())
+
+
+@pytest.fixture(scope="module")
+def tiny_coco(tmp_path_factory) -> tuple[Path, dict]:
+    root = write_synthetic_dataset(tmp_path_factory.mktemp("fuzz") / "shapes", num_images=3, image_size=32, seed=2)
+    return root, json.loads((root / "annotations.json").read_text())
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 200)), deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(_edit, min_size=1, max_size=3), drop=st.booleans())
+def test_damaged_annotations_are_a_user_error_or_a_usable_dataset(tiny_coco, tmp_path_factory, edits, drop):
+    from trainer.data import CocoDetection
+
+    root, original = tiny_coco
+    data = json.loads(json.dumps(original))
+    for section, index, draw in edits:
+        entries = data[section]
+        if not entries:
+            continue
+        entry = entries[index % len(entries)]
+        field = draw.draw(st.sampled_from(_FIELDS[section]))
+        if drop:
+            entry.pop(field, None)
+        else:
+            entry[field] = draw.draw(_any_value)
+    folder = tmp_path_factory.mktemp("case")
+    ann = folder / "annotations.json"
+    ann.write_text(json.dumps(data))
+    try:
+        ds = CocoDetection(root / "images", ann, train=True, masks=True, keypoints=True)
+        for i in range(len(ds)):
+            ds[(i, i % 2 == 1)]
+    except UserError as e:
+        assert "\n" not in str(e)
