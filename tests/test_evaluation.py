@@ -207,7 +207,8 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 20, "TRAIN.SNAPSHOT_ITERS": 100,
-                                                 "TRACKING.URI": uri, "TRACKING.REGISTERED_MODEL": "demo_eval"})
+                                                 "TRACKING.URI": uri, "TRACKING.REGISTERED_MODEL": "demo_eval",
+                                                 "TEST.DATASETS": "()"})  # no evaluation while training
     done = run_trainer(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     client = MlflowClient(tracking_uri=uri)
