@@ -1,0 +1,148 @@
+"""Checks of a COCO annotation file before training: one clear line per problem.
+
+Malformed json, missing images, unknown category ids, broken segmentations and keypoints end
+in a UserError naming the file and what is wrong, before any worker decodes an image.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from trainer.errors import UserError
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"malformed annotation file {path}: {e}") from None
+    except RecursionError:
+        raise UserError(f"malformed annotation file {path}: nested too deeply") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read annotation file {path}: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
+            or not isinstance(data.get("categories"), list):
+        raise UserError(f"malformed annotation file {path}: needs 'images' and 'categories' lists (COCO format)")
+    data.setdefault("annotations", [])  # test-set files (image_info_*) have none
+    return data
+
+
+def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoints: bool = False) -> None:
+    """Fail up front, naming the file, rather than at iteration 50000 in a worker.
+
+    Structure and types are checked here (every value the loader will compute with); box
+    geometry is not: empty boxes are dropped and boxes reaching outside their image are clipped
+    when the dataset is built, with a logged count. Segmentations and keypoints are checked only
+    when the model uses them.
+    """
+    for im in data["images"]:
+        if not isinstance(im, dict) or not {"id", "file_name", "width", "height"} <= set(im):
+            raise UserError(f"{path}: image entry {str(im)[:80]} needs id, file_name, width and height")
+        if not _is_id(im["id"]):
+            raise UserError(f"{path}: image id {_short(im['id'])} is not a number or a string")
+        if not isinstance(im["file_name"], str) or not im["file_name"]:
+            raise UserError(f"{path}: image {im['id']!r} has file_name {_short(im['file_name'])}, not a file name")
+        if not (_is_int(im["width"]) and _is_int(im["height"]) and im["width"] > 0 and im["height"] > 0):
+            raise UserError(f"{path}: image {im['id']!r} has width {_short(im['width'])} and height "
+                            f"{_short(im['height'])}; both must be positive integers")
+    for c in data["categories"]:
+        if not isinstance(c, dict) or "id" not in c:
+            raise UserError(f"{path}: every category needs an id")
+        if not _is_id(c["id"]):
+            raise UserError(f"{path}: category id {_short(c['id'])} is not a number or a string")
+        names = c.get("keypoints")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise UserError(f"{path}: category {c['id']!r} has keypoints {_short(names)}, not a list of names")
+    cat_ids = {c["id"] for c in data["categories"]}
+    if len(cat_ids) != len(data["categories"]):
+        raise UserError(f"{path}: a category id appears twice")
+    image_ids = {}
+    for im in data["images"]:
+        if im["id"] in image_ids:
+            raise UserError(f"{path}: image id {im['id']!r} appears twice")
+        image_ids[im["id"]] = im
+    for what, ids in (("category", cat_ids), ("image", image_ids)):
+        try:
+            sorted(ids)  # labels follow category order, images are read in id order
+        except TypeError:
+            raise UserError(f"{path}: {what} ids mix numbers and strings") from None
+    ann_ids: set = set()
+    for ann in data["annotations"]:
+        if not isinstance(ann, dict):
+            raise UserError(f"{path}: annotation entry {_short(ann)} is not an object")
+        what = f"{path}: annotation {_short(ann.get('id'))}"
+        if not _is_id(ann.get("id")):
+            raise UserError(f"{what} needs an id (a number or a string)")
+        if ann["id"] in ann_ids:
+            raise UserError(f"{what}: annotation id {ann['id']!r} appears twice")
+        ann_ids.add(ann["id"])
+        category = ann.get("category_id")
+        if not _is_id(category) or category not in cat_ids:
+            raise UserError(f"{what} has category_id {_short(category)}, not among the categories {sorted(cat_ids, key=str)}")
+        image = ann.get("image_id")
+        if not _is_id(image) or image not in image_ids:
+            raise UserError(f"{what} refers to unknown image_id {_short(image)}")
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
+            raise UserError(f"{what} has no [x, y, w, h] bbox")
+        if not all(_is_number(v) for v in bbox):
+            raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers")
+        if "area" in ann and not _is_number(ann["area"]):
+            raise UserError(f"{what} has area {_short(ann['area'])}, not a number")
+        if ann.get("iscrowd", 0) not in (0, 1):  # True and False are 1 and 0
+            raise UserError(f"{what} has iscrowd {_short(ann.get('iscrowd'))}; it must be 0 or 1")
+        if masks:
+            _check_segmentation(what, ann.get("segmentation"), image_ids[image])
+        if keypoints and ann.get("keypoints") is not None:
+            kp = ann["keypoints"]
+            if not isinstance(kp, list) or len(kp) % 3 or not all(_is_number(v) for v in kp):
+                raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
+    if not data["images"]:
+        raise UserError(f"{path} lists no images")
+    if not image_dir.is_dir():
+        raise UserError(f"image folder not found: {image_dir} (for {path})")
+    on_disk = set(os.listdir(image_dir))  # one listing, not one stat per image
+    missing = [im["file_name"] for im in data["images"]
+               if im["file_name"] not in on_disk and not (image_dir / im["file_name"]).is_file()]
+    if missing:
+        example = missing[0] if missing[0].isprintable() else repr(missing[0])
+        raise UserError(f"{len(missing)} of {len(data['images'])} images listed in {path} are missing "
+                        f"from {image_dir}, e.g. {example}")
+
+
+def _check_segmentation(what: str, segm, image: dict) -> None:
+    """Polygons (lists of numbers) or RLE ({'counts': ..., 'size': [height, width]})."""
+    if segm is None:
+        return
+    if isinstance(segm, list):
+        if all(isinstance(p, list) and all(_is_number(v) for v in p) for p in segm):
+            return
+    elif isinstance(segm, dict):
+        counts, size = segm.get("counts"), segm.get("size")
+        counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(_is_int(v) and v >= 0 for v in counts))
+        if counts_ok and size == [image["height"], image["width"]]:
+            return
+        if counts_ok and isinstance(size, list):
+            raise UserError(f"{what} has an RLE mask of size {_short(size)} on an image of "
+                            f"{image['height']}x{image['width']} (height x width)")
+    raise UserError(f"{what} has segmentation {_short(segm)}: polygons (lists of numbers) or RLE "
+                    "({'counts', 'size'}) expected")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_id(v) -> bool:
+    return (isinstance(v, (int, str)) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
