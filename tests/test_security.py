@@ -265,10 +265,6 @@ def test_basic_auth_from_credentials_in_the_tracking_uri(secret_job, admin_clien
 
 
 @needs_auth_app
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="secrets given as overrides leak into params, config.yaml, checkpoints, the UI link and "
-                          "MLflow's own 'View run at' line; fix: diffs D1 (config.py), D3 (engine.py), "
-                          "D4 (mlflow_tracking.py)")
 def test_secrets_given_as_overrides_appear_nowhere(secret_job, admin_client, tmp_path):
     tmp, job, _ = secret_job
     assert job.returncode == 0, job.stderr[-3000:]
@@ -278,3 +274,27 @@ def test_secrets_given_as_overrides_appear_nowhere(secret_job, admin_client, tmp
     leaks = _leaks({"stdout": job.stdout, "stderr": job.stderr, **local,
                     **_everything_tracked(admin_client, run, tmp_path)})
     assert not leaks, "secrets found: " + "; ".join(leaks)
+
+
+def test_credentials_leave_the_tracking_uri_for_mlflows_variables(monkeypatch):
+    from trainer.mlflow_tracking import without_credentials
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert without_credentials("https://ci%40corp:p%40ss%3Aw%2Frd@mlflow.example:5000/base") == \
+        "https://mlflow.example:5000/base"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("ci@corp", "p@ss:w/rd")
+    for uri in ("http://127.0.0.1:5000", "sqlite:///mlflow.db", "databricks"):
+        assert without_credentials(uri) == uri
+
+
+def test_redacted_config_keeps_what_a_rerun_needs():
+    from trainer.config import load_config, redacted
+
+    cfg = load_config(None, ["TRACKING.URI", "http://u:pw@host:5000", "DATASET_CATALOG.d.IM_DIR", "s3://b/im",
+                             "DATASET_CATALOG.d.ANN_FN", "a.json", "DATASET_CATALOG.d.API_KEY", "k-123",
+                             "TRAIN.DATASETS", "('d',)"])
+    out = redacted(cfg)
+    assert out["TRACKING"]["URI"] == "http://***@host:5000"
+    assert out["DATASET_CATALOG"]["d"] == {"IM_DIR": "s3://b/im", "ANN_FN": "a.json", "API_KEY": "***"}
+    assert cfg.DATASET_CATALOG["d"]["API_KEY"] == "k-123"  # the job itself still has it

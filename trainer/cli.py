@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ def train(config_file, resume_run_id, no_resume, opts):
         cfg.NUM_GPUS = ctx.world_size
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
+    _check_output_dir(Path(cfg.OUTPUT_DIR))
     tracker = create_tracker(cfg, ctx.rank, ctx.world_size)
     monitor = None
     try:
@@ -71,10 +73,21 @@ def train(config_file, resume_run_id, no_resume, opts):
         distributed.teardown(ctx)
 
 
+def _check_output_dir(path: Path) -> None:
+    """Before a run is made for the job, and without writing anything: an OUTPUT_DIR that cannot
+    be made or written is the user's to fix."""
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except (OSError, ValueError) as e:  # a NUL in the name, a name too long
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
+    if not existing.is_dir():
+        raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to OUTPUT_DIR {path}: permission denied on {existing}")
+
+
 def _write_run_id(run_id: str) -> None:
     """For pipelines (Kubeflow): the job's run id in the file TRACKTRON_RUN_ID_FILE names."""
-    import os
-
     if target := os.environ.get("TRACKTRON_RUN_ID_FILE"):
         path = Path(target)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,14 +159,12 @@ def eval_(config_file, weights, opts):
 @click.option("--uri", default=None, help="Tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
 def status(experiment, uri):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
-    import os
-
     from mlflow import MlflowClient
 
-    from trainer.mlflow_tracking import DEFAULT_URI
+    from trainer.mlflow_tracking import DEFAULT_URI, without_credentials
     from trainer.status import job_rows, render
 
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    uri = without_credentials(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
     try:
         rows = job_rows(MlflowClient(uri), uri, experiment)
     except Exception as e:  # noqa: BLE001 - an unreachable server is the user's to fix
@@ -188,5 +199,10 @@ def main(argv=None) -> None:
         e.show()
         sys.exit(2)
     except UserError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(2)
+
+
+def _one_line(text: str) -> str:
+    """An error is one line that a shell, a log scraper or a pipeline UI shows whole."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -11,6 +11,8 @@ import copy
 import difflib
 import hashlib
 import json
+import math
+import re
 from pathlib import Path
 
 import yaml
@@ -115,6 +117,13 @@ _NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD"
                "TRAIN.PREEMPT_GRACE_S")
 
 
+# Values of keys named like these, and user:password@ in URLs, are never written anywhere.
+_SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
+                 "CREDENTIAL")
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+REDACTED = "***"
+
+
 class ConfigError(UserError):
     pass
 
@@ -142,9 +151,6 @@ class Config(dict):
     def to_dict(self) -> dict:
         return json.loads(json.dumps(self))
 
-    def dump(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
 
 def _wrap(d: dict) -> Config:
     return Config({k: _wrap(v) if isinstance(v, dict) else v for k, v in d.items()})
@@ -169,6 +175,8 @@ def defaults() -> Config:
 
 
 def _unknown(key: str) -> ConfigError:
+    if not key.isprintable():  # a newline or a control character: show it escaped, on one line
+        return ConfigError(f"unknown config key {key!r}")
     close = difflib.get_close_matches(key.upper(), _ALL_KEYS, n=1, cutoff=0.6)
     if not close:  # a misspelt leaf under the right section still deserves a suggestion
         leaf = key.rsplit(".", 1)[-1].upper()
@@ -181,7 +189,7 @@ def _literal(text: str):
     """Detectron writes tuples as Python literals: `(800,)`, `('a', 'b')`."""
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: `{[1]: 2}`
         return text
 
 
@@ -202,13 +210,16 @@ def _coerce(key: str, value, default):
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        number = value
         if isinstance(value, str):  # PyYAML reads 1e-2 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if not math.isfinite(number):  # an infinite LR or timeout is never what was meant
+                raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            return float(number)
     elif isinstance(default, str):
         if isinstance(value, str):
             return value
@@ -235,8 +246,10 @@ def _set(cfg: Config, key: str, value) -> None:
     parts = key.split(".")
     if parts[0] in _OPEN_KEYS and len(parts) > 1:  # open mappings take any nested key
         node = cfg[parts[0]]
-        for part in parts[1:-1]:
+        for i, part in enumerate(parts[1:-1], start=2):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(parts[:i])} is {node!r}, not a mapping; cannot set {key}")
         node[parts[-1]] = value
         return
     node, default = cfg, _DEFAULTS
@@ -291,7 +304,9 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all (a .pth passed by mistake)
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -323,6 +338,7 @@ def validate(cfg: Config) -> None:
         (t.MAX_SIZE > 0, f"TRAIN.MAX_SIZE must be > 0, got {t.MAX_SIZE}"),
         (t.CHECKPOINTS_KEEP >= 1, f"TRAIN.CHECKPOINTS_KEEP must be >= 1, got {t.CHECKPOINTS_KEEP}"),
         (t.PREEMPT_GRACE_S > 0, f"TRAIN.PREEMPT_GRACE_S must be > 0, got {t.PREEMPT_GRACE_S}"),
+        (0 <= cfg.RNG_SEED < 2**32, f"RNG_SEED must be in [0, 2**32), got {cfg.RNG_SEED}"),
         (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
         (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
@@ -339,9 +355,34 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
 
 
+def redact_text(text: str) -> str:
+    """`http://user:password@host` -> `http://***@host`."""
+    return _URL_USERINFO.sub(REDACTED + "@", text)
+
+
+def is_secret_key(key: str) -> bool:
+    return any(w in key.upper() for w in _SECRET_WORDS)
+
+
+def redacted(cfg: dict) -> dict:
+    """A plain copy of the config that is safe to write anywhere (files, checkpoints, params):
+    secret-named values and URL credentials replaced. Secrets are given as overrides or in the
+    environment, so the copy keeps everything else a re-run needs."""
+    def clean(key, value):
+        if isinstance(value, dict):
+            return {k: clean(k, v) for k, v in value.items()}
+        if is_secret_key(str(key)):
+            return REDACTED
+        if isinstance(value, list):
+            return [clean("", v) for v in value]
+        return redact_text(value) if isinstance(value, str) else value
+
+    return clean("", json.loads(json.dumps(cfg)))
+
+
 def job_keys(cfg: dict) -> dict:
-    """The flattened keys that change what is trained."""
-    return {k: v for k, v in flatten(json.loads(json.dumps(cfg))).items()
+    """The flattened keys that change what is trained (a rotated secret is still the same job)."""
+    return {k: v for k, v in flatten(redacted(cfg)).items()
             if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)}
 
 
@@ -351,7 +392,8 @@ def job_hash(cfg: dict) -> str:
 
 
 def write_config(cfg: Config, path: Path) -> None:
+    """config.yaml, redacted: it is uploaded to the run and read by anyone who can see it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(cfg.dump())
+    tmp.write_text(yaml.safe_dump(redacted(cfg), sort_keys=False))
     tmp.replace(path)

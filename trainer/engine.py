@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint as ckpt
-from trainer.config import Config, job_keys, write_config
+from trainer.config import Config, job_keys, redacted, write_config
 from trainer.errors import UserError
 from trainer.evaluation import evaluate_during_training
 from trainer.data import build_train_loader
@@ -288,7 +288,7 @@ def training_state(cfg: Config, t: Trainer, cur_iter: int, rngs: list) -> dict:
         "scheduler": t.scheduler.state_dict(),
         "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else {},
         "iteration": cur_iter,
-        "config": cfg.to_dict(),
+        "config": redacted(cfg),  # checkpoints get shared: no secrets in them
         "rng": rngs,
         "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1},
     }

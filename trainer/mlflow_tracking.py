@@ -11,6 +11,7 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import mlflow
 import torch
@@ -21,7 +22,7 @@ from mlflow.exceptions import MlflowException
 
 from trainer.background import MetricSender, Uploader
 from trainer.checkpoint import FINAL, iteration_of, sha256_of
-from trainer.config import Config, flatten, job_hash
+from trainer.config import Config, flatten, job_hash, redact_text, redacted
 from trainer.errors import UserError
 from trainer.tracking import RunInfo, Tracker
 
@@ -32,7 +33,6 @@ JOB_TAG = "tracktron.job"
 LATEST_TAG = "tracktron.ckpt.latest"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 METRICS_INTERVAL_S = 5.0
-_SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "ACCESS_KEY", "CREDENTIAL")
 
 
 def sha_tag(name: str) -> str:
@@ -40,7 +40,21 @@ def sha_tag(name: str) -> str:
 
 
 def tracking_uri(cfg: Config) -> str:
-    return cfg.TRACKING.URI or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    return without_credentials(cfg.TRACKING.URI or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+
+
+def without_credentials(uri: str) -> str:
+    """`http://user:password@host` -> `http://host`, the user and password moved to MLflow's own
+    MLFLOW_TRACKING_USERNAME/PASSWORD (this process and its children). MLflow then sends them as
+    basic auth, and no URL that we or MLflow print ("View run at ...") carries them."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    return urlunsplit(parts._replace(netloc=host))
 
 
 def experiment_name(cfg: Config) -> str:
@@ -57,10 +71,8 @@ def checkpoints_of(run) -> list[str]:
 def safe_params(cfg: Config) -> dict[str, str]:
     """The flattened config as params: secrets redacted, long values truncated."""
     out = {}
-    for key, value in flatten(cfg.to_dict()).items():
+    for key, value in flatten(redacted(cfg)).items():
         text = str(value)
-        if any(w in key.upper() for w in _SECRET_WORDS):
-            text = "***"
         out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
     return out
 
@@ -94,7 +106,7 @@ def describe_job(cfg: Config, world_size: int) -> str:
     """The run's description in the UI: what was trained on what data, how."""
     s, t = cfg.SOLVER, cfg.TRAIN
     backbone = f" ({cfg.MODEL.BACKBONE} backbone)" if cfg.MODEL.BACKBONE else ""
-    weights = t.WEIGHTS or "random initialisation"
+    weights = redact_text(t.WEIGHTS) or "random initialisation"
     return (f"{cfg.MODEL.TYPE}{backbone} trained on {', '.join(t.DATASETS)} from {weights}: "
             f"{s.MAX_ITER} iterations of {t.IMS_PER_BATCH} images x {world_size} process(es), "
             f"LR {s.BASE_LR} ({s.LR_POLICY}), scales {t.SCALES}, max size {t.MAX_SIZE}. "
@@ -107,7 +119,10 @@ class MlflowTracker(Tracker):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.uri = tracking_uri(cfg)
-        self.client = MlflowClient(tracking_uri=self.uri)
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+        except Exception as e:  # noqa: BLE001 - a scheme MLflow has no store for: the user's to fix
+            raise UserError(_start_error(self.uri, e)) from None
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self._skip_until = -1  # steps already logged by an earlier process of this run
@@ -285,7 +300,7 @@ class MlflowTracker(Tracker):
         deadline = time.monotonic() + timeout
         if self._sender:
             self._sender.close(timeout)
-        tags = [RunTag("tracktron.status_reason", reason[:5000])] if reason else []
+        tags = [RunTag("tracktron.status_reason", redact_text(reason)[:5000])] if reason else []
         self._submit("set the run's status", lambda: (
             tags and self.client.log_batch(self.run.run_id, tags=tags),
             self.client.set_terminated(self.run.run_id, status)))
