@@ -52,8 +52,9 @@ class PreemptionGuard:
         return Preempted(self.signum or signal.SIGTERM, min(self.deadline, time.monotonic() + self.grace_s))
 
     def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if self.signum is None:  # once stopping, ours stay: a second signal during the preemption
+            for sig, handler in self._previous.items():  # checkpoint's upload or the flush exits at once
+                signal.signal(sig, handler)
         return False
 
     def _handle(self, signum, frame):
