@@ -470,21 +470,36 @@ def test_s3_failing_uploads_are_retried_until_it_is_back(tmp_path, data_dir, s3_
     assert_same_weights(reference, out / "model_final.pth")
 
 
-def test_s3_failing_for_good_claims_nothing_and_says_what_was_not_uploaded(tmp_path, data_dir, s3_server, jobs):
+def test_s3_failing_for_good_claims_nothing_says_what_was_not_uploaded_and_a_rerun_uploads_it(
+        tmp_path, data_dir, s3_server, jobs, monkeypatch):
     uri, client = _direct_s3_experiment(tmp_path, s3_server, "s3-down")
     out = tmp_path / "output"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "s3-down",
+                                           "SOLVER.MAX_ITER": 4, "TRACKING.FLUSH_TIMEOUT_S": 5})
     with FaultProxy(s3_server.url, mode="error") as s3:
-        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "s3-down",
-                                               "SOLVER.MAX_ITER": 4, "TRACKING.FLUSH_TIMEOUT_S": 5})
-        job = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3.url,
-                                        "AWS_MAX_ATTEMPTS": "2"})
+        job = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3.url, "AWS_MAX_ATTEMPTS": "2"})
         code = job.wait(120)
-    # The job trained; what could not be uploaded is named, and the run claims no checkpoint.
-    assert code == 0, job.stderr[-3000:]
-    assert re.search(r"tracking: (not done before the deadline: .*|upload checkpoint )model_final\.pth", job.stderr)
+    # The job trained, but its run is not complete: exit 1, naming what the server lacks; no claim.
+    assert code == 1, job.stderr[-3000:]
+    last = job.last_line
+    assert last.startswith("error: the tracking server did not get: ") and "model_final.pth" in last, last
+    assert "Traceback" not in job.stderr
     run = only_run(client, "s3-down")
     assert not [t for t in run.data.tags if t.startswith("tracktron.ckpt.")]
     assert ckpt.load(out / "model_final.pth")["iteration"] == 3
+
+    # S3 is back: the same command trains nothing and completes the run with the local model_final.
+    again = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.url}, name="again")
+    assert again.wait(120) == 0, again.stderr[-3000:]
+    assert "nothing to do" in again.out_path.read_text() and "uploading the local one" in again.stderr
+    run = only_run(client, "s3-down")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert run.data.tags[sha_tag("model_final.pth")] == ckpt.sha256_of(out / "model_final.pth")
+    for key, value in s3_server.env.items():  # this process reads the S3 store directly, as the trainer does
+        monkeypatch.setenv(key, value)
+    got = Path(client.download_artifacts(run.info.run_id, "checkpoints/model_final.pth", str(tmp_path / "dl")))
+    assert ckpt.sha256_of(got) == ckpt.sha256_of(out / "model_final.pth")
 
 
 # ---- a full disk while writing a checkpoint ----------------------------------------------------------

@@ -145,3 +145,13 @@ def test_another_jobs_checkpoints_in_output_dir_are_left_alone(tmp_path, data_di
     assert other.returncode == 2
     assert "is from another job (SOLVER.BASE_LR differ)" in other.stderr.strip().splitlines()[-1]
     assert {p.name: p.read_bytes() for p in (tmp_path / "output").glob("*.pth")} == before
+
+
+def test_the_sha256_of_a_saved_checkpoint_is_that_of_its_bytes(tmp_path):
+    """save_atomic hashes the bytes as torch writes them; the tag on the server must still be the
+    file's own sha256, or every resume from the server would reject it."""
+    state = {"model": {"w": torch.randn(300, 700), "b": torch.arange(5)}, "iteration": 7,
+             "big": torch.zeros(3 << 20, dtype=torch.uint8), "rng": {"torch": torch.get_rng_state()}}
+    path = tmp_path / "model_iter7.pth"
+    assert ckpt.save_atomic(state, path) == ckpt.sha256_of(path)
+    assert ckpt.load(path)["iteration"] == 7

@@ -113,7 +113,7 @@ def _train(cfg, tracker, ctx) -> None:
     try:
         done = train_model(cfg, tracker, ctx)
     except Preempted as e:
-        tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 1.0))
+        tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 2.0))
         log.warning("%s; the job resumes from its last checkpoint", e)
         sys.exit(128 + e.signum)
     except NonFiniteLoss as e:
@@ -126,11 +126,15 @@ def _train(cfg, tracker, ctx) -> None:
     except BaseException as e:
         tracker.finish("FAILED", f"{type(e).__name__}: {e}")
         raise
-    tracker.finish("FINISHED")
+    missing = tracker.finish("FINISHED")
     if done is not None:
         click.echo(f"nothing to do: model_final already exists ({done.source})")
     else:
         click.echo(f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}")
+    if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
+        click.echo(f"error: the tracking server did not get: {', '.join(missing)}. The local files are "
+                   "intact; running the same command again uploads model_final", err=True)
+        sys.exit(1)
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})

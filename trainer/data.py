@@ -340,9 +340,9 @@ def build_train_dataset(cfg):
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
 
-def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1):
+def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
     """An endless loader of (images, targets) batches for this rank, starting at start_iter."""
-    dataset = build_train_dataset(cfg)
+    dataset = build_train_dataset(cfg) if dataset is None else dataset
     sampler = InfiniteGroupedBatchSampler(
         dataset.aspect_ratios, cfg.TRAIN.IMS_PER_BATCH, cfg.RNG_SEED, start_iter, rank, world_size,
         flip=cfg.TRAIN.USE_FLIPPED, group=cfg.TRAIN.ASPECT_GROUPING)

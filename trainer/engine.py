@@ -1,6 +1,6 @@
 """The training loop: Detectron's train_model(), step by step, each step one named call.
 
-    start = create_model(...)                  AUTO_RESUME: newest checkpoint, local or tracked
+    start = create_model(...)                  dataset and network; AUTO_RESUME: newest checkpoint
     if start.final: nothing to do
     setup_model_for_training(...)             weights, optimizer, scheduler, loader
     for cur_iter in range(start_iter, MAX_ITER):
@@ -18,6 +18,7 @@ import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import Config, job_keys, redacted, write_config
 from trainer.errors import UserError
 from trainer.evaluation import evaluate_during_training
-from trainer.data import build_train_loader
+from trainer.data import build_train_dataset, build_train_loader
 from trainer.distributed import Context, all_mean, any_rank, broadcast_object, gather_object
 from trainer.models import build_model, describe_model, load_weights
 from trainer.prefetch import Prefetcher
@@ -70,11 +71,13 @@ def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | Non
     """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
     output_dir = Path(cfg.OUTPUT_DIR)
     seed_everything(cfg)
-    start = create_model(cfg, tracker, ctx, output_dir)
+    start, built = create_model(cfg, tracker, ctx, output_dir)
     if start.final:
         log.info("model_final already exists (%s): nothing to do", start.source)
+        if ctx.is_main:
+            upload_final_if_missing(tracker, output_dir)
         return start
-    t = setup_model_for_training(cfg, tracker, ctx, output_dir, start)
+    t = setup_model_for_training(cfg, tracker, ctx, output_dir, start, built)
     snapshot_period = max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
     cur_iter = start.iteration
     try:
@@ -121,13 +124,23 @@ def seed_everything(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
 
 
-def create_model(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path) -> StartPoint:
-    """Find where to start (rank 0 decides, every rank restores the same checkpoint)."""
-    start = find_start_point(cfg, tracker, output_dir) if ctx.is_main else None
-    start = broadcast_object(ctx, start)
+def create_model(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path):
+    """(start point, (dataset, network)). Rank 0 finds where to start on a thread while every rank
+    builds the dataset and the network, so that a checkpoint downloaded from the run (a job moved
+    to another machine) arrives during the build. Every rank restores the same checkpoint."""
+    with ThreadPoolExecutor(1, thread_name_prefix="find-start") as pool:
+        finding = pool.submit(find_start_point, cfg, tracker, output_dir) if ctx.is_main else None
+        built, failed = None, None
+        try:
+            built = build_dataset_and_model(cfg)
+        except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
+            failed = e
+        start = broadcast_object(ctx, finding.result() if finding else None)
+    if failed is not None and not start.final:
+        raise failed
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
-    return start
+    return start, built
 
 
 def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPoint:
@@ -152,7 +165,7 @@ def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPo
         path = tracker.fetch_checkpoint(name, output_dir)
         if path is not None:
             try:
-                state = ckpt.load(path)
+                state = ckpt.load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
             except ckpt.CheckpointError as e:
                 log.warning("skipping %s", e)
                 continue
@@ -164,6 +177,18 @@ def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPo
     return StartPoint()
 
 
+def upload_final_if_missing(tracker: Tracker, output_dir: Path) -> None:
+    """A job whose model_final never reached its run (the artifact store was down to the end):
+    running it again sends the local one, so the run is complete without training anything."""
+    final = output_dir / ckpt.FINAL
+    if tracker.run.run_id is None or ckpt.FINAL in tracker.run.checkpoints or not final.exists():
+        return
+    log.info("the run lacks %s: uploading the local one", ckpt.FINAL)
+    tracker.log_checkpoint(final, ckpt.sha256_of(final))
+    if (output_dir / "json_stats.log").exists():
+        tracker.log_artifact(output_dir / "json_stats.log")
+
+
 def check_same_job(cfg: Config, path: Path, state: dict) -> None:
     """Never resume (or call finished) another job's checkpoints left in OUTPUT_DIR."""
     ours, theirs = job_keys(cfg), job_keys(state.get("config", {}))
@@ -173,10 +198,16 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
                         "OUTPUT_DIR, or --no-resume to start this job over in it")
 
 
+def build_dataset_and_model(cfg: Config) -> tuple:
+    dataset = build_train_dataset(cfg)
+    return dataset, build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+
+
 def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path,
-                             start: StartPoint) -> Trainer:
-    loader, dataset = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size)
-    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0)).to(ctx.device)
+                             start: StartPoint, built: tuple | None = None) -> Trainer:
+    dataset, model = built or build_dataset_and_model(cfg)
+    loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=dataset)
+    model = model.to(ctx.device)
     if ctx.is_main:
         write_run_files(cfg, tracker, output_dir, model)
     if start.state is None:

@@ -126,6 +126,7 @@ class MlflowTracker(Tracker):
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self._skip_until = -1  # steps already logged by an earlier process of this run
+        self._tags: dict[str, str] = {}
         self._sender: MetricSender | None = None
         self._uploader = Uploader(_retryable)
         self.run = RunInfo()
@@ -146,12 +147,13 @@ class MlflowTracker(Tracker):
             else:
                 if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                     self.client.update_run(run.info.run_id, status="RUNNING")
-                self._skip_until = self._last_step(run.info.run_id)
+                self._skip_until = self._last_step(run)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - nothing was written yet: say why in one line
             raise UserError(_start_error(self.uri, e)) from None
         run_id = run.info.run_id
+        self._tags = dict(run.data.tags)
         self.run = RunInfo(run_id, self._ui_url(exp_id, run_id), resumed, checkpoints_of(run))
         # One log_batch every few seconds: the UI lags that much, the server does a fraction of the
         # work (its CPU per request hardly grows with the points in it; bench/RESULTS.md).
@@ -202,8 +204,13 @@ class MlflowTracker(Tracker):
                                        order_by=["attributes.start_time DESC"], max_results=1)
         return runs[0] if runs else None
 
-    def _last_step(self, run_id: str) -> int:
-        history = self.client.get_metric_history(run_id, "loss")
+    def _last_step(self, run) -> int:
+        """The newest step logged: the run's latest `loss` is the one with the highest step (the
+        store keeps it), so no need to fetch a history of every iteration of a long job."""
+        latest = [m for m in getattr(run.data, "_metric_objs", None) or () if m.key == "loss"]
+        if latest:
+            return latest[0].step
+        history = self.client.get_metric_history(run.info.run_id, "loss")
         return max((m.step for m in history), default=-1)
 
     def _run_name(self, cfg: Config) -> str:
@@ -226,7 +233,7 @@ class MlflowTracker(Tracker):
     # ---- resume ----
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
-        expected = self.client.get_run(self.run.run_id).data.tags.get(sha_tag(name))
+        expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
         dest_dir.mkdir(parents=True, exist_ok=True)
         try:
             path = Path(self.client.download_artifacts(self.run.run_id, f"checkpoints/{name}", str(dest_dir)))
@@ -292,10 +299,10 @@ class MlflowTracker(Tracker):
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
 
-    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> None:
+    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
         if self.run.run_id is None:
             self._uploader.close(0)
-            return
+            return []
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if self._sender:
@@ -305,6 +312,7 @@ class MlflowTracker(Tracker):
             tags and self.client.log_batch(self.run.run_id, tags=tags),
             self.client.set_terminated(self.run.run_id, status)))
         self._uploader.close(max(1.0, deadline - time.monotonic()))
+        return list(self._uploader.failed)
 
     def _submit(self, description: str, job) -> None:
         self._uploader.submit(description, job)

@@ -58,9 +58,10 @@ class Tracker:
         """Wait for queued uploads (preemption: the last checkpoint must reach the server)."""
         return True
 
-    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> None:
+    def finish(self, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
         """FINISHED, FAILED or KILLED; flushes what is queued within `timeout` (default
-        TRACKING.FLUSH_TIMEOUT_S)."""
+        TRACKING.FLUSH_TIMEOUT_S). Returns what never reached the server (empty: everything did)."""
+        return []
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
