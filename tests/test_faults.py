@@ -437,6 +437,29 @@ def test_a_checkpoint_is_marked_complete_only_after_the_metrics_of_its_iteration
     assert steps(MlflowClient(cfg.TRACKING.URI), run_id) == [0, 1, 2]
 
 
+# ---- a signal before the loop: no iteration to finish, the run is KILLED, not left RUNNING -------------
+
+def test_a_signal_before_the_loop_stops_at_once_and_marks_the_run_killed(tmp_path, mlflow_server, jobs):
+    data = tmp_path / "fresh-data"  # the synthetic dataset is generated first, before any iteration
+    exp = f"early-{uuid.uuid4().hex[:6]}"
+    args = job_args(tmp_path, data, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp})
+    job = jobs(args, tmp_path)
+    wait_until(lambda: list(data.glob("**/.*.tmp-*")), job, "the dataset being generated", poll=0.005)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM, job.stderr[-3000:]
+    assert "stopped by SIGTERM" in job.stderr and "Traceback" not in job.stderr, job.stderr[-3000:]
+    assert not job.iters() and not list(data.glob("**/.*.tmp-*"))  # no half dataset left behind
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, exp)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["tracktron.status_reason"] == "stopped by SIGTERM"
+
+    again = jobs(args, tmp_path, name="again")  # the same job, in the same run, to the end
+    assert again.wait(240) == 0, again.stderr[-3000:]
+    finished = only_run(client, exp)
+    assert (finished.info.run_id, finished.info.status) == (run.info.run_id, "FINISHED")
+
+
 # ---- S3: failing uploads, then back; failing for good ------------------------------------------------
 
 def _direct_s3_experiment(tmp: Path, s3_server, name: str) -> tuple[str, MlflowClient]:

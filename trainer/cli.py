@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from trainer.errors import UserError
+from trainer.preemption import Preempted, StopOnSignal, StopRequested
 
 log = logging.getLogger("tracktron")
 
@@ -60,13 +61,16 @@ def train(config_file, resume_run_id, no_resume, opts):
     tracker = create_tracker(cfg, ctx.rank, ctx.world_size)
     monitor = None
     try:
-        run = tracker.start(cfg, resume_run_id, new_run=no_resume)
-        if run.run_id:
-            where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
-            log.info("MLflow run %s: %s", run.run_id, where)
-            _write_run_id(run.run_id)
-        monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
-        _train(cfg, tracker, ctx)
+        with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
+            run = tracker.start(cfg, resume_run_id, new_run=no_resume)
+            if run.run_id:
+                where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
+                log.info("MLflow run %s: %s", run.run_id, where)
+                _write_run_id(run.run_id)
+            monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
+            _train(cfg, tracker, ctx)
+    except StopRequested as e:
+        _stopped(tracker, e)
     finally:
         if monitor is not None:
             monitor.finish()
@@ -108,14 +112,11 @@ def _system_metrics(cfg, run_id, ctx):
 
 def _train(cfg, tracker, ctx) -> None:
     from trainer.engine import NonFiniteLoss, train_model
-    from trainer.preemption import Preempted
 
     try:
         done = train_model(cfg, tracker, ctx)
-    except Preempted as e:
-        tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 2.0))
-        log.warning("%s; the job resumes from its last checkpoint", e)
-        sys.exit(128 + e.signum)
+    except (Preempted, StopRequested) as e:
+        _stopped(tracker, e)
     except NonFiniteLoss as e:
         tracker.finish("FAILED", str(e))
         click.echo(f"error: {e}", err=True)
@@ -135,6 +136,13 @@ def _train(cfg, tracker, ctx) -> None:
         click.echo(f"error: the tracking server did not get: {', '.join(missing)}. The local files are "
                    "intact; running the same command again uploads model_final", err=True)
         sys.exit(1)
+
+
+def _stopped(tracker, e: Preempted | StopRequested):
+    """SIGTERM or SIGINT: the run is KILLED (not FAILED), and the next start resumes it."""
+    tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 2.0))
+    log.warning("%s; the job resumes from its last checkpoint", e)
+    sys.exit(128 + e.signum)
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})

@@ -31,16 +31,27 @@ class Preempted(Exception):
         self.deadline = deadline  # time.monotonic() by which the process must be gone
 
 
-class PreemptionGuard:
+class StopRequested(BaseException):
+    """A signal outside the training loop (set-up, the final evaluation): there is no iteration to
+    finish, so the job stops where it is. A BaseException, so that no `except Exception` on the way
+    (a tracking call that turns errors into one line) takes it for a fault."""
+
+    def __init__(self, signum: int, deadline: float):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.deadline = deadline
+
+
+class _OnSignal:
+    """SIGTERM and SIGINT handlers for a `with` block (main thread only). The first signal arms the
+    grace deadline and calls `_first`; a second one exits at once. Once a signal came, the handlers
+    stay after the block, so a second signal during the preemption upload or the flush still exits."""
+
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.signum: int | None = None
         self.deadline = float("inf")
         self._previous: dict = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -48,12 +59,9 @@ class PreemptionGuard:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def preempted(self) -> Preempted:
-        return Preempted(self.signum or signal.SIGTERM, min(self.deadline, time.monotonic() + self.grace_s))
-
     def __exit__(self, *exc):
-        if self.signum is None:  # once stopping, ours stay: a second signal during the preemption
-            for sig, handler in self._previous.items():  # checkpoint's upload or the flush exits at once
+        if self.signum is None:
+            for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
         return False
 
@@ -64,6 +72,30 @@ class PreemptionGuard:
         self.signum = signum
         self.deadline = time.monotonic() + self.grace_s
         _exit_at(self.deadline - EXIT_MARGIN_S, signum, self.grace_s)
+        self._first(signum)
+
+    def _first(self, signum: int) -> None:
+        raise NotImplementedError
+
+
+class StopOnSignal(_OnSignal):
+    """Around the whole job: outside the loop, a signal stops it where it is (StopRequested)."""
+
+    def _first(self, signum: int) -> None:
+        raise StopRequested(signum, self.deadline)
+
+
+class PreemptionGuard(_OnSignal):
+    """Around the loop: a signal sets a flag that the loop checks between iterations."""
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def preempted(self) -> Preempted:
+        return Preempted(self.signum or signal.SIGTERM, min(self.deadline, time.monotonic() + self.grace_s))
+
+    def _first(self, signum: int) -> None:
         log.warning("%s received: finishing this iteration, then checkpointing and stopping",
                     signal.Signals(signum).name)
 
