@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -155,3 +156,21 @@ def test_the_sha256_of_a_saved_checkpoint_is_that_of_its_bytes(tmp_path):
     path = tmp_path / "model_iter7.pth"
     assert ckpt.save_atomic(state, path) == ckpt.sha256_of(path)
     assert ckpt.load(path)["iteration"] == 7
+
+
+def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_path):
+    from trainer.checkpoint_files import _HOST
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = [tmp_path / f".model_iter5.pth.tmp.{_HOST}.{dead.pid}", tmp_path / f".download.{_HOST}.{dead.pid}.x1y2"]
+    kept = [tmp_path / f".model_iter8.pth.tmp.{_HOST}.{os.getpid()}", tmp_path / f".download.{_HOST}.{os.getpid()}.z3",
+            tmp_path / ".download.otherhost.1.q4", tmp_path / "model_iter2.pth"]
+    for path in gone + kept:
+        if path.name.startswith(".download"):
+            path.mkdir()
+            (path / "model_iter9.pth").write_bytes(b"half")
+        else:
+            path.write_bytes(b"half")
+    assert sorted(ckpt.remove_stale_temps(tmp_path)) == sorted(gone)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)

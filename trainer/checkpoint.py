@@ -18,21 +18,18 @@ import logging
 import os
 import queue
 import random
-import re
 import shutil
-import socket
 import threading
-import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from trainer.checkpoint_files import (FINAL, checkpoint_name, iteration_of, local_checkpoints,  # noqa: F401
+                                      prune, remove_stale_temps, sha256_of, temp_name)
 
-FINAL = "model_final.pth"
-_ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(Exception):
@@ -56,27 +53,6 @@ def _free_space(folder: Path) -> str:
         return f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder})"
     except OSError:
         return ""
-
-
-def checkpoint_name(iteration: int | None) -> str:
-    """`model_iter{N}.pth` for the zero-based iteration N just finished; None means final."""
-    return FINAL if iteration is None else f"model_iter{iteration}.pth"
-
-
-def iteration_of(name: str) -> float:
-    """Sort key: model_final is newer than every model_iter."""
-    if name == FINAL:
-        return float("inf")
-    m = _ITER_RE.match(name)
-    return int(m.group(1)) if m else -1
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- RNG state: python, numpy, torch, cuda (weights_only-loadable types only) ----
@@ -115,16 +91,6 @@ def to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
-
-
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
-_TMP_RE = re.compile(r"^\.model_(?:iter\d+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>\d+)$")
-STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
-
-
-def temp_name(path: Path) -> Path:
-    """`.model_iter5.pth.tmp.<host>.<pid>`: whose it is, so a later job knows when it is stale."""
-    return path.with_name(f".{path.name}.tmp.{_HOST}.{os.getpid()}")
 
 
 class _HashingFile:
@@ -215,52 +181,6 @@ def load(path: Path, sha256_checked: bool = False) -> dict:
     return state
 
 
-def local_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint files in output_dir, newest first (model_final before every model_iter)."""
-    if not output_dir.is_dir():
-        return []
-    found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0]
-    return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
-
-
-def remove_stale_temps(output_dir: Path) -> list[Path]:
-    """Delete temporary checkpoint files left by killed writers: this host's whose process is
-    gone, another host's (or an unnamed one's) after a day."""
-    if not output_dir.is_dir():
-        return []
-    removed = []
-    for path in output_dir.iterdir():
-        m = _TMP_RE.match(path.name)
-        if not m:
-            continue
-        try:
-            if m.group("host") == _HOST:
-                if _pid_alive(int(m.group("pid"))):
-                    continue
-            elif time.time() - path.stat().st_mtime < STALE_FOREIGN_TMP_S:
-                continue
-            path.unlink()
-            removed.append(path)
-        except OSError:
-            continue
-    if removed:
-        log.info("removed %d partial checkpoint file(s) left by a killed job: %s", len(removed),
-                 ", ".join(p.name for p in removed))
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; partial or corrupt files are skipped with a warning."""
     remove_stale_temps(output_dir)
@@ -270,17 +190,6 @@ def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint %s", e)
     return None
-
-
-def prune(output_dir: Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
-    """Delete all but the `keep` newest model_iter files (never model_final, never `protect`)."""
-    iters = [p for p in local_checkpoints(output_dir) if p.name != FINAL]
-    removed = []
-    for path in iters[keep:]:
-        if path.name not in protect:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
 
 
 class CheckpointWriter:

@@ -45,21 +45,20 @@ def train(config_file, resume_run_id, no_resume, opts):
     tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4
     """
     from trainer.config import load_config
-    from trainer import distributed
     from trainer.tracking import create_tracker
 
-    _setup_logging()
+    # torchrun's rank and world size, read before torch is imported (see below)
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    _setup_logging(rank)
     cfg = load_config(config_file, list(opts))
-    ctx = distributed.setup()
-    _setup_logging(ctx.rank)
-    if ctx.world_size > 1 and cfg.NUM_GPUS != ctx.world_size:
-        log.info("NUM_GPUS set to the world size, %d", ctx.world_size)
-        cfg.NUM_GPUS = ctx.world_size
+    if world_size > 1 and cfg.NUM_GPUS != world_size:
+        log.info("NUM_GPUS set to the world size, %d", world_size)
+        cfg.NUM_GPUS = world_size
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
     _check_output_dir(Path(cfg.OUTPUT_DIR))
-    tracker = create_tracker(cfg, ctx.rank, ctx.world_size)
-    monitor = None
+    tracker = create_tracker(cfg, rank, world_size)
+    monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
             run = tracker.start(cfg, resume_run_id, new_run=no_resume)
@@ -67,6 +66,10 @@ def train(config_file, resume_run_id, no_resume, opts):
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
+            from trainer import distributed  # torch loads now: a resumed job's checkpoint is downloading
+
+            ctx = distributed.setup()
+            tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
             _train(cfg, tracker, ctx)
     except StopRequested as e:
@@ -74,7 +77,8 @@ def train(config_file, resume_run_id, no_resume, opts):
     finally:
         if monitor is not None:
             monitor.finish()
-        distributed.teardown(ctx)
+        if ctx is not None:
+            distributed.teardown(ctx)
 
 
 def _check_output_dir(path: Path) -> None:

@@ -46,6 +46,17 @@ def setup() -> Context:
     return Context(dist.get_rank(), world_size, local_rank, device)
 
 
+def environment(ctx: Context) -> dict[str, str]:
+    """What the job runs on: versions, device, world size (tags of its run)."""
+    import platform
+
+    import torchvision
+
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else f"cpu ({platform.machine()})"
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__,
+            "cuda": torch.version.cuda or "none", "device": device, "world_size": str(ctx.world_size)}
+
+
 def teardown(ctx: Context) -> None:
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -165,7 +165,7 @@ def per_category_table(ev: COCOeval) -> str:
     """Markdown: AP and AP50 per category (area all, 100 detections), with its ground-truth count."""
     precision = ev.eval["precision"]  # [iou thresholds, recall, category, area, max dets]
     gt = ev.cocoGt
-    lines = [f"| category | AP | AP50 | instances |", "|---|---:|---:|---:|"]
+    lines = ["| category | AP | AP50 | instances |", "|---|---:|---:|---:|"]
     for k, cat_id in enumerate(ev.params.catIds):
         p = precision[:, :, k, 0, -1]
         ap, ap50 = (_mean_defined(x) for x in (p, p[0]))

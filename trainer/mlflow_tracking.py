@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
+import shutil
 import subprocess
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import mlflow
-import torch
-import torchvision
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from trainer.background import MetricSender, Uploader
-from trainer.checkpoint import FINAL, iteration_of, sha256_of
+from trainer.checkpoint_files import FINAL, download_folder, iteration_of, local_checkpoints, sha256_of
 from trainer.config import Config, flatten, job_hash, redact_text, redacted
 from trainer.errors import UserError
 from trainer.tracking import RunInfo, Tracker
@@ -87,13 +87,9 @@ def _git_commit() -> str | None:
 
 
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
-    tags = {
+    tags = {  # torch's versions and the device come with set_tags() once torch is imported
         JOB_TAG: job_hash(cfg),
         "tracktron.config_name": cfg.NAME,
-        "tracktron.torch": torch.__version__,
-        "tracktron.torchvision": torchvision.__version__,
-        "tracktron.cuda": torch.version.cuda or "none",
-        "tracktron.device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})",
         "tracktron.world_size": str(world_size),
     }
     if commit := _git_commit():
@@ -127,6 +123,7 @@ class MlflowTracker(Tracker):
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self._skip_until = -1  # steps already logged by an earlier process of this run
         self._tags: dict[str, str] = {}
+        self._prefetched: tuple[str, Path, Future] | None = None  # a download that start() began
         self._sender: MetricSender | None = None
         self._uploader = Uploader(_retryable)
         self.run = RunInfo()
@@ -159,6 +156,8 @@ class MlflowTracker(Tracker):
         # work (its CPU per request hardly grows with the points in it; bench/RESULTS.md).
         self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
         self._log_params(cfg, run)
+        if resumed:
+            self._prefetch_newest(Path(cfg.OUTPUT_DIR))
         return self.run
 
     def _experiment(self, name: str) -> str:
@@ -232,17 +231,55 @@ class MlflowTracker(Tracker):
 
     # ---- resume ----
 
+    def _prefetch_newest(self, output_dir: Path) -> None:
+        """Start downloading the checkpoint that the resume will want (the run's newest, when it is
+        newer than every local one), so that the download overlaps torch's import and the build."""
+        local = local_checkpoints(output_dir)
+        newest_local = iteration_of(local[0].name) if local else -1
+        name = self.run.checkpoints[0] if self.run.checkpoints else FINAL
+        if name == FINAL or iteration_of(name) <= newest_local:
+            return
+        folder, future = download_folder(output_dir), Future()
+
+        def download():
+            try:
+                future.set_result(self._download_verified(name, folder))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
+                future.set_exception(e)
+
+        self._prefetched = name, folder, future
+        threading.Thread(target=download, name="checkpoint-prefetch", daemon=True).start()
+
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
-        expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
-        dest_dir.mkdir(parents=True, exist_ok=True)
+        """dest_dir/name once its bytes match the sha256 tag. It is downloaded into a hidden folder
+        first, so that nobody looking for local checkpoints meanwhile takes a partial one."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == name:
+            _, folder, future = prefetched
+            path = future.result()
+        else:
+            self._discard(prefetched)
+            folder = download_folder(dest_dir)
+            path = self._download_verified(name, folder)
         try:
-            path = Path(self.client.download_artifacts(self.run.run_id, f"checkpoints/{name}", str(dest_dir)))
+            return path.replace(dest_dir / name) if path else None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _discard(prefetched) -> None:
+        if prefetched is not None:  # its download, if still going, fails without its folder
+            shutil.rmtree(prefetched[1], ignore_errors=True)
+
+    def _download_verified(self, name: str, folder: Path) -> Path | None:
+        expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
+        try:
+            path = Path(self.client.download_artifacts(self.run.run_id, f"checkpoints/{name}", str(folder)))
         except Exception as e:  # noqa: BLE001 - a missing or unreadable artifact: try an older one
             log.warning("could not download checkpoint %s: %s", name, _first_line(e))
             return None
         if sha256_of(path) != expected:
             log.warning("checkpoint %s from the tracking server does not match its sha256 tag; skipped", name)
-            path.unlink(missing_ok=True)
             return None
         return path
 
@@ -253,6 +290,10 @@ class MlflowTracker(Tracker):
             return None
 
     # ---- during training: all queued ----
+
+    def set_tags(self, tags: dict) -> None:
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._submit("tags", lambda: self.client.log_batch(self.run.run_id, tags=items))
 
     def log_params(self, params: dict) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
@@ -285,6 +326,9 @@ class MlflowTracker(Tracker):
         self._submit(f"upload checkpoint {path.name}", upload)
 
     def log_model(self, model, cfg: Config) -> None:
+        import torch
+        import torchvision
+
         def log():
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=self.run.run_id):
@@ -300,6 +344,8 @@ class MlflowTracker(Tracker):
         return self._uploader.wait(timeout)
 
     def finish(self, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
+        self._discard(self._prefetched)  # never asked for: a local checkpoint was newer
+        self._prefetched = None
         if self.run.run_id is None:
             self._uploader.close(0)
             return []

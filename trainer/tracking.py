@@ -37,6 +37,9 @@ class Tracker:
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
         return None
 
+    def set_tags(self, tags: dict) -> None:
+        pass
+
     def log_params(self, params: dict) -> None:
         pass
 

@@ -1,0 +1,119 @@
+"""Checkpoint files by name: which iteration a file holds, the newest ones in a folder, their
+sha256, the temporary files of writers that were killed, pruning. No torch here: the tracker uses
+these before torch is imported (a resume starts its download while torch loads).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("trainer.checkpoint")
+
+FINAL = "model_final.pth"
+_ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
+
+
+def checkpoint_name(iteration: int | None) -> str:
+    """`model_iter{N}.pth` for the zero-based iteration N just finished; None means final."""
+    return FINAL if iteration is None else f"model_iter{iteration}.pth"
+
+
+def iteration_of(name: str) -> float:
+    """Sort key: model_final is newer than every model_iter."""
+    if name == FINAL:
+        return float("inf")
+    m = _ITER_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+_TMP_RE = re.compile(r"^\.model_(?:iter\d+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>\d+)$"
+                     r"|^\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>\d+)\.\w+$")  # or a download's folder
+STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
+
+
+def temp_name(path: Path) -> Path:
+    """`.model_iter5.pth.tmp.<host>.<pid>`: whose it is, so a later job knows when it is stale."""
+    return path.with_name(f".{path.name}.tmp.{_HOST}.{os.getpid()}")
+
+
+def download_folder(output_dir: Path) -> Path:
+    """A hidden folder for a checkpoint being downloaded: named like no checkpoint, and whose."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".download.{_HOST}.{os.getpid()}.", dir=output_dir))
+
+
+def local_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint files in output_dir, newest first (model_final before every model_iter)."""
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0]
+    return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
+
+
+def remove_stale_temps(output_dir: Path) -> list[Path]:
+    """Delete temporary checkpoint files (and download folders) left by killed jobs: this host's
+    whose process is gone, another host's (or an unnamed one's) after a day."""
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for path in output_dir.iterdir():
+        m = _TMP_RE.match(path.name)
+        if not m:
+            continue
+        host, pid = m.group("host") or m.group("dhost"), m.group("pid") or m.group("dpid")
+        try:
+            if host == _HOST:
+                if _pid_alive(int(pid)):
+                    continue
+            elif time.time() - path.stat().st_mtime < STALE_FOREIGN_TMP_S:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d partial checkpoint file(s) left by a killed job: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prune(output_dir: Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
+    """Delete all but the `keep` newest model_iter files (never model_final, never `protect`)."""
+    iters = [p for p in local_checkpoints(output_dir) if p.name != FINAL]
+    removed = []
+    for path in iters[keep:]:
+        if path.name not in protect:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
