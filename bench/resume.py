@@ -159,7 +159,7 @@ def run(env: Env) -> Section:
     from mlflow import MlflowClient
 
     quick = env.quick
-    rounds = 2 if quick else 4
+    rounds = 2 if quick else 6
     server, s3 = env.mlflow, env.s3
     cfg_path = write_config(env.workdir / "resume.yaml")
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
