@@ -1,0 +1,142 @@
+"""Fault injection, storage: S3 failing for a while and for good, a full disk while a checkpoint
+is written (docs/FAULTS.md has the matrix; tests/test_faults.py the signals and kills)."""
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import run_trainer, trainer_cmd
+from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file are fixtures
+    assert_same_weights, job_args, jobs, MAX_ITER, _no_run_id_file, only_run, reference, sha_tag, steps,
+    temp_files, wait_until)
+from tests.servers import FaultProxy
+from trainer import checkpoint as ckpt
+
+
+# ---- S3: failing uploads, then back; failing for good ------------------------------------------------
+
+def _direct_s3_experiment(tmp: Path, s3_server, name: str) -> tuple[str, MlflowClient]:
+    """The embedded sqlite store with artifacts straight on S3 (boto3 in the trainer)."""
+    uri = f"sqlite:///{tmp / 'store.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment(name, artifact_location=f"s3://{s3_server.bucket}/{name}-{uuid.uuid4().hex[:6]}")
+    return uri, client
+
+
+def test_s3_failing_uploads_are_retried_until_it_is_back(tmp_path, data_dir, s3_server, reference, jobs):
+    uri, client = _direct_s3_experiment(tmp_path, s3_server, "s3-outage")
+    out = tmp_path / "output"
+    with FaultProxy(s3_server.url, mode="error") as s3:  # every request: HTTP 503
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "s3-outage",
+                                               "TRACKING.FLUSH_TIMEOUT_S": 120})
+        job = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3.url})
+        wait_until(lambda: (out / "model_iter5.pth").exists() and s3.errors_sent >= 3, job, "failed uploads")
+        run = only_run(client, "s3-outage")
+        assert not [t for t in run.data.tags if t.endswith(".sha256")]  # nothing claimed while S3 fails
+        s3.set_mode("pass")
+        assert job.wait(300) == 0, job.stderr[-3000:]
+    assert re.search(r"tracking: upload \S+ failed \(.*\); retrying", job.stderr)
+    run = only_run(client, "s3-outage")
+    assert run.info.status == "FINISHED"
+    assert steps(client, run.info.run_id) == list(range(MAX_ITER))
+    for name in ("model_iter2.pth", "model_iter5.pth", "model_iter8.pth", "model_final.pth"):
+        assert run.data.tags[sha_tag(name)] == ckpt.sha256_of(out / name)
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket)["Contents"]]
+    assert any(k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_final.pth") for k in keys)
+    assert_same_weights(reference, out / "model_final.pth")
+
+
+def test_s3_failing_for_good_claims_nothing_says_what_was_not_uploaded_and_a_rerun_uploads_it(
+        tmp_path, data_dir, s3_server, jobs, monkeypatch):
+    uri, client = _direct_s3_experiment(tmp_path, s3_server, "s3-down")
+    out = tmp_path / "output"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "s3-down",
+                                           "SOLVER.MAX_ITER": 4, "TRACKING.FLUSH_TIMEOUT_S": 5})
+    with FaultProxy(s3_server.url, mode="error") as s3:
+        job = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3.url, "AWS_MAX_ATTEMPTS": "2"})
+        code = job.wait(120)
+    # The job trained, but its run is not complete: exit 1, naming what the server lacks; no claim.
+    assert code == 1, job.stderr[-3000:]
+    last = job.last_line
+    assert last.startswith("error: the tracking server did not get: ") and "model_final.pth" in last, last
+    assert "Traceback" not in job.stderr
+    run = only_run(client, "s3-down")
+    assert not [t for t in run.data.tags if t.startswith("tracktron.ckpt.")]
+    assert ckpt.load(out / "model_final.pth")["iteration"] == 3
+
+    # S3 is back: the same command trains nothing and completes the run with the local model_final.
+    again = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.url}, name="again")
+    assert again.wait(120) == 0, again.stderr[-3000:]
+    assert "nothing to do" in again.out_path.read_text() and "uploading the local one" in again.stderr
+    run = only_run(client, "s3-down")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert run.data.tags[sha_tag("model_final.pth")] == ckpt.sha256_of(out / "model_final.pth")
+    for key, value in s3_server.env.items():  # this process reads the S3 store directly, as the trainer does
+        monkeypatch.setenv(key, value)
+    got = Path(client.download_artifacts(run.info.run_id, "checkpoints/model_final.pth", str(tmp_path / "dl")))
+    assert ckpt.sha256_of(got) == ckpt.sha256_of(out / "model_final.pth")
+
+
+# ---- a full disk while writing a checkpoint ----------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """OUTPUT_DIR on a 12 MiB tmpfs (one checkpoint fits, the second does not); where mounting is
+    not allowed, a 4 MiB RLIMIT_FSIZE on the trainer (SIGXFSZ ignored, so write() fails with EFBIG)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = os.environ.get("TRACKTRON_TEST_DISK") != "rlimit" and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True).returncode == 0
+
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+
+    def grow():
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+
+    yield {"dir": mount, "tmpfs": mounted, "preexec": None if mounted else preexec, "grow": grow}
+    if mounted:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_while_writing_a_checkpoint_fails_clearly_and_damages_nothing(tmp_path, data_dir, small_disk,
+                                                                               reference):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = small_disk["dir"] / "output"
+    args = job_args(tmp_path, data_dir, **{"OUTPUT_DIR": out, "TRACKING.URI": uri, "TRACKING.EXPERIMENT": "disk",
+                                           "LOG_PERIOD": 100})
+    failing = "model_iter5.pth" if small_disk["tmpfs"] else "model_iter2.pth"
+    reason = "No space left on device" if small_disk["tmpfs"] else "File too large"
+    result = subprocess.run(trainer_cmd(*args), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            preexec_fn=small_disk["preexec"])
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"cannot write checkpoint {out / failing}: {reason}" in last, last
+    assert not temp_files(out) and not (out / failing).exists()
+    client = MlflowClient(uri)
+    run = only_run(client, "disk")
+    assert run.info.status == "FAILED"
+    assert reason in run.data.tags["tracktron.status_reason"]
+    if small_disk["tmpfs"]:  # the checkpoint written before the disk filled up is whole, and is the server's
+        assert ckpt.load(out / "model_iter2.pth")["iteration"] == 2
+        assert run.data.tags[sha_tag("model_iter2.pth")] == ckpt.sha256_of(out / "model_iter2.pth")
+
+    # Space again (the tmpfs grows; the file size limit is not set): the job resumes and finishes.
+    small_disk["grow"]()
+    resumed = run_trainer(args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    if small_disk["tmpfs"]:
+        assert "model_iter2.pth at iteration 3" in resumed.stderr
+    assert only_run(client, "disk").info.status == "FINISHED"
+    assert_same_weights(reference, out / "model_final.pth")
