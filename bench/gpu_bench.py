@@ -33,23 +33,7 @@ from pathlib import Path
 
 import torch
 
-
-class InMemoryBatches:
-    """Stands in for the engine's Prefetcher."""
-
-    def __init__(self, batches: list):
-        self.batches, self.index = batches, 0
-
-    def next(self):
-        item = self.batches[self.index % len(self.batches)]
-        self.index += 1
-        return item
-
-    def qsize(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
+from bench.common import InMemoryBatches
 
 
 def parse(argv):

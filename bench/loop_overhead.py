@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bench.common import Env, Section, md_table, median, thread_cpu_seconds
+from bench.common import Env, InMemoryBatches, Section, md_table, median, thread_cpu_seconds
 
 NAME = "loop_overhead"
 TARGET = 0.98
@@ -35,25 +35,6 @@ WHAT = (
     "(`writer.wait()` + `tracker.wait()`, the drain column). CPU seconds are counted too, per thread "
     "of this process (from /proc) and for the mlflow server's and moto's processes, after each block "
     "has fully drained, its metrics included.")
-
-
-class InMemoryBatches:
-    """Stands in for the engine's Prefetcher: batches already in memory, in a fixed order."""
-
-    def __init__(self, batches: list):
-        self.batches = batches
-        self.index = 0
-
-    def next(self):
-        item = self.batches[self.index % len(self.batches)]
-        self.index += 1
-        return item
-
-    def qsize(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
 
 
 ARMS = ("bare", "ours", "ours_nockpt")

@@ -235,6 +235,11 @@ def secret_job(auth_server, data_dir, tmp_path_factory):
     return tmp, with_uri, with_env
 
 
+def _only_run(client: MlflowClient, experiment: str):
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run
+
+
 @pytest.fixture
 def admin_client(auth_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])
@@ -246,8 +251,7 @@ def admin_client(auth_server, monkeypatch):
 def test_basic_auth_server_with_credentials_in_the_environment(secret_job, admin_client, tmp_path):
     _, _, job = secret_job
     assert job.returncode == 0, job.stderr[-3000:]
-    exp = admin_client.get_experiment_by_name("env-creds")
-    (run,) = admin_client.search_runs([exp.experiment_id])
+    run = _only_run(admin_client, "env-creds")
     assert run.info.status == "FINISHED"
     assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
     leaks = _leaks({"stdout": job.stdout, "stderr": job.stderr,
@@ -259,8 +263,7 @@ def test_basic_auth_server_with_credentials_in_the_environment(secret_job, admin
 def test_basic_auth_from_credentials_in_the_tracking_uri(secret_job, admin_client):
     _, job, _ = secret_job
     assert job.returncode == 0, job.stderr[-3000:]
-    exp = admin_client.get_experiment_by_name("secrets")
-    (run,) = admin_client.search_runs([exp.experiment_id])
+    run = _only_run(admin_client, "secrets")
     assert run.info.status == "FINISHED"
 
 
@@ -268,8 +271,7 @@ def test_basic_auth_from_credentials_in_the_tracking_uri(secret_job, admin_clien
 def test_secrets_given_as_overrides_appear_nowhere(secret_job, admin_client, tmp_path):
     tmp, job, _ = secret_job
     assert job.returncode == 0, job.stderr[-3000:]
-    exp = admin_client.get_experiment_by_name("secrets")
-    (run,) = admin_client.search_runs([exp.experiment_id])
+    run = _only_run(admin_client, "secrets")
     local = {f"local {p.relative_to(tmp)}": p.read_bytes() for p in (tmp / "output").rglob("*") if p.is_file()}
     leaks = _leaks({"stdout": job.stdout, "stderr": job.stderr, **local,
                     **_everything_tracked(admin_client, run, tmp_path)})
