@@ -65,12 +65,18 @@ class Job:
         return [json.loads(line[len("json_stats: "):])["iter"] for line in self.out_path.read_text().splitlines()
                 if line.startswith("json_stats: {") and line.endswith("}")]
 
-    def workers(self) -> list[int]:
-        """Child processes (the data loader's workers)."""
+    def children(self) -> list[int]:
         pids = []
         for task in Path(f"/proc/{self.pid}/task").iterdir():
             pids += [int(p) for p in (task / "children").read_text().split()]
         return pids
+
+    def workers(self) -> list[int]:
+        """The data loader's workers: the child processes but the checkpoint writer."""
+        return [p for p in self.children() if not is_checkpoint_writer(p)]
+
+    def checkpoint_writer(self) -> list[int]:
+        return [p for p in self.children() if is_checkpoint_writer(p)]
 
     def signal_group(self, sig: int) -> None:
         os.killpg(self.pid, sig)
@@ -119,6 +125,13 @@ def logged_iters(out: Path) -> list[int]:
     return [json.loads(line)["iter"] for line in log.read_text().splitlines() if line.strip()]
 
 
+def is_checkpoint_writer(pid: int) -> bool:
+    try:
+        return b"trainer.checkpoint_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -132,7 +145,7 @@ def assert_gone(pids: list[int], within: float = 2.0) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.02)
     left = [p for p in pids if alive(p)]
-    assert not left, f"data loader workers outlived the trainer: {left}"
+    assert not left, f"child processes outlived the trainer: {left}"
 
 
 def assert_same_weights(reference: dict, final: Path) -> None:

@@ -33,15 +33,22 @@ from trainer import checkpoint as ckpt
 # ---- SIGKILL: mid-iteration, then mid-checkpoint-write ---------------------------------------------
 
 def _kill_while_writing(job: Job, out: Path) -> Path:
-    """SIGSTOP the trainer the moment a checkpoint's temporary file appears; if the file is still a
-    temporary one then, SIGKILL it there (else let it go on and catch the next checkpoint)."""
+    """SIGSTOP the process writing a checkpoint (the checkpoint writer, or the trainer until that
+    has started: its pid ends the temporary file's name) the moment the file appears; if the file
+    is still a temporary one then, SIGKILL the trainer there (else let it go on and catch the next)."""
     while True:
         tmp = wait_until(lambda: temp_files(out), job, "a checkpoint being written", poll=0.0005)[0]
-        os.kill(job.pid, signal.SIGSTOP)
+        writer = int(tmp.name.rsplit(".", 1)[1])
+        try:
+            os.kill(writer, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
         if tmp.exists():
-            job.kill_group()
+            children = job.children()
+            job.kill_group()  # the trainer's group: the checkpoint writer is not in it, and dies with it
+            assert_gone(children)
             return tmp
-        os.kill(job.pid, signal.SIGCONT)
+        os.kill(writer, signal.SIGCONT)
 
 
 def test_sigkill_mid_iteration_then_mid_checkpoint_write_then_resume(tmp_path, data_dir, reference, jobs):
@@ -51,11 +58,11 @@ def test_sigkill_mid_iteration_then_mid_checkpoint_write_then_resume(tmp_path, d
     # 1. SIGKILL in the middle of iteration 4 (iterations 3 and 4 are not in any checkpoint).
     first = jobs(args + ["DATA_LOADER.NUM_THREADS", "2"], tmp_path, name="first")
     wait_until(lambda: 3 in first.iters(), first, "iteration 3")
-    workers = first.workers()
-    assert len(workers) == 2
+    workers, writer = first.workers(), first.checkpoint_writer()
+    assert len(workers) == 2 and len(writer) == 1
     os.kill(first.pid, signal.SIGKILL)  # the trainer alone, as the OOM killer does
     assert first.wait() == -signal.SIGKILL
-    assert_gone(workers)  # PR_SET_PDEATHSIG: not left behind for torch's 5 s watchdog
+    assert_gone(workers + writer)  # PR_SET_PDEATHSIG: not left behind for torch's 5 s watchdog
     assert [p.name for p in ckpt.local_checkpoints(out)] == ["model_iter2.pth"]
 
     # 2. Resumed; SIGKILL while its next checkpoint is half written.
@@ -91,13 +98,13 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     # 1. A loader worker is killed (OOM killer, a segfault in a decoder).
     first = jobs(args, tmp_path, name="first")
     wait_until(lambda: (out / "model_iter2.pth").exists() and 3 in first.iters(), first, "iteration 3")
-    workers = first.workers()
+    workers, children = first.workers(), first.children()
     os.kill(workers[0], signal.SIGKILL)
     code = first.wait(120)
     assert code == 1, first.stderr[-3000:]
     assert re.search(r"\nRuntimeError: DataLoader worker \(pid\(?s?\)? ?" + str(workers[0]) +
                      r"\)? .*(killed by signal: Killed|exited unexpectedly)", first.stderr), first.stderr[-3000:]
-    assert_gone(workers)
+    assert_gone(children)  # the other worker and the checkpoint writer too
     run = only_run(client, "faults")
     assert run.info.status == "FAILED"
     assert "DataLoader worker" in run.data.tags["tracktron.status_reason"]
@@ -109,12 +116,12 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     # 2. Resumed in the same run; Ctrl-C reaches the trainer and its workers alike.
     second = jobs(args, tmp_path, name="second")
     wait_until(lambda: 4 in second.iters(), second, "iteration 4")
-    workers = second.workers()
+    children = second.children()
     second.signal_group(signal.SIGINT)
     assert second.wait(60) == 130, second.stderr[-3000:]
     assert "model_iter2.pth at iteration 3" in second.stderr
     assert "SIGINT received" in second.stderr and "Traceback" not in second.stderr
-    assert_gone(workers)
+    assert_gone(children)
     done = logged_iters(out)[-1]
     assert ckpt.load(out / f"model_iter{done}.pth")["iteration"] == done  # the iteration it was in, saved
     run = only_run(client, "faults")
@@ -141,7 +148,7 @@ def test_second_signal_exits_at_once_and_leaves_nothing_behind(tmp_path, data_di
                                                "TRAIN.PREEMPT_GRACE_S": 60, "DATA_LOADER.NUM_THREADS": 2})
         job = jobs(args, tmp_path)
         wait_until(lambda: 1 in job.iters(), job, "iteration 1")
-        workers = job.workers()
+        children = job.children()  # the loader's workers and the checkpoint writer
         proxy.set_mode("hang")  # the first signal's clean stop now waits on uploads: time for a second one
         job.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "SIGTERM received" in job.stderr, job, "the first signal's warning", timeout=30)
@@ -153,7 +160,7 @@ def test_second_signal_exits_at_once_and_leaves_nothing_behind(tmp_path, data_di
         took = time.monotonic() - start
     assert took < 2.0, f"exited {took:.1f}s after the second signal"
     assert "second signal: exiting now" in job.stderr
-    assert_gone(workers, within=1.0)
+    assert_gone(children, within=1.0)
     for path in ckpt.local_checkpoints(out):  # whatever has a checkpoint's name is complete
         ckpt.load(path)
 
@@ -168,7 +175,7 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
         out = tmp_path / "output"
         job = jobs(args, tmp_path)
         wait_until(lambda: 1 in job.iters(), job, "iteration 1")
-        workers = job.workers()
+        children = job.children()
         proxy.set_mode("hang")  # accepts, reads, never answers
         job.signal_group(signal.SIGTERM)  # as systemd or `tini -g` do: the workers get it too
         start = time.monotonic()
@@ -178,7 +185,7 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
     assert took <= grace + 2, f"exited {took:.1f}s after SIGTERM; the grace period is {grace}s"
     assert "Traceback" not in job.stderr
     assert "stopped by SIGTERM" in job.stderr or f"grace period of {grace}s over: exiting now" in job.stderr
-    assert_gone(workers)
+    assert_gone(children)
     done = logged_iters(out)[-1]
     assert ckpt.load(out / f"model_iter{done}.pth")["iteration"] == done
     run = only_run(MlflowClient(mlflow_server.url), exp)

@@ -145,7 +145,8 @@ class Uploader:
         self._deadline = float("inf")
         self._closing = False
         self.failed: list[str] = []
-        self._busy = False
+        self._busy: str | None = None  # the description of the job in progress
+        self._abandoned = False  # close() gave up on the job in progress: it is reported already
         self._thread = threading.Thread(target=self._run, name="uploader", daemon=True)
         self._thread.start()
 
@@ -156,15 +157,15 @@ class Uploader:
 
     def pending(self) -> int:
         with self._cv:
-            return len(self._jobs) + self._busy
+            return len(self._jobs) + (self._busy is not None)
 
     def wait(self, timeout: float) -> bool:
         """Wait until every job queued so far is done (or failed); True when the queue drained."""
         end = time.monotonic() + timeout
         with self._cv:
-            while (self._jobs or self._busy) and time.monotonic() < end:
+            while (self._jobs or self._busy is not None) and time.monotonic() < end:
                 self._cv.wait(min(0.1, max(0.0, end - time.monotonic())))
-            return not (self._jobs or self._busy)
+            return not (self._jobs or self._busy is not None)
 
     def close(self, timeout: float) -> bool:
         with self._cv:
@@ -172,9 +173,12 @@ class Uploader:
             self._closing = True
             self._cv.notify_all()
         self._thread.join(max(0.0, timeout))  # a job stuck in a hung request is left behind (daemon thread)
-        left = self.pending() if self._thread.is_alive() else len(self._jobs)
-        for description, _ in list(self._jobs):
-            self.failed.append(description)
+        with self._cv:
+            left = len(self._jobs) + (self._busy is not None)
+            self._abandoned = self._thread.is_alive()
+            stuck = [self._busy] if self._abandoned and self._busy is not None else []
+            self.failed += stuck + [description for description, _ in self._jobs]
+            self._jobs.clear()
         if self.failed:
             log.warning("tracking: not done before the deadline: %s", ", ".join(self.failed))
         return left == 0 and not self.failed
@@ -185,15 +189,16 @@ class Uploader:
                 self._cv.wait()
             if not self._jobs:
                 return None
-            self._busy = True
-            return self._jobs.popleft()
+            item = self._jobs.popleft()
+            self._busy = item[0]
+            return item
 
     def _run(self) -> None:
         while (item := self._take()) is not None:
             description, job = item
             self._attempt(description, job)
             with self._cv:
-                self._busy = False
+                self._busy = None
                 self._cv.notify_all()
 
     def _attempt(self, description: str, job: Callable[[], None]) -> None:
@@ -204,6 +209,8 @@ class Uploader:
                 return
             except Exception as e:  # noqa: BLE001 - retried until the deadline
                 delay = backoff.failed()
+                if self._abandoned:  # close() has reported it; the job is exiting
+                    return
                 if not self._retryable(e) or time.monotonic() + delay > self._deadline:
                     log.warning("tracking: %s failed: %s", description, e)
                     self.failed.append(description)

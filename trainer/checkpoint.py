@@ -4,8 +4,8 @@ A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, co
 and the sampler's position (the sampler is a pure function of seed and iteration, so the
 iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
 killed process leaves either the old set or the new file, never half of one (its temporary file is
-removed by the next job in that folder). Writing happens on a background thread: the training
-thread only copies tensors to host memory. A write that fails (disk full, file size limit) raises
+removed by the next job in that folder). checkpoint_writer.py writes them in the background, off
+the training thread. A write that fails (disk full, file size limit) raises
 `CheckpointWriteError` naming the file and the reason, and leaves the older checkpoints as they were.
 
 Loading checks every record of the zip archive against its CRC-32 before unpickling (with
@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import random
 import shutil
-import threading
 import zipfile
 from pathlib import Path
 
@@ -190,54 +188,3 @@ def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint %s", e)
     return None
-
-
-class CheckpointWriter:
-    """Writes checkpoints on a background thread, one at a time, in order.
-
-    `on_saved(path, sha256)` runs on the writer thread after each file is complete (the tracker
-    hands it to its uploader). A write error is kept and re-raised on the training thread at the
-    next `submit()` or at `close()`, so a full disk stops the job instead of being lost.
-    """
-
-    def __init__(self, on_saved=None):
-        self._on_saved = on_saved
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, state: dict, path: Path) -> None:
-        self._raise_pending()
-        self._queue.put((to_cpu(state), path))  # waits only if the previous write is unfinished
-
-    def wait(self) -> None:
-        self._queue.join()
-        self._raise_pending()
-
-    def close(self, raise_errors: bool = True) -> None:
-        if self._thread.is_alive():
-            self._queue.join()
-            self._queue.put(None)
-            self._thread.join()
-        if raise_errors:
-            self._raise_pending()
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            state, path = item
-            try:
-                digest = save_atomic(state, path)
-                log.info("wrote checkpoint %s", path)
-                if self._on_saved:
-                    self._on_saved(path, digest)
-            except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
-                self._error = e
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()

@@ -27,6 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint as ckpt
+from trainer.checkpoint_writer import CheckpointWriter
 from trainer.config import Config, job_keys, redacted, write_config
 from trainer.errors import UserError
 from trainer.evaluation import evaluate_during_training
@@ -64,7 +65,7 @@ class Trainer:
     scaler: torch.amp.GradScaler
     batches: Prefetcher
     stats: TrainingStats
-    writer: ckpt.CheckpointWriter
+    writer: CheckpointWriter
 
 
 def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | None:
@@ -225,7 +226,8 @@ def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output
         restore_training_state(start.state, optimizer, scheduler, scaler, ctx)
     stats = TrainingStats(cfg, start.iteration, output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
-    writer = ckpt.CheckpointWriter(checkpoint_saved(cfg, tracker, output_dir) if ctx.is_main else None)
+    writer = (CheckpointWriter(checkpoint_saved(cfg, tracker, output_dir)) if ctx.is_main
+              else CheckpointWriter(in_child=False))  # other ranks write nothing
     return Trainer(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
 
 
