@@ -21,8 +21,9 @@ WHAT = (
     "from the default config, 91 classes) and the demo model, each with its SGD momentum buffers filled "
     "(one step on zero gradients), so the file holds the model twice over plus scheduler, RNG and config. "
     "**ours**: `engine.save_snapshot` (builds `training_state`, then `CheckpointWriter.submit`: a host "
-    "copy of every tensor, the rest on the writer thread: torch.save to a temporary file, fsync, sha256, "
-    "rename, then the tracker's uploader sends it through the `mlflow server` to moto S3 and tags it). "
+    "copy of every tensor into a shared-memory buffer, allocated at the first checkpoint and reused; the "
+    "rest in the checkpoint-writer process: torch.save to a temporary file, fsync, sha256, rename; then "
+    "the tracker's uploader sends it through the `mlflow server` to moto S3 and tags it). "
     "**sync + mlflow**: the same state (built by `save_snapshot` too), `torch.save` to a file, flush + fsync, then "
     "`MlflowClient.log_artifact` through the same server. **sync + boto3**: the same, but "
     "`boto3 upload_file` straight to moto. The three are interleaved, order rotating; between two "
@@ -82,7 +83,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     from mlflow import MlflowClient
 
     from trainer import engine
-    from trainer.checkpoint import CheckpointWriter
+    from trainer.checkpoint_writer import CheckpointWriter
     from trainer.distributed import Context
     from trainer.mlflow_tracking import MlflowTracker
 
@@ -95,6 +96,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     client = MlflowClient(server.url)
     writer = CheckpointWriter(engine.checkpoint_saved(cfg, tracker, out))
     t = _trainer_for(cfg, num_classes, writer)
+    in_child = writer.in_child(timeout=120)  # the writer process has started, as in a job by then
     ctx = Context()
     (out / "json_stats.log").write_text("")  # what on_saved uploads with every checkpoint
     sync_file = out / "sync.pth"
@@ -132,7 +134,9 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
 
     ways = {"ours": ours, "sync_mlflow": sync_mlflow, "sync_boto3": sync_boto3}
     order = list(ways)
-    it = 0
+    first = ours(0)  # allocates the shared buffer: once per job (and when the tensors change shape)
+    _delete_checkpoints(s3_client, s3.bucket)
+    it = 1
     for r in range(reps):
         for name in order[r % 3:] + order[:r % 3]:
             times[name].append(ways[name](it))
@@ -145,7 +149,8 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     files = sorted(out.glob("model_iter*.pth"))
     size = files[-1].stat().st_size if files else size
     params = sum(p.numel() for p in t.model.parameters())
-    return {"label": label, "times": times, "safe": ours_safe, "size": size, "params": params}
+    return {"label": label, "times": times, "safe": ours_safe[1:], "size": size, "params": params,
+            "first": first, "in_child": in_child}
 
 
 def run(env: Env) -> Section:
@@ -168,19 +173,22 @@ def run(env: Env) -> Section:
         rows.append([res["label"], f"{res['params'] / 1e6:.1f} M", f"{res['size'] / 1e6:.0f} MB",
                      len(res["times"]["ours"]), f"{m['ours'] * 1e3:.0f}", f"{m['sync_mlflow'] * 1e3:.0f}",
                      f"{m['sync_boto3'] * 1e3:.0f}", f"**{ratio:.3f}** (1/{1 / ratio:.0f})",
-                     f"{median(res['safe']) * 1e3:.0f}"])
+                     f"{median(res['safe']) * 1e3:.0f}", f"{res['first'] * 1e3:.0f}",
+                     "process" if res["in_child"] else "thread"])
     table = md_table(["state", "parameters", "checkpoint file", "reps", "ours stall ms",
-                      "sync + mlflow ms", "sync + boto3 ms", "ours / faster sync", "ours: until safe on server ms"],
-                     rows)
+                      "sync + mlflow ms", "sync + boto3 ms", "ours / faster sync", "ours: until safe on server ms",
+                      "ours' first stall ms (allocates)", "written by"], rows)
     passed = all(r <= TARGET for r in ratios)
     headline = ", ".join(f"{res['label']}: ours stalls {r:.3f}x the faster synchronous save+upload"
                          for res, r in zip(results, ratios))
-    notes = ["Medians over the repetitions. Ours' stall is the host copy (`to_cpu`, a full copy even on the "
-             "CPU, where a GPU job would pay the device-to-host transfer) plus building the state dicts; "
-             "all file and network work happens on the writer and uploader threads.",
-             "`until safe on server` includes the writer's sha256 pass and the server proxying the file to "
-             "S3; the training thread does not wait for it (the next submit waits only if the previous "
-             "write is still unfinished)."]
+    notes = ["Medians over the repetitions, after a first checkpoint shown on its own (it allocates the "
+             "shared-memory buffer, once per job). Ours' stall is the host copy into that buffer (a full copy "
+             "even on the CPU, where a GPU job would pay the device-to-host transfer) plus building the state "
+             "dicts; all file and network work happens in the checkpoint-writer process and on the uploader "
+             "thread.",
+             "`until safe on server` includes the writer's torch.save, fsync and sha256 and the server proxying "
+             "the file to S3; the training thread does not wait for it (the next submit waits only if the "
+             "previous checkpoint is still being written)."]
     return Section(NAME, "Checkpoint stall on the training thread", WHAT, headline,
                    f"ours <= {TARGET} x synchronous (both states)", passed, [table], notes)
 

@@ -14,6 +14,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -127,9 +128,8 @@ def machine_info() -> dict:
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """user+system CPU seconds of the live processes in process group `pgid` (a server and its workers)."""
-    total = 0
+def _group_stats(pgid: int):
+    """(pid, /proc/pid/stat fields after the name) of the live processes in process group `pgid`."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -139,8 +139,30 @@ def group_cpu_seconds(pgid: int) -> float:
             continue
         fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
         if int(fields[2]) == pgid:  # pgrp
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICK
+            yield int(entry.name), fields
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """user+system CPU seconds of the live processes in process group `pgid` (a server and its workers)."""
+    return sum(int(f[11]) + int(f[12]) for _, f in _group_stats(pgid)) / _TICK  # utime, stime
+
+
+def place_threads(training: set[int] | None, groups: list[int]) -> None:
+    """Put this process's main thread on the `training` cores and every other thread (ours, and
+    those of the processes in `groups`: servers, the checkpoint writer) on the remaining cores, as
+    on a training host whose servers run elsewhere and whose helpers have spare cores; threads
+    started later inherit their creator's cores. `training=None`: every thread on every core."""
+    every = set(range(os.cpu_count() or 1))
+    rest = every - training if training else every
+    main = threading.main_thread().native_id
+    tasks = [(int(t), training if training and int(t) == main else rest) for t in os.listdir("/proc/self/task")]
+    for pgid in groups:
+        for pid, _ in _group_stats(pgid):
+            with contextlib.suppress(OSError):
+                tasks += [(int(t), rest) for t in os.listdir(f"/proc/{pid}/task")]
+    for tid, cores in tasks:
+        with contextlib.suppress(OSError):  # a thread that has just exited
+            os.sched_setaffinity(tid, cores)
 
 
 # ---------------------------------------------------------------------------------------- batches
@@ -216,6 +238,10 @@ class Env:
             self._mlflow = MlflowServer(self._mkdir("mlflow"), artifacts=f"s3://{s3.bucket}/proxied",
                                         env=s3.env).start()
         return self._mlflow
+
+    def server_groups(self) -> list[int]:
+        """The process groups of the servers started (each server leads its own)."""
+        return [s.proc.pid for s in (self._s3, self._mlflow) if s and s.proc]
 
     def server_cpu_seconds(self) -> float:
         """CPU seconds used so far by the mlflow server and moto (both process groups)."""

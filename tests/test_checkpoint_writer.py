@@ -50,8 +50,8 @@ def assert_same(a, b) -> None:
 def test_the_child_writes_the_same_bytes_as_the_training_process_would(tmp_path):
     saved = []
     writer = CheckpointWriter(lambda path, digest: saved.append((path, digest)))
-    assert writer.child_pid not in (None, os.getpid())
     assert writer.in_child(timeout=60)  # the child has started (until then, the thread writes)
+    assert writer.child_pid not in (None, os.getpid())
     states = [training_like_state(2, momentum=False), training_like_state(5), training_like_state(8)]
     for state in states:  # the tensors change shape after the first: the shared buffer is remade
         writer.submit(state, tmp_path / ckpt.checkpoint_name(state["iteration"]))
@@ -131,6 +131,8 @@ JOB = textwrap.dedent("""
 
 def test_a_checkpoint_before_the_child_has_started_is_written_at_once_by_the_thread(tmp_path):
     writer = CheckpointWriter()
+    assert writer.child_pid is None  # started by the first checkpoint, not before: a resume has the cores
+    assert not writer.in_child()
     os.kill(writer.child_pid, signal.SIGSTOP)  # a child that takes its time importing torch
     try:
         writer.submit({"model": {"w": torch.ones(10)}, "iteration": 0}, tmp_path / "model_iter0.pth")

@@ -10,9 +10,9 @@ the rest (iteration, config, RNG states); the writer thread sends that to the ch
 holding no GIL, for the file's sha256. Then `on_saved(path, sha256)` runs on the writer thread (the
 tracker hands the file to its uploader).
 
-The child writes the bytes `save_atomic` would write here. Until it has started (imported torch),
-and wherever it cannot be used (no memfd outside Linux, no memory for the buffer, the child died),
-the thread writes, as before.
+The child writes the bytes `save_atomic` would write here. It is started at the first checkpoint;
+until it is ready (has imported torch), and wherever it cannot be used (no memfd outside Linux, no
+memory for the buffer, the child died), the thread writes, as before.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _split(obj, tensors: list):
 
 
 class SharedMemoryError(RuntimeError):
-    """No room in /dev/shm for the host copy (a container's is 64 MB unless told otherwise)."""
+    """No memory for the shared buffer (a memory cgroup's limit, say)."""
 
 
 class SharedState:
@@ -185,17 +185,16 @@ class CheckpointWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._child: _Child | None = None
+        self._start_child = in_child and hasattr(os, "memfd_create")  # at the first checkpoint
         self._shared = SharedState()
-        if in_child and hasattr(os, "memfd_create"):
-            try:
-                self._child = _Child()
-            except OSError as e:  # no process can be started: the thread writes
-                log.warning("checkpoints are written by a thread of the training process (%s)", e)
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def submit(self, state: dict, path: Path) -> None:
+        """The first checkpoint starts the child (started earlier, its import of torch would slow
+        a resume on a small machine) and is written by the thread; the next ones by the child."""
         self._raise_pending()
+        self._maybe_start_child()
         if self._child is not None:
             self._queue.join()  # the shared buffer holds the previous checkpoint until it is written
             self._raise_pending()
@@ -206,8 +205,18 @@ class CheckpointWriter:
         self._raise_pending()
 
     def in_child(self, timeout: float = 0.0) -> bool:
-        """Whether checkpoints now go to the child process (waiting up to `timeout` s for it to start)."""
+        """Whether checkpoints now go to the child process (starting it if it is not, and waiting up
+        to `timeout` s for it to be ready)."""
+        self._maybe_start_child()
         return self._child is not None and self._child_ready(timeout)
+
+    def _maybe_start_child(self) -> None:
+        if self._start_child:
+            self._start_child = False
+            try:
+                self._child = _Child()
+            except OSError as e:  # no process can be started: the thread writes
+                log.warning("checkpoints are written by a thread of the training process (%s)", e)
 
     @property
     def child_pid(self) -> int | None:
