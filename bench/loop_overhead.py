@@ -126,8 +126,8 @@ def run(env: Env) -> Section:
 
     def timed(kind: str, offset: int, n: int = block, record: list | None = None, every: int = period) -> dict:
         reset(offset)
-        cpu0, srv0, th0 = time.process_time() + child_cpu(), env.server_cpu_seconds(), thread_cpu_seconds()
-        th0["checkpoint-writer process"] = child_cpu()
+        th0 = {**thread_cpu_seconds(), "checkpoint-writer process": child_cpu()}
+        cpu0, srv0 = time.process_time() + th0["checkpoint-writer process"], env.server_cpu_seconds()
         t0 = time.perf_counter()
         drain = 0.0
         if kind == "bare":
@@ -139,9 +139,8 @@ def run(env: Env) -> Section:
             tracker.wait(600)  # uploaded, tagged
             drain = time.perf_counter() - t1
         wall = time.perf_counter() - t0
-        th1 = thread_cpu_seconds()
-        th1["checkpoint-writer process"] = child_cpu()
-        return {"wall": wall, "drain": drain, "cpu": time.process_time() + child_cpu() - cpu0,
+        th1 = {**thread_cpu_seconds(), "checkpoint-writer process": child_cpu()}
+        return {"wall": wall, "drain": drain, "cpu": time.process_time() + th1["checkpoint-writer process"] - cpu0,
                 "server_cpu": env.server_cpu_seconds() - srv0,
                 "threads": {k: th1[k] - th0.get(k, 0.0) for k in th1}}
 
@@ -185,15 +184,16 @@ def run(env: Env) -> Section:
         return side["cpu"] + side["server_cpu"]
 
     iters = cycles * block
-    rows = []
+    rows, medians = [], {}
     for placement, _ in PLACEMENTS:
         res = phases[placement]
         ratio = {k: [c["bare"]["wall"] / c[k]["wall"] for c in res] for k in ARMS}
+        medians[placement] = {k: median(ratio[k]) for k in ARMS}
         cpu_ratio = {k: [cpu(c["bare"]) / cpu(c[k]) for c in res] for k in ARMS}
         tot = {k: sum(c[k]["wall"] for c in res) for k in ARMS}
         for k in ARMS:
             rows.append([placement, LABELS[k], f"{iters / tot[k]:.3f}", f"{sum(c[k]['drain'] for c in res) / cycles:.2f}",
-                         f"**{median(ratio[k]):.3f}**", f"{tot['bare'] / tot[k]:.3f}",
+                         f"**{medians[placement][k]:.3f}**", f"{tot['bare'] / tot[k]:.3f}",
                          f"{min(ratio[k]):.2f} .. {max(ratio[k]):.2f}",
                          f"{sum(c[k]['cpu'] for c in res) / iters * 1e3:.0f} + "
                          f"{sum(c[k]['server_cpu'] for c in res) / iters * 1e3:.0f}",
@@ -201,8 +201,7 @@ def run(env: Env) -> Section:
     table = md_table(["placement", "loop", "it/s (all blocks)", "end-of-block drain s", "vs bare: median of cycles",
                       "vs bare: pooled", "vs bare: range", "CPU ms/it: process + servers",
                       "vs bare by CPU (median)"], rows, "ll" + "r" * 7)
-    alone = {k: median(c["bare"]["wall"] / c[k]["wall"] for c in phases[PLACEMENTS[0][0]]) for k in ARMS}
-    shared = {k: median(c["bare"]["wall"] / c[k]["wall"] for c in phases[PLACEMENTS[1][0]]) for k in ARMS}
+    alone, shared = (medians[p] for p, _ in PLACEMENTS)
     ci = {p: median_ci([c["bare"]["wall"] / c["ours"]["wall"] for c in phases[p]]) for p, _ in PLACEMENTS}
     results = phases[PLACEMENTS[1][0]]  # where the costs below come from: nothing pinned
 

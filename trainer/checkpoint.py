@@ -26,6 +26,7 @@ import torch
 
 from trainer.checkpoint_files import (FINAL, checkpoint_name, iteration_of, local_checkpoints,  # noqa: F401
                                       prune, remove_stale_temps, sha256_of, temp_name)
+from trainer.checkpoint_process import map_leaves
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,7 @@ def _as_tuple(x):
 
 def to_cpu(obj):
     """A host copy of a state tree, so training can go on while it is written."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_leaves(obj, lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x)
 
 
 class _HashingFile:

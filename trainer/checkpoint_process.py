@@ -31,15 +31,18 @@ class Slot:
     index: int
 
 
+def map_leaves(obj, fn):
+    """`obj` (dicts, lists and tuples of anything) with `fn` applied to every other value."""
+    if isinstance(obj, dict):
+        return {k: map_leaves(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
 def join(obj, tensors: list):
     """The state again: every Slot replaced by its tensor."""
-    if isinstance(obj, Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: join(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(join(v, tensors) for v in obj)
-    return obj
+    return map_leaves(obj, lambda x: tensors[x.index] if isinstance(x, Slot) else x)
 
 
 def views(buffer, specs: list) -> list:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointWriteError, save_atomic, to_cpu
-from trainer.checkpoint_process import Slot, join, recv, send, views
+from trainer.checkpoint_process import Slot, join, map_leaves, recv, send, views
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -40,16 +40,15 @@ _ALIGN = 64  # bytes: every tensor of the buffer starts aligned for any dtype (a
 def _split(obj, tensors: list):
     """`obj` with every dense tensor moved to `tensors` and replaced by its Slot (sparse or
     quantized ones, which a state dict hardly ever has, stay in place as host copies)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_quantized:
-            return to_cpu(obj)
-        tensors.append(obj)
+    def slot(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.layout != torch.strided or x.is_quantized:
+            return to_cpu(x)
+        tensors.append(x)
         return Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, tensors) for v in obj)
-    return obj
+
+    return map_leaves(obj, slot)
 
 
 class SharedMemoryError(RuntimeError):
