@@ -23,7 +23,8 @@ WHAT = (
     "**ours**: `engine.save_snapshot` (builds `training_state`, then `CheckpointWriter.submit`: a host "
     "copy of every tensor into a shared-memory buffer, allocated at the first checkpoint and reused; the "
     "rest in the checkpoint-writer process: torch.save to a temporary file, fsync, sha256, rename; then "
-    "the tracker's uploader sends it through the `mlflow server` to moto S3 and tags it). "
+    "the tracker's uploader has the tracking agent process send it through the `mlflow server` to moto S3 "
+    "and tag it). "
     "**sync + mlflow**: the same state (built by `save_snapshot` too), `torch.save` to a file, flush + fsync, then "
     "`MlflowClient.log_artifact` through the same server. **sync + boto3**: the same, but "
     "`boto3 upload_file` straight to moto. The three are interleaved, order rotating; between two "
@@ -97,6 +98,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     writer = CheckpointWriter(engine.checkpoint_saved(cfg, tracker, out))
     t = _trainer_for(cfg, num_classes, writer)
     in_child = writer.in_child(timeout=120)  # the writer process has started, as in a job by then
+    tracker.in_agent(timeout=120)  # and the tracking agent
     ctx = Context()
     (out / "json_stats.log").write_text("")  # what on_saved uploads with every checkpoint
     sync_file = out / "sync.pth"
@@ -184,8 +186,8 @@ def run(env: Env) -> Section:
     notes = ["Medians over the repetitions, after a first checkpoint shown on its own (it allocates the "
              "shared-memory buffer, once per job). Ours' stall is the host copy into that buffer (a full copy "
              "even on the CPU, where a GPU job would pay the device-to-host transfer) plus building the state "
-             "dicts; all file and network work happens in the checkpoint-writer process and on the uploader "
-             "thread.",
+             "dicts; all file and network work happens in the checkpoint-writer and tracking agent processes "
+             "(the uploader thread waits on the agent).",
              "`until safe on server` includes the writer's torch.save, fsync and sha256 and the server proxying "
              "the file to S3; the training thread does not wait for it (the next submit waits only if the "
              "previous checkpoint is still being written)."]

@@ -27,7 +27,8 @@ WHAT = (
     "the `mlflow server` over HTTP), `check_finite`, `save_snapshot` every `TRAIN.SNAPSHOT_ITERS` = 5 "
     "iterations (CheckpointWriter: a host copy into shared memory; the checkpoint-writer process: "
     "torch.save + fsync + sha256 + rename; then the tracker's uploader: the file through the server to "
-    "moto S3, the sha256/latest tags, local pruning) and `maybe_reset_timer`. **ours without "
+    "moto S3, the sha256/latest tags, local pruning; the uploader's and the metric sender's MLflow calls "
+    "made by the tracking agent process) and `maybe_reset_timer`. **ours without "
     "checkpoints**: the same minus `save_snapshot`, to tell the per-iteration path from the checkpoints. "
     "All three use the same model and optimizer objects, reset to the same initial state and RNG seed "
     "before every 5-iteration block (the first block checks that bare and ours produce bit-identical "
@@ -37,16 +38,19 @@ WHAT = (
     "(`writer.wait()`, `tracker.wait()`: the drain column). Metrics go out as in a job: every 5 s, and "
     "before a checkpoint is tagged complete. Two placements, each with its own bare "
     "loop: **training core alone**: the training (main) thread on core 0, everything else (our other "
-    "threads, the checkpoint-writer process, the mlflow server, moto) on the other core, as on a "
+    "threads, the checkpoint-writer and tracking agent processes, the mlflow server, moto) on the other "
+    "core, as on a "
     "training host whose servers run elsewhere and whose helpers have spare cores; **all on all "
     "cores**: no pinning, the co-located servers competing with training for the 2 cores. CPU seconds "
-    "are counted too, per thread of this process (from /proc), for the checkpoint-writer process and "
+    "are counted too, per thread of this process (from /proc), for the checkpoint-writer and tracking "
+    "agent processes and "
     "for the mlflow server's and moto's processes, after each block has drained.")
 
 
 ARMS = ("bare", "ours", "ours_nockpt")
 PLACEMENTS = (("training core alone", {0}), ("all on all cores", None))
 LONG_PERIOD = 25  # a second, measured checkpoint period (a checkpoint every ~3 s of the demo)
+WRITER, AGENT = "checkpoint-writer process", "tracking agent process"
 LABELS = {"bare": "bare loop", "ours": "ours (full path)", "ours_nockpt": "ours without checkpoints"}
 
 
@@ -74,6 +78,7 @@ def run(env: Env) -> Section:
     tracker.start(cfg, new_run=True)
     t = engine.setup_model_for_training(cfg, tracker, ctx, out, engine.StartPoint())
     in_child = t.writer.in_child(timeout=120)  # the writer process has started, as in a job by then
+    in_agent = tracker.in_agent(timeout=120)  # and the tracking agent
     loader = t.batches
     batches = [loader.next() for _ in range(n_batches)]
     loader.close()
@@ -83,12 +88,15 @@ def run(env: Env) -> Section:
             copy.deepcopy(t.scheduler.state_dict()))
 
 
-    def child_cpu() -> float:  # the checkpoint writer's process: counted as ours
-        pid = t.writer.child_pid
-        return group_cpu_seconds(pid) if pid else 0.0
+    def helpers() -> dict[str, int]:  # our helper processes (each leads its own group)
+        pids = {WRITER: t.writer.child_pid, AGENT: tracker.agent_pid}
+        return {name: pid for name, pid in pids.items() if pid}
 
-    def helper_groups() -> list[int]:  # the servers and the checkpoint writer: their process groups
-        return env.server_groups() + ([t.writer.child_pid] if t.writer.child_pid else [])
+    def helper_cpu() -> dict[str, float]:  # counted as ours
+        return {WRITER: 0.0, AGENT: 0.0, **{name: group_cpu_seconds(pid) for name, pid in helpers().items()}}
+
+    def helper_groups() -> list[int]:  # the servers and our helpers: their process groups
+        return env.server_groups() + list(helpers().values())
 
     def reset(offset: int) -> None:
         t.model.load_state_dict(init[0])
@@ -126,8 +134,8 @@ def run(env: Env) -> Section:
 
     def timed(kind: str, offset: int, n: int = block, record: list | None = None, every: int = period) -> dict:
         reset(offset)
-        th0 = {**thread_cpu_seconds(), "checkpoint-writer process": child_cpu()}
-        cpu0, srv0 = time.process_time() + th0["checkpoint-writer process"], env.server_cpu_seconds()
+        th0 = {**thread_cpu_seconds(), **helper_cpu()}
+        cpu0, srv0 = time.process_time() + th0[WRITER] + th0[AGENT], env.server_cpu_seconds()
         t0 = time.perf_counter()
         drain = 0.0
         if kind == "bare":
@@ -139,8 +147,8 @@ def run(env: Env) -> Section:
             tracker.wait(600)  # uploaded, tagged
             drain = time.perf_counter() - t1
         wall = time.perf_counter() - t0
-        th1 = {**thread_cpu_seconds(), "checkpoint-writer process": child_cpu()}
-        return {"wall": wall, "drain": drain, "cpu": time.process_time() + th1["checkpoint-writer process"] - cpu0,
+        th1 = {**thread_cpu_seconds(), **helper_cpu()}
+        return {"wall": wall, "drain": drain, "cpu": time.process_time() + th1[WRITER] + th1[AGENT] - cpu0,
                 "server_cpu": env.server_cpu_seconds() - srv0,
                 "threads": {k: th1[k] - th0.get(k, 0.0) for k in th1}}
 
@@ -236,7 +244,7 @@ def run(env: Env) -> Section:
     need_cpu, at100_cpu = snapshot_needed(bare_cpu, path_proc + path_srv, ck_proc + ck_srv)
 
     # CPU by thread: where the per-iteration path and the checkpoints spend theirs
-    names = ["MainThread", "checkpoint-writer", "checkpoint-writer process", "uploader", "metric-sender"]
+    names = ["MainThread", "checkpoint-writer", WRITER, "uploader", "metric-sender", AGENT]
     by_thread = {k: {} for k in ARMS}
     for k in ARMS:
         for c in results:
@@ -275,8 +283,8 @@ def run(env: Env) -> Section:
         "the trainer does, and the scheduler now and then runs them on the training core.",
         f"Per checkpoint of the demo model ({_ckpt_mb(out):.1f} MB), from ours minus ours-without-checkpoints "
         "(medians over the cycles, all on all cores): "
-        f"{ck_proc * 1e3:.0f} ms CPU in the training and checkpoint-writer processes (host copy, torch.save, "
-        f"fsync, sha256, HTTP upload) + {ck_srv * 1e3:.0f} ms in the mlflow server and moto (proxying the upload to S3, tags) "
+        f"{ck_proc * 1e3:.0f} ms CPU in the training process and its two helpers (host copy, torch.save, "
+        f"fsync, sha256, HTTP upload, tags) + {ck_srv * 1e3:.0f} ms in the mlflow server and moto (proxying the upload to S3, tags) "
         f"= {(ck_proc + ck_srv) / bare_cpu:.1f} bare iterations of CPU ({ck_wall * 1e3:.0f} ms of wall "
         f"time). Per iteration without checkpoints: {path_proc * 1e3:+.1f} ms CPU in process, "
         f"{path_srv * 1e3:+.1f} ms in the servers (log_batch every 5 s), against "
@@ -291,8 +299,10 @@ def run(env: Env) -> Section:
         f"ours/bare {median(long_ratios):.3f} (median; pairs {', '.join(f'{x:.3f}' for x in long_ratios)}).",
         "The mlflow server and moto run on the same 2 cores here, so the CPU they spend receiving metrics "
         "and checkpoints competes with training; with the servers on other machines it would not.",
-        "Checkpoints written by " + ("the checkpoint-writer process." if in_child else
-                                     "the writer thread (the process did not start)."),
+        "Checkpoints written by " + ("the checkpoint-writer process" if in_child else
+                                     "the writer thread (the process did not start)") + "; tracking's calls made by "
+        + (f"the tracking agent process ({tracker._calls.by_agent} calls; {tracker._calls.here} in the training "
+           "process, before it was ready)." if in_agent else "the training process (the agent did not start)."),
         "Same arithmetic: the warm-up block's losses of bare and ours are "
         + ("bit-identical." if identical else f"NOT identical ({check['bare']} vs {check['ours']})."),
         f"Delivery: {logged} of {state['iter']} ours iterations have `loss` on the server; "

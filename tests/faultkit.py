@@ -72,8 +72,8 @@ class Job:
         return pids
 
     def workers(self) -> list[int]:
-        """The data loader's workers: the child processes but the checkpoint writer."""
-        return [p for p in self.children() if not is_checkpoint_writer(p)]
+        """The data loader's workers: the child processes but the checkpoint writer and the tracking agent."""
+        return [p for p in self.children() if not (is_checkpoint_writer(p) or is_tracking_agent(p))]
 
     def checkpoint_writer(self) -> list[int]:
         return [p for p in self.children() if is_checkpoint_writer(p)]
@@ -125,11 +125,19 @@ def logged_iters(out: Path) -> list[int]:
     return [json.loads(line)["iter"] for line in log.read_text().splitlines() if line.strip()]
 
 
-def is_checkpoint_writer(pid: int) -> bool:
+def _runs(pid: int, module: bytes) -> bool:
     try:
-        return b"trainer.checkpoint_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return module in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def is_checkpoint_writer(pid: int) -> bool:
+    return _runs(pid, b"trainer.checkpoint_process")
+
+
+def is_tracking_agent(pid: int) -> bool:
+    return _runs(pid, b"trainer.tracking_agent")
 
 
 def alive(pid: int) -> bool:

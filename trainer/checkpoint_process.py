@@ -1,27 +1,20 @@
 """The checkpoint-writer process: writes the checkpoints the training process copies into shared
 memory (see checkpoint_writer.py), so that torch.save runs on a GIL of its own.
 
-Started by the job as `python -c '...main(["PARENT_PID", "SOCKET_FD"])'`, in a session of its own (a
-Ctrl-C or a group SIGTERM is the job's to handle, and it may still need this process to write its
-preemption checkpoint). Messages on the
-socket are length-prefixed pickles between two processes of the same job; a new shared buffer (a
-memfd) comes with its message as a passed file descriptor. This module imports no torch until the
-process has made sure it dies with the job, so a job killed at once leaves no writer behind.
+A helper process of the job (child_process.py); a new shared buffer (a memfd) comes with its message
+as a passed file descriptor. This module imports no torch until the process has made sure it dies
+with the job, so a job killed at once leaves no writer behind. A write in progress when the job dies
+is left as a temporary file whose process is gone, which the next job removes, as when the job
+wrote it itself.
 """
 from __future__ import annotations
 
 import os
-import pickle
-import signal
 import socket
-import struct
-import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_HEADER = struct.Struct("!Q")
+from trainer.child_process import attach, recv, send
 
 
 @dataclass(frozen=True)
@@ -31,11 +24,17 @@ class Slot:
     index: int
 
 
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def map_leaves(obj, fn):
-    """`obj` (dicts, lists and tuples of anything) with `fn` applied to every other value."""
+    """`obj` (dicts, lists and tuples of anything) with `fn` applied to every other value; `fn`
+    must leave plain values (numbers, strings, None) as they are."""
     if isinstance(obj, dict):
         return {k: map_leaves(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
+        if set(map(type, obj)) <= _PLAIN:  # Python's RNG state (625 ints), parameter indices: at C speed
+            return obj if isinstance(obj, tuple) else type(obj)(obj)
         return type(obj)(map_leaves(v, fn) for v in obj)
     return fn(obj)
 
@@ -48,54 +47,6 @@ def join(obj, tensors: list):
 def views(buffer, specs: list) -> list:
     """The tensors laid out in `buffer` (a uint8 tensor) by `specs`: (offset, dtype, shape) each."""
     return [buffer[o:o + s.numel() * d.itemsize].view(d).view(s) for o, d, s in specs]
-
-
-def send(sock: socket.socket, obj, fds: tuple = ()) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    header = _HEADER.pack(len(data))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-    else:
-        sock.sendall(header)
-    sock.sendall(data)
-
-
-def recv(sock: socket.socket) -> tuple[object, list[int]]:
-    """(the object, the file descriptors that came with it); EOFError when the other end is gone."""
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
-    header += _exactly(sock, _HEADER.size - len(header))
-    return pickle.loads(_exactly(sock, _HEADER.unpack(header)[0])), fds
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(min(n, 1 << 20))
-        if not chunk:
-            raise EOFError("the other process closed the socket")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _die_with(parent: int, started_by_main_thread: bool) -> None:
-    """Killed with the job at once where Linux can (PR_SET_PDEATHSIG, which comes when the thread
-    that started us ends), else within 50 ms (the way DataLoader workers watch theirs): a write in
-    progress is left as a temporary file whose process is gone, which the next job removes, as when
-    the job wrote it itself."""
-    if started_by_main_thread and sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before that
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.05)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 def serve(sock: socket.socket) -> None:
@@ -132,6 +83,5 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parent, fd = int(argv[0]), int(argv[1])
-    _die_with(parent, argv[2] == "main")
-    serve(socket.socket(fileno=fd))
+    sock, _ = attach(argv)
+    serve(sock)

@@ -1,7 +1,8 @@
 """The MLflow implementation of the tracking interface (DESIGN.md's tracking contract).
 
 Only `start()` talks to the server synchronously (it must know the run before training starts);
-everything after goes through the background MetricSender and Uploader.
+everything after goes through the background MetricSender and Uploader, whose calls are made by the
+tracking agent process once the first checkpoint is handed over (tracking_agent.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import RunTag
 from mlflow.exceptions import MlflowException
 
 from trainer.background import MetricSender, Uploader
@@ -25,6 +26,7 @@ from trainer.checkpoint_files import FINAL, download_folder, iteration_of, local
 from trainer.config import Config, flatten, job_hash, redact_text, redacted
 from trainer.errors import UserError
 from trainer.tracking import RunInfo, Tracker
+from trainer.tracking_agent import TrackingCalls, retryable
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,8 @@ class MlflowTracker(Tracker):
         self._tags: dict[str, str] = {}
         self._prefetched: tuple[str, Path, Future] | None = None  # a download that start() began
         self._sender: MetricSender | None = None
-        self._uploader = Uploader(_retryable)
+        self._uploader = Uploader(retryable)
+        self._calls = TrackingCalls(self.uri, self.client)  # what the two background threads call
         self.run = RunInfo()
 
     # ---- start: find or create the job's run ----
@@ -223,11 +226,10 @@ class MlflowTracker(Tracker):
     def _log_params(self, cfg: Config, run) -> None:
         # A param cannot change value within a run: a restart on another machine (other paths)
         # keeps the values the run started with.
-        params = {k: v for k, v in safe_params(cfg).items() if k not in run.data.params}
-        items = [Param(k, v) for k, v in params.items()]
+        items = [(k, v) for k, v in safe_params(cfg).items() if k not in run.data.params]
         for i in range(0, len(items), 100):
             chunk = items[i:i + 100]
-            self._submit("params", lambda c=chunk: self.client.log_batch(self.run.run_id, params=c))
+            self._submit("params", lambda c=chunk: self._calls.log_batch(self.run.run_id, params=c))
 
     # ---- resume ----
 
@@ -292,34 +294,34 @@ class MlflowTracker(Tracker):
     # ---- during training: all queued ----
 
     def set_tags(self, tags: dict) -> None:
-        items = [RunTag(k, str(v)) for k, v in tags.items()]
-        self._submit("tags", lambda: self.client.log_batch(self.run.run_id, tags=items))
+        items = [(k, str(v)) for k, v in tags.items()]
+        self._submit("tags", lambda: self._calls.log_batch(self.run.run_id, tags=items))
 
     def log_params(self, params: dict) -> None:
-        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
-        self._submit("params", lambda: self.client.log_batch(self.run.run_id, params=items))
+        items = [(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
+        self._submit("params", lambda: self._calls.log_batch(self.run.run_id, params=items))
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         if step > self._skip_until:
             self._sender.put(metrics, step)
 
     def _send_metrics(self, points: list) -> None:
-        metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
-        self.client.log_batch(self.run.run_id, metrics=metrics, synchronous=True)
+        self._calls.log_batch(self.run.run_id, metrics=points)  # (key, value, timestamp, step) each
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._submit(f"upload {path.name}", lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
+        self._submit(f"upload {path.name}", lambda: self._calls.log_artifact(self.run.run_id, str(path), artifact_path))
 
     def log_checkpoint(self, path: Path, sha256: str, on_done=None) -> None:
+        self._calls.start_agent()  # from the first checkpoint on, tracking's calls leave this process
+
         def upload():
-            self.client.log_artifact(self.run.run_id, str(path), "checkpoints")
+            self._calls.log_artifact(self.run.run_id, str(path), "checkpoints")
             # Complete means resumable without a hole: the metrics of every iteration it holds
             # are on the server too, or a job killed now would resume past unsent points.
             if not self._sender.wait_sent(iteration_of(path.name), timeout=60.0):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
             # The tags say "complete": set only after the bytes are on the artifact store.
-            self.client.log_batch(self.run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
-                                                          RunTag(LATEST_TAG, path.name)])
+            self._calls.log_batch(self.run.run_id, tags=[(sha_tag(path.name), sha256), (LATEST_TAG, path.name)])
             if on_done:
                 on_done()
 
@@ -343,33 +345,38 @@ class MlflowTracker(Tracker):
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
 
+    @property
+    def agent_pid(self) -> int | None:
+        """The tracking agent's pid once the first checkpoint has started it (None before)."""
+        return self._calls.agent_pid
+
+    def in_agent(self, timeout: float = 0.0) -> bool:
+        """Whether the calls now go to the tracking agent (starting it if the first checkpoint has
+        not, and waiting up to `timeout` s for it to be ready)."""
+        self._calls.start_agent()
+        return self._calls.in_agent(timeout)
+
     def finish(self, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
         self._discard(self._prefetched)  # never asked for: a local checkpoint was newer
         self._prefetched = None
         if self.run.run_id is None:
             self._uploader.close(0)
+            self._calls.close()
             return []
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if self._sender:
             self._sender.close(timeout)
-        tags = [RunTag("tracktron.status_reason", redact_text(reason)[:5000])] if reason else []
+        tags = [("tracktron.status_reason", redact_text(reason)[:5000])] if reason else []
         self._submit("set the run's status", lambda: (
-            tags and self.client.log_batch(self.run.run_id, tags=tags),
-            self.client.set_terminated(self.run.run_id, status)))
+            tags and self._calls.log_batch(self.run.run_id, tags=tags),
+            self._calls.set_terminated(self.run.run_id, status)))
         self._uploader.close(max(1.0, deadline - time.monotonic()))
+        self._calls.close(timeout=min(2.0, max(0.0, deadline - time.monotonic())))
         return list(self._uploader.failed)
 
     def _submit(self, description: str, job) -> None:
         self._uploader.submit(description, job)
-
-
-def _retryable(e: BaseException) -> bool:
-    """Retry what a server that is down or overloaded causes; a request it rejects is final."""
-    if isinstance(e, MlflowException):
-        status = e.get_http_status_code()
-        return status >= 500 or status == 429
-    return not isinstance(e, (TypeError, ValueError, KeyError, AttributeError))
 
 
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
