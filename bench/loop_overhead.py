@@ -301,8 +301,8 @@ def run(env: Env) -> Section:
         "and checkpoints competes with training; with the servers on other machines it would not.",
         "Checkpoints written by " + ("the checkpoint-writer process" if in_child else
                                      "the writer thread (the process did not start)") + "; tracking's calls made by "
-        + (f"the tracking agent process ({tracker._calls.by_agent} calls; {tracker._calls.here} in the training "
-           "process, before it was ready)." if in_agent else "the training process (the agent did not start)."),
+        + (f"the tracking agent process ({tracker._calls.by_agent} calls; {tracker._calls.here} made by the "
+           "training process)." if in_agent else "the training process (the agent did not start)."),
         "Same arithmetic: the warm-up block's losses of bare and ours are "
         + ("bit-identical." if identical else f"NOT identical ({check['bare']} vs {check['ours']})."),
         f"Delivery: {logged} of {state['iter']} ours iterations have `loss` on the server; "

@@ -1,6 +1,6 @@
-"""The tracking agent: from the first checkpoint on, tracking's calls are made by a helper process
-against the real `mlflow server`; when the agent dies, the training process makes them and nothing
-is lost; what the server rejects or cannot answer comes back classified as before."""
+"""The tracking agent: a helper process finds the job's run and makes tracking's calls against the
+real `mlflow server`; when it dies, the training process makes them and nothing is lost; what the
+server rejects or cannot answer comes back classified as before."""
 from __future__ import annotations
 
 import logging
@@ -53,23 +53,21 @@ def assert_on_server(uri: str, run_id: str, last_step: int, checkpoints: list[st
     assert tags["tracktron.ckpt.latest"] == checkpoints[-1]
 
 
-def test_from_the_first_checkpoint_on_the_agent_makes_the_calls(tmp_path, mlflow_server):
+def test_the_agent_finds_the_run_and_makes_every_call(tmp_path, mlflow_server):
     tracker = new_tracker(tmp_path, mlflow_server.url)
-    log_steps(tracker, range(0, 3))
-    assert tracker.agent_pid is None  # no helper before the first checkpoint: a resume has the cores
-    checkpoint(tmp_path, tracker, 2)
-    assert tracker.agent_pid not in (None, os.getpid())
-    assert tracker.in_agent(timeout=60)
+    assert tracker.agent_pid not in (None, os.getpid()) and tracker.in_agent()
     # In a session of its own: a Ctrl-C to the job leaves it to deliver the job's last checkpoint.
     assert os.getsid(tracker.agent_pid) == tracker.agent_pid != os.getsid(0)
-    made_here = tracker._calls.here
+    log_steps(tracker, range(0, 3))
+    checkpoint(tmp_path, tracker, 2)
     log_steps(tracker, range(3, 6))
     checkpoint(tmp_path, tracker, 5)
     assert tracker.wait(60)
     pid = tracker.agent_pid
     assert tracker.finish("FINISHED", timeout=30) == []
-    assert tracker._calls.here == made_here  # everything after it was ready went through the agent
-    assert tracker._calls.by_agent >= 4  # two uploads, their tags, the metrics, the status
+    assert tracker._calls.here == 0  # the run's lookup, params, metrics, uploads, tags, status: all in the agent
+    assert tracker._calls.by_agent >= 6
+    assert tracker._calls._local is None  # this process never made an MlflowClient of its own
     assert_gone([pid])  # finish() ends it
     assert_on_server(mlflow_server.url, tracker.run.run_id, 5, ["model_iter2.pth", "model_iter5.pth"])
     assert MlflowClient(mlflow_server.url).get_run(tracker.run.run_id).info.status == "FINISHED"
@@ -95,6 +93,21 @@ def test_when_the_agent_dies_the_training_process_makes_the_calls_and_nothing_is
                      ["model_iter2.pth", "model_iter5.pth", "model_iter8.pth"])
 
 
+def test_without_an_agent_the_training_process_tracks_the_job_itself(tmp_path, mlflow_server, monkeypatch):
+    def no_process(*args):
+        raise OSError(11, "Resource temporarily unavailable")  # fork failed: a pids cgroup at its limit
+
+    monkeypatch.setattr("trainer.tracking_agent.spawn", no_process)
+    tracker = new_tracker(tmp_path, mlflow_server.url)
+    assert tracker.agent_pid is None and not tracker.in_agent()
+    log_steps(tracker, range(0, 3))
+    checkpoint(tmp_path, tracker, 2)
+    assert tracker.wait(60)
+    assert tracker.finish("FINISHED", timeout=30) == []
+    assert tracker._calls.by_agent == 0 and tracker._calls.here >= 4
+    assert_on_server(mlflow_server.url, tracker.run.run_id, 2, ["model_iter2.pth"])
+
+
 def test_the_agents_failures_come_back_with_their_message_and_whether_to_retry(tmp_path, s3_server, monkeypatch):
     from tests.servers import MlflowServer
 
@@ -103,7 +116,7 @@ def test_the_agents_failures_come_back_with_their_message_and_whether_to_retry(t
     server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/agent", env=s3_server.env)
     (tmp_path / "server").mkdir()
     server.start()
-    calls = TrackingCalls(server.url, MlflowClient(server.url))
+    calls = TrackingCalls(server.url)
     try:
         calls.start_agent()
         assert calls.in_agent(timeout=60)
@@ -123,9 +136,8 @@ def test_the_agents_failures_come_back_with_their_message_and_whether_to_retry(t
 
 JOB = textwrap.dedent("""
     import sys
-    from mlflow import MlflowClient
     from trainer.tracking_agent import TrackingCalls
-    calls = TrackingCalls(sys.argv[1], MlflowClient(sys.argv[1]))
+    calls = TrackingCalls(sys.argv[1])
     calls.start_agent()
     assert calls.in_agent(timeout=60)
     print(calls.agent_pid, flush=True)

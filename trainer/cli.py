@@ -14,18 +14,14 @@ from pathlib import Path
 import click
 
 from trainer.errors import UserError
+from trainer.logs import setup_logging
 from trainer.preemption import Preempted, StopOnSignal, StopRequested
 
 log = logging.getLogger("tracktron")
 
 
 def _setup_logging(rank: int = 0) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
-    for noisy in ("alembic", "botocore", "mlflow.store.db.utils"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
+    setup_logging(logging.INFO if rank == 0 else logging.WARNING)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,13 +57,15 @@ def train(config_file, resume_run_id, no_resume, opts):
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
+            # The tracking agent finds the job's run (and downloads a resumed job's checkpoint) while torch loads.
+            tracker.begin(cfg, resume_run_id, new_run=no_resume)
+            from trainer import distributed
+
             run = tracker.start(cfg, resume_run_id, new_run=no_resume)
             if run.run_id:
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
-            from trainer import distributed  # torch loads now: a resumed job's checkpoint is downloading
-
             ctx = distributed.setup()
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)

@@ -1,8 +1,9 @@
 """The MLflow implementation of the tracking interface (DESIGN.md's tracking contract).
 
-Only `start()` talks to the server synchronously (it must know the run before training starts);
-everything after goes through the background MetricSender and Uploader, whose calls are made by the
-tracking agent process once the first checkpoint is handed over (tracking_agent.py).
+The MLflow calls are made by the tracking agent process (tracking_agent.py), or by this process
+when there is none. `begin()` starts the agent and has it find or create the job's run (then
+download a resumed job's newest checkpoint) while the caller imports torch; `start()` waits for the
+run, which training needs. Everything after goes through the background MetricSender and Uploader.
 """
 from __future__ import annotations
 
@@ -16,17 +17,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import mlflow
-from mlflow import MlflowClient
-from mlflow.entities import RunTag
-from mlflow.exceptions import MlflowException
-
 from trainer.background import MetricSender, Uploader
 from trainer.checkpoint_files import FINAL, download_folder, iteration_of, local_checkpoints, sha256_of
 from trainer.config import Config, flatten, job_hash, redact_text, redacted
 from trainer.errors import UserError
 from trainer.tracking import RunInfo, Tracker
-from trainer.tracking_agent import TrackingCalls, retryable
+from trainer.tracking_agent import AgentError, TrackingCalls, retryable
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +31,7 @@ JOB_TAG = "tracktron.job"
 LATEST_TAG = "tracktron.ckpt.latest"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 METRICS_INTERVAL_S = 5.0
+AGENT_START_S = 120.0  # for the agent to import MLflow before start() makes the calls itself
 
 
 def sha_tag(name: str) -> str:
@@ -65,7 +62,11 @@ def experiment_name(cfg: Config) -> str:
 
 def checkpoints_of(run) -> list[str]:
     """Complete checkpoints of a run (those whose sha256 tag was set), newest first."""
-    names = [k[len("tracktron.ckpt."):-len(".sha256")] for k in run.data.tags
+    return checkpoints_from(run.data.tags)
+
+
+def checkpoints_from(tags: dict) -> list[str]:
+    names = [k[len("tracktron.ckpt."):-len(".sha256")] for k in tags
              if k.startswith("tracktron.ckpt.") and k.endswith(".sha256")]
     return sorted(names, key=iteration_of, reverse=True)
 
@@ -111,136 +112,210 @@ def describe_job(cfg: Config, world_size: int) -> str:
             f"Evaluated on {', '.join(cfg.TEST.DATASETS) or 'nothing'}.")
 
 
+# ---- finding the job's run: done by the tracking agent (or here), so plain data comes back ----
+
+def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str | None, new_run: bool) -> dict:
+    """Find or create the job's run: its id, experiment, whether an earlier start of the job made
+    it, its tags, its params' names, the last step logged, and a note for the log."""
+    from mlflow.entities import RunTag
+
+    try:
+        run, exp_id, note = _find_run(client, uri, cfg, resume_run_id, new_run)
+        resumed = run is not None and JOB_TAG in run.data.tags
+        last_step = -1
+        if run is None:
+            run = client.create_run(exp_id, tags=_start_tags(cfg, world_size), run_name=_run_name(cfg))
+        elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
+            tags = _start_tags(cfg, world_size)
+            client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            run = client.get_run(run.info.run_id)
+        else:
+            if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
+                client.update_run(run.info.run_id, status="RUNNING")
+            last_step = _last_step(client, run)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - nothing was written yet: say why in one line
+        raise UserError(_start_error(uri, e)) from None
+    return {"run_id": run.info.run_id, "experiment_id": exp_id, "resumed": resumed, "tags": dict(run.data.tags),
+            "params": set(run.data.params), "last_step": last_step, "note": note}
+
+
+def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool):
+    """(run or None, experiment id, note): --resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run."""
+    from mlflow.entities import RunTag
+
+    if resume_run_id:
+        run = _get_run(client, uri, resume_run_id)
+        return run, run.info.experiment_id, None
+    resume = cfg.TRAIN.AUTO_RESUME and not new_run
+    if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
+        launcher = _get_run(client, uri, launcher_id)
+        exp_id = launcher.info.experiment_id
+        if JOB_TAG in launcher.data.tags or not resume:
+            return launcher, exp_id, None
+        earlier = _newest_job_run(client, exp_id, cfg)
+        if earlier is None:
+            return launcher, exp_id, None
+        # `mlflow run` made a new run for a job that has one: one job stays one run.
+        note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
+        client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", earlier.info.run_id),
+                                            RunTag("mlflow.note.content", note)])
+        return earlier, exp_id, note
+    exp_id = _experiment(client, experiment_name(cfg))
+    return (_newest_job_run(client, exp_id, cfg) if resume else None), exp_id, None
+
+
+def _experiment(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp:
+        return exp.experiment_id
+    # The UI groups experiments by kind: these are model-training ones.
+    return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
+
+
+def _get_run(client, uri: str, run_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as e:
+        if e.get_http_status_code() == 404 or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
+            raise UserError(f"run {run_id} does not exist on {uri}") from None
+        raise
+
+
+def _newest_job_run(client, exp_id: str, cfg: Config):
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def _last_step(client, run) -> int:
+    """The newest step logged: the run's latest `loss` is the one with the highest step (the
+    store keeps it), so no need to fetch a history of every iteration of a long job."""
+    latest = [m for m in getattr(run.data, "_metric_objs", None) or () if m.key == "loss"]
+    if latest:
+        return latest[0].step
+    history = client.get_metric_history(run.info.run_id, "loss")
+    return max((m.step for m in history), default=-1)
+
+
+def _run_name(cfg: Config) -> str:
+    return cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def download_verified(client, run_id: str, name: str, folder: str, expected: str | None) -> tuple:
+    """(path, None) once checkpoints/<name> is in `folder` and matches its sha256 tag; (None, why) else."""
+    try:
+        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", folder))
+    except Exception as e:  # noqa: BLE001 - a missing or unreadable artifact: try an older one
+        return None, f"could not download checkpoint {name}: {_first_line(e)}"
+    if sha256_of(path) != expected:
+        return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
+    return str(path), None
+
+
+def download_optional(client, run_id: str, name: str, folder: str) -> str | None:
+    try:
+        return client.download_artifacts(run_id, name, folder)
+    except Exception:  # noqa: BLE001 - optional files (json_stats.log) may not exist yet
+        return None
+
+
 class MlflowTracker(Tracker):
     def __init__(self, cfg: Config, world_size: int = 1):
         # MLflow's own HTTP retries can block for minutes; ours run in the background instead.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.uri = tracking_uri(cfg)
-        try:
-            self.client = MlflowClient(tracking_uri=self.uri)
-        except Exception as e:  # noqa: BLE001 - a scheme MLflow has no store for: the user's to fix
-            raise UserError(_start_error(self.uri, e)) from None
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self._skip_until = -1  # steps already logged by an earlier process of this run
         self._tags: dict[str, str] = {}
-        self._prefetched: tuple[str, Path, Future] | None = None  # a download that start() began
+        self._opening: Future | None = None  # begin()'s lookup of the run
+        self._prefetched: tuple[str, Path, Future] | None = None  # a download that begin() started
         self._sender: MetricSender | None = None
         self._uploader = Uploader(retryable)
-        self._calls = TrackingCalls(self.uri, self.client)  # what the two background threads call
+        self._calls = TrackingCalls(self.uri)  # in the tracking agent, or here
         self.run = RunInfo()
+
+    @property
+    def client(self):
+        """An MlflowClient of this process (MLflow imported on first use)."""
+        return self._calls.local
 
     # ---- start: find or create the job's run ----
 
+    def begin(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
+        if self._opening is not None:
+            return
+        self._calls.start_agent()
+        self._opening = Future()
+        threading.Thread(target=self._open, args=(cfg, resume_run_id, new_run), name="tracking-start",
+                         daemon=True).start()
+
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> RunInfo:
+        self.begin(cfg, resume_run_id, new_run)
         try:
-            run, exp_id = self._find_run(cfg, resume_run_id, new_run)
-            resumed = run is not None and JOB_TAG in run.data.tags
-            if run is None:
-                run = self.client.create_run(exp_id, tags=_start_tags(cfg, self.world_size),
-                                             run_name=self._run_name(cfg))
-            elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
-                tags = _start_tags(cfg, self.world_size)
-                self.client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-                run = self.client.get_run(run.info.run_id)
-            else:
-                if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
-                    self.client.update_run(run.info.run_id, status="RUNNING")
-                self._skip_until = self._last_step(run)
-        except UserError:
+            found = self._opening.result()
+        except BaseException:
+            self._calls.close(timeout=0)
             raise
-        except Exception as e:  # noqa: BLE001 - nothing was written yet: say why in one line
-            raise UserError(_start_error(self.uri, e)) from None
-        run_id = run.info.run_id
-        self._tags = dict(run.data.tags)
-        self.run = RunInfo(run_id, self._ui_url(exp_id, run_id), resumed, checkpoints_of(run))
+        if found["note"]:
+            log.info("%s", found["note"])
+        self._skip_until = found["last_step"]
         # One log_batch every few seconds: the UI lags that much, the server does a fraction of the
         # work (its CPU per request hardly grows with the points in it; bench/RESULTS.md).
         self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
-        self._log_params(cfg, run)
-        if resumed:
-            self._prefetch_newest(Path(cfg.OUTPUT_DIR))
+        self._log_params(cfg, found["params"])
         return self.run
 
-    def _experiment(self, name: str) -> str:
-        exp = self.client.get_experiment_by_name(name)
-        if exp:
-            return exp.experiment_id
-        # The UI groups experiments by kind: these are model-training ones.
-        return self.client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
-
-    def _find_run(self, cfg: Config, resume_run_id: str | None, new_run: bool):
-        """(run or None, experiment id): --resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run."""
-        if resume_run_id:
-            run = self._get_run(resume_run_id)
-            return run, run.info.experiment_id
-        resume = cfg.TRAIN.AUTO_RESUME and not new_run
-        if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
-            launcher = self._get_run(launcher_id)
-            exp_id = launcher.info.experiment_id
-            if JOB_TAG in launcher.data.tags or not resume:
-                return launcher, exp_id
-            earlier = self._newest_job_run(exp_id, cfg)
-            if earlier is None:
-                return launcher, exp_id
-            # `mlflow run` made a new run for a job that has one: one job stays one run.
-            note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
-            self.client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", earlier.info.run_id),
-                                                     RunTag("mlflow.note.content", note)])
-            log.info("%s", note)
-            return earlier, exp_id
-        exp_id = self._experiment(experiment_name(cfg))
-        return (self._newest_job_run(exp_id, cfg) if resume else None), exp_id
-
-    def _get_run(self, run_id: str):
+    def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
+        """On a thread: the run, then (for a resumed job) the download the resume will want."""
         try:
-            return self.client.get_run(run_id)
-        except MlflowException as e:
-            if e.get_http_status_code() == 404 or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
-                raise UserError(f"run {run_id} does not exist on {self.uri}") from None
-            raise
-
-    def _newest_job_run(self, exp_id: str, cfg: Config):
-        runs = self.client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
-        return runs[0] if runs else None
-
-    def _last_step(self, run) -> int:
-        """The newest step logged: the run's latest `loss` is the one with the highest step (the
-        store keeps it), so no need to fetch a history of every iteration of a long job."""
-        latest = [m for m in getattr(run.data, "_metric_objs", None) or () if m.key == "loss"]
-        if latest:
-            return latest[0].step
-        history = self.client.get_metric_history(run.info.run_id, "loss")
-        return max((m.step for m in history), default=-1)
-
-    def _run_name(self, cfg: Config) -> str:
-        return cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
+            found = self._calls.run(open_run, self.uri, cfg, self.world_size, resume_run_id, new_run,
+                                    wait=AGENT_START_S)
+        except UserError as e:  # raised here (no agent)
+            self._opening.set_exception(e)
+            return
+        except AgentError as e:  # open_run's UserError, raised in the agent
+            self._opening.set_exception(UserError(str(e)))
+            return
+        except BaseException as e:  # noqa: BLE001 - a client this process cannot make, say
+            self._opening.set_exception(UserError(_start_error(self.uri, e)))
+            return
+        run_id, self._tags = found["run_id"], found["tags"]
+        self.run = RunInfo(run_id, self._ui_url(found["experiment_id"], run_id), found["resumed"],
+                           checkpoints_from(self._tags))
+        download = self._prefetch_newest(Path(cfg.OUTPUT_DIR)) if found["resumed"] else None
+        self._opening.set_result(found)
+        if download:
+            download()
 
     def _ui_url(self, exp_id: str, run_id: str) -> str | None:
         if self.uri.startswith(("http://", "https://")):
             return f"{self.uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
         return None
 
-    def _log_params(self, cfg: Config, run) -> None:
+    def _log_params(self, cfg: Config, logged: set) -> None:
         # A param cannot change value within a run: a restart on another machine (other paths)
         # keeps the values the run started with.
-        items = [(k, v) for k, v in safe_params(cfg).items() if k not in run.data.params]
+        items = [(k, v) for k, v in safe_params(cfg).items() if k not in logged]
         for i in range(0, len(items), 100):
             chunk = items[i:i + 100]
             self._submit("params", lambda c=chunk: self._calls.log_batch(self.run.run_id, params=c))
 
     # ---- resume ----
 
-    def _prefetch_newest(self, output_dir: Path) -> None:
-        """Start downloading the checkpoint that the resume will want (the run's newest, when it is
-        newer than every local one), so that the download overlaps torch's import and the build."""
+    def _prefetch_newest(self, output_dir: Path):
+        """The download that the resume will want (the run's newest checkpoint, when it is newer
+        than every local one), to run at once so that it overlaps torch's import and the build."""
         local = local_checkpoints(output_dir)
         newest_local = iteration_of(local[0].name) if local else -1
         name = self.run.checkpoints[0] if self.run.checkpoints else FINAL
         if name == FINAL or iteration_of(name) <= newest_local:
-            return
+            return None
         folder, future = download_folder(output_dir), Future()
 
         def download():
@@ -250,7 +325,7 @@ class MlflowTracker(Tracker):
                 future.set_exception(e)
 
         self._prefetched = name, folder, future
-        threading.Thread(target=download, name="checkpoint-prefetch", daemon=True).start()
+        return download
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
         """dest_dir/name once its bytes match the sha256 tag. It is downloaded into a hidden folder
@@ -276,20 +351,20 @@ class MlflowTracker(Tracker):
     def _download_verified(self, name: str, folder: Path) -> Path | None:
         expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
         try:
-            path = Path(self.client.download_artifacts(self.run.run_id, f"checkpoints/{name}", str(folder)))
-        except Exception as e:  # noqa: BLE001 - a missing or unreadable artifact: try an older one
-            log.warning("could not download checkpoint %s: %s", name, _first_line(e))
-            return None
-        if sha256_of(path) != expected:
-            log.warning("checkpoint %s from the tracking server does not match its sha256 tag; skipped", name)
-            return None
-        return path
+            path, why = self._calls.run(download_verified, self.run.run_id, name, str(folder), expected)
+        except Exception as e:  # noqa: BLE001 - the agent could not answer: try an older one
+            path, why = None, f"could not download checkpoint {name}: {_first_line(e)}"
+        if why:
+            log.warning("%s", why)
+        return Path(path) if path else None
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
         try:
-            return Path(self.client.download_artifacts(self.run.run_id, name, str(dest_dir)))
+            path = self._calls.run(download_optional, self.run.run_id, name, str(dest_dir))
         except Exception:  # noqa: BLE001 - optional files (json_stats.log) may not exist yet
             return None
+        return Path(path) if path else None
+
 
     # ---- during training: all queued ----
 
@@ -312,8 +387,6 @@ class MlflowTracker(Tracker):
         self._submit(f"upload {path.name}", lambda: self._calls.log_artifact(self.run.run_id, str(path), artifact_path))
 
     def log_checkpoint(self, path: Path, sha256: str, on_done=None) -> None:
-        self._calls.start_agent()  # from the first checkpoint on, tracking's calls leave this process
-
         def upload():
             self._calls.log_artifact(self.run.run_id, str(path), "checkpoints")
             # Complete means resumable without a hole: the metrics of every iteration it holds
@@ -332,6 +405,8 @@ class MlflowTracker(Tracker):
         import torchvision
 
         def log():
+            import mlflow  # here: the pickled model goes from this process
+
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=self.run.run_id):
                 mlflow.pytorch.log_model(
@@ -347,13 +422,11 @@ class MlflowTracker(Tracker):
 
     @property
     def agent_pid(self) -> int | None:
-        """The tracking agent's pid once the first checkpoint has started it (None before)."""
+        """The tracking agent's pid (started by begin()), None when there is none."""
         return self._calls.agent_pid
 
     def in_agent(self, timeout: float = 0.0) -> bool:
-        """Whether the calls now go to the tracking agent (starting it if the first checkpoint has
-        not, and waiting up to `timeout` s for it to be ready)."""
-        self._calls.start_agent()
+        """Whether the calls go to the tracking agent (waiting up to `timeout` s for it to be ready)."""
         return self._calls.in_agent(timeout)
 
     def finish(self, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
@@ -388,6 +461,8 @@ def _start_error(uri: str, e: BaseException) -> str:
     if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
         return (f"cannot reach the tracking server at {uri} (is it running?); "
                 "TRACKING.ENABLED false trains without tracking")
+    from mlflow.exceptions import MlflowException
+
     if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
         return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
     return f"tracking server {uri}: {_first_line(e)}"

@@ -27,6 +27,9 @@ class Tracker:
 
     run: RunInfo = RunInfo()
 
+    def begin(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
+        """Start finding or creating the job's run in the background; `start()` returns it."""
+
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> RunInfo:
         return self.run
 

@@ -1,14 +1,18 @@
-"""The tracking agent: a helper process (child_process.py) that makes MLflow's calls during training.
+"""The tracking agent: a helper process (child_process.py) that makes the job's MLflow calls.
 
-MLflow's client spends milliseconds of Python on every call (measured here against a local server:
-a 60-metric `log_batch` about 6 ms of CPU, 2 tags 3.5 ms, a 7.7 MB `log_artifact` 8 ms). Made on a
-thread of the training process, that time is taken from the training thread, which needs the same
-GIL. So once the job hands its first checkpoint to tracking, the background threads (MetricSender,
-Uploader) pass their calls to this process and wait for the answer holding no GIL. Retries, order
-and deadlines stay with those threads: the agent performs one call at a time per connection and
-answers with its outcome. Until the agent is ready (has imported MLflow), and whenever it cannot be
-used (it died), the calls are made in the training process, as before; each is safe to repeat.
-Nothing of MLflow is imported here at import time: the agent first makes sure it dies with the job.
+Two reasons. MLflow's client spends milliseconds of Python on every call (measured here against a
+local server: a 60-metric `log_batch` about 6 ms of CPU, 2 tags 3.5 ms, a 7.7 MB `log_artifact`
+8 ms); made on a thread of the training process, that time is taken from the training thread, which
+needs the same GIL. And importing MLflow takes 2-3 s of CPU: in the agent, it happens on another
+core while the training process imports torch, and the run lookup and a resumed job's checkpoint
+download follow it there.
+
+A call is a module-level function `fn(client, *args)`, sent by reference with its arguments; the
+agent runs it with its MlflowClient and answers with the result or the failure (its message, and
+whether it is worth retrying). Retries, order and deadlines stay with the threads that call. If the
+agent cannot start, or dies, the calls are made in the training process with a client of its own
+(MLflow imported then); every call is safe to repeat. Nothing of MLflow is imported here at import
+time: the agent first makes sure it dies with the job.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import socket
 import threading
 
 from trainer.child_process import attach, recv, send, spawn, stop
+from trainer.logs import setup_logging
 
 log = logging.getLogger("trainer.tracking")
 
@@ -42,6 +47,8 @@ def retryable(e: BaseException) -> bool:
     return not isinstance(e, (TypeError, ValueError, KeyError, AttributeError))
 
 
+# What the background threads call; arguments are plain tuples, cheap to send.
+
 def _log_batch(client, run_id: str, metrics=(), params=(), tags=()) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
@@ -49,18 +56,19 @@ def _log_batch(client, run_id: str, metrics=(), params=(), tags=()) -> None:
                      tags=[RunTag(*t) for t in tags], synchronous=True)
 
 
-_OPS = {  # what the background threads call; arguments are plain tuples, cheap to send
-    "log_batch": _log_batch,
-    "log_artifact": lambda client, run_id, path, artifact_path: client.log_artifact(run_id, path, artifact_path),
-    "set_terminated": lambda client, run_id, status: client.set_terminated(run_id, status),
-}
+def _log_artifact(client, run_id: str, path: str, artifact_path: str | None) -> None:
+    client.log_artifact(run_id, path, artifact_path)
+
+
+def _set_terminated(client, run_id: str, status: str) -> None:
+    client.set_terminated(run_id, status)
 
 
 class TrackingCalls:
-    """The calls of `_OPS`, made in the agent once it is started and ready, else with `local`."""
+    """Calls made in the agent once it is started and ready, else with a client of this process."""
 
-    def __init__(self, uri: str, local):
-        self._uri, self._local = uri, local
+    def __init__(self, uri: str):
+        self._uri, self._local = uri, None
         self._lock = threading.Lock()
         self._process = self._control = None
         self._ready = self._given_up = self._closed = False
@@ -70,13 +78,22 @@ class TrackingCalls:
 
     def log_batch(self, run_id: str, metrics=(), params=(), tags=()) -> None:
         """metrics: (key, value, timestamp_ms, step) tuples; params and tags: (key, value)."""
-        self._call("log_batch", run_id, tuple(metrics), tuple(params), tuple(tags))
+        self.run(_log_batch, run_id, tuple(metrics), tuple(params), tuple(tags))
 
     def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
-        self._call("log_artifact", run_id, path, artifact_path)
+        self.run(_log_artifact, run_id, path, artifact_path)
 
     def set_terminated(self, run_id: str, status: str) -> None:
-        self._call("set_terminated", run_id, status)
+        self.run(_set_terminated, run_id, status)
+
+    @property
+    def local(self):
+        """This process's own MlflowClient, made (and MLflow imported) on first use."""
+        if self._local is None:
+            from mlflow import MlflowClient
+
+            self._local = MlflowClient(tracking_uri=self._uri)
+        return self._local
 
     def start_agent(self) -> None:
         """Start the agent (once); calls go to it once it has imported MLflow."""
@@ -109,36 +126,38 @@ class TrackingCalls:
         for sock in connections:
             sock.close()
 
-    def _call(self, op: str, *args):
+    def run(self, fn, *args, wait: float = 0.0):
+        """`fn(client, *args)` (a module-level function) in the agent, or here while it is not
+        ready (waiting up to `wait` s for it first) or when it is gone."""
         if self._closed:
             raise RuntimeError("tracking is closed")
-        sock = self._connection()
+        sock = self._connection(wait)
         if sock is None:
-            return self._here(op, args)
+            return self._here(fn, args)
         try:
-            send(sock, (op, args))
+            send(sock, (fn, args))
             reply, _ = recv(sock)
         except (EOFError, OSError) as e:
             self._lost(e)
             if self._closed:
                 raise RuntimeError("tracking is closed") from None
-            return self._here(op, args)  # again: every op is safe to repeat
+            return self._here(fn, args)  # again: every call is safe to repeat
         self.by_agent += 1
         if reply[0] == "error":
             raise AgentError(reply[1], reply[2])
         return reply[1]
 
-    def _here(self, op: str, args: tuple):
+    def _here(self, fn, args: tuple):
         self.here += 1
-        return _OPS[op](self._local, *args)
+        return fn(self.local, *args)
 
-    def _connection(self) -> socket.socket | None:
+    def _connection(self, wait: float = 0.0) -> socket.socket | None:
         """This thread's connection to the agent, made on first use; None while there is no agent."""
         sock = getattr(self._mine, "sock", None)
         if sock is not None and not self._given_up:
             return sock
         with self._lock:
-            if self._process is None or not self._agent_ready():
+            if self._process is None or not self._agent_ready(wait):
                 return None
             ours, theirs = socket.socketpair()
             try:
@@ -159,6 +178,8 @@ class TrackingCalls:
             self._control.settimeout(timeout)
             try:
                 self._ready = recv(self._control)[0] == "ready"
+                if not self._ready:  # it cannot use the URI: this process's client will say why
+                    self._give_up(None)
             except (socket.timeout, BlockingIOError):
                 pass
             except (EOFError, OSError) as e:  # it died starting
@@ -173,13 +194,15 @@ class TrackingCalls:
             if not self._given_up and not self._closed:
                 self._give_up(e)
 
-    def _give_up(self, e: BaseException) -> None:
+    def _give_up(self, e: BaseException | None) -> None:
         """(Lock held.) From now on the calls are made here."""
         process, self._given_up = self._process, True
         if process is not None:
             process.kill()
-            log.warning("the tracking agent process ended (%s, exit code %s): tracking calls are made by the "
-                        "training process from now on", type(e).__name__, process.wait())
+            code = process.wait()
+            if e is not None:
+                log.warning("the tracking agent process ended (%s, exit code %s): tracking calls are made by the "
+                        "training process from now on", type(e).__name__, code)
 
 
 # ---- in the agent ----
@@ -188,11 +211,11 @@ def _serve(client, conn: socket.socket) -> None:
     """Perform each call sent on `conn`; answer with its result or with what went wrong."""
     while True:
         try:
-            (op, args), _ = recv(conn)
+            (fn, args), _ = recv(conn)
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", _OPS[op](client, *args))
+            reply = ("ok", fn(client, *args))
         except Exception as e:  # noqa: BLE001 - reported to the thread that asked
             reply = ("error", str(e).strip() or type(e).__name__, retryable(e))
         try:
@@ -203,9 +226,14 @@ def _serve(client, conn: socket.socket) -> None:
 
 def main(argv: list[str]) -> None:
     control, (uri,) = attach(argv)
-    from mlflow import MlflowClient
+    setup_logging(logging.WARNING)  # MLflow's and urllib3's warnings, as the job shows them
+    try:
+        from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+        client = MlflowClient(tracking_uri=uri)
+    except Exception as e:  # noqa: BLE001 - a URI MLflow has no store for: the job says so, not us
+        send(control, ("unusable", str(e)))
+        os._exit(0)
     send(control, "ready")
     while True:
         try:
