@@ -279,7 +279,7 @@ def test_secrets_given_as_overrides_appear_nowhere(secret_job, admin_client, tmp
 
 
 def test_credentials_leave_the_tracking_uri_for_mlflows_variables(monkeypatch):
-    from trainer.mlflow_tracking import without_credentials
+    from trainer.mlflow_runs import without_credentials
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)

@@ -17,7 +17,8 @@ from tests.conftest import DEMO, ROOT
 from tests.faultkit import alive, assert_gone
 from trainer import checkpoint as ckpt
 from trainer.config import load_config
-from trainer.mlflow_tracking import MlflowTracker, sha_tag
+from trainer.mlflow_runs import sha_tag
+from trainer.mlflow_tracking import MlflowTracker
 from trainer.tracking_agent import AgentError, TrackingCalls
 
 KEYS = ("loss", "lr", "time")

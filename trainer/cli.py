@@ -107,7 +107,7 @@ def _system_metrics(cfg, run_id, ctx):
 
     if not system_metrics.wanted(cfg):
         return None
-    from trainer.mlflow_tracking import tracking_uri
+    from trainer.mlflow_runs import tracking_uri
 
     return system_metrics.start_monitor(cfg, run_id, tracking_uri(cfg), ctx.local_rank, ctx.world_size)
 
@@ -175,7 +175,7 @@ def status(experiment, uri):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
     from mlflow import MlflowClient
 
-    from trainer.mlflow_tracking import DEFAULT_URI, without_credentials
+    from trainer.mlflow_runs import DEFAULT_URI, without_credentials
     from trainer.status import job_rows, render
 
     uri = without_credentials(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)

@@ -282,7 +282,7 @@ def _iteration_in(path: str) -> int | None:
 
 
 def _tracking_uri(cfg) -> str:
-    from trainer.mlflow_tracking import tracking_uri  # imports mlflow: only when a URI is given
+    from trainer.mlflow_runs import tracking_uri
 
     return tracking_uri(cfg)
 

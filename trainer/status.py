@@ -5,7 +5,7 @@ from datetime import timedelta
 
 from mlflow import MlflowClient
 
-from trainer.mlflow_tracking import JOB_TAG, LATEST_TAG
+from trainer.mlflow_runs import JOB_TAG, LATEST_TAG
 
 
 def _last_step(run, key: str = "loss") -> int | None:

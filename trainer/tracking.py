@@ -74,6 +74,6 @@ def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
     """Only global rank 0 talks to MLflow."""
     if not cfg.TRACKING.ENABLED or rank != 0:
         return Tracker()
-    from trainer.mlflow_tracking import MlflowTracker  # mlflow is slow to import; only when used
+    from trainer.mlflow_tracking import MlflowTracker
 
     return MlflowTracker(cfg, world_size)

@@ -201,8 +201,8 @@ class TrackingCalls:
             process.kill()
             code = process.wait()
             if e is not None:
-                log.warning("the tracking agent process ended (%s, exit code %s): tracking calls are made by the "
-                        "training process from now on", type(e).__name__, code)
+                log.warning("the tracking agent process ended (%s, exit code %s): tracking calls are made by "
+                            "the training process from now on", type(e).__name__, code)
 
 
 # ---- in the agent ----
@@ -211,17 +211,27 @@ def _serve(client, conn: socket.socket) -> None:
     """Perform each call sent on `conn`; answer with its result or with what went wrong."""
     while True:
         try:
-            (fn, args), _ = recv(conn)
-        except (EOFError, OSError):
+            message, _ = recv(conn)
+        except (EOFError, OSError):  # the job closed this connection
             return
-        try:
-            reply = ("ok", fn(client, *args))
-        except Exception as e:  # noqa: BLE001 - reported to the thread that asked
-            reply = ("error", str(e).strip() or type(e).__name__, retryable(e))
+        except Exception as e:  # noqa: BLE001 - a call this process cannot unpickle
+            reply = _failure(e)
+        else:
+            fn, args = message
+            try:
+                reply = ("ok", fn(client, *args))
+            except Exception as e:  # noqa: BLE001 - reported to the thread that asked
+                reply = _failure(e)
         try:
             send(conn, reply)
         except OSError:
             return
+        except Exception as e:  # noqa: BLE001 - a result that cannot be pickled
+            send(conn, _failure(e))
+
+
+def _failure(e: BaseException) -> tuple:
+    return "error", str(e).strip() or type(e).__name__, retryable(e)
 
 
 def main(argv: list[str]) -> None:
