@@ -71,9 +71,12 @@ class SharedState:
         new = layout != [(d, s) for _, d, s in self.specs]
         if new:
             self._allocate(layout)
-        if found:
-            with torch.no_grad():
-                torch._foreach_copy_(self.tensors, found)  # one call, not one per tensor (500 in the demo)
+        with torch.no_grad():
+            try:  # one call, not one per tensor (500 in the demo)
+                torch._foreach_copy_(self.tensors, found)
+            except (RuntimeError, NotImplementedError):  # no tensors, or devices its kernel will not mix
+                for dst, src in zip(self.tensors, found):
+                    dst.copy_(src)
         return skeleton, new
 
     def _allocate(self, layout: list) -> None:
