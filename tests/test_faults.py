@@ -252,8 +252,8 @@ def test_a_checkpoint_is_marked_complete_only_after_the_metrics_of_its_iteration
     from trainer.tracking_agent import TrackingCalls
 
     monkeypatch.chdir(tmp_path)
-    # The calls stay in this process, where the client patched below makes them (the agent's
-    # calls go through the same uploader thread, in the same order: test_tracking_agent.py).
+    # The calls stay in this process, where the client patched below makes them. With the agent,
+    # the same uploader thread makes the same calls in the same order; only where they run differs.
     monkeypatch.setattr(TrackingCalls, "start_agent", lambda self: None)
     cfg = load_config(DEMO, ["TRACKING.URI", f"sqlite:///{tmp_path / 'store.db'}", "OUTPUT_DIR", str(tmp_path)])
     tracker = MlflowTracker(cfg)
