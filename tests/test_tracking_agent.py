@@ -98,7 +98,7 @@ def test_without_an_agent_the_training_process_tracks_the_job_itself(tmp_path, m
     def no_process(*args):
         raise OSError(11, "Resource temporarily unavailable")  # fork failed: a pids cgroup at its limit
 
-    monkeypatch.setattr("trainer.tracking_agent.spawn", no_process)
+    monkeypatch.setattr("trainer.tracking_agent.Helper", no_process)
     tracker = new_tracker(tmp_path, mlflow_server.url)
     assert tracker.agent_pid is None and not tracker.in_agent()
     log_steps(tracker, range(0, 3))

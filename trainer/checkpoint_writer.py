@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import queue
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from trainer.checkpoint import CheckpointWriteError, save_atomic, to_cpu
 from trainer.checkpoint_process import Slot, join, map_leaves, views
-from trainer.child_process import recv, send, spawn, stop
+from trainer.child_process import Helper, recv, send
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -103,25 +102,12 @@ class SharedState:
 
 # ---- the child ----
 
-class _Child:
-    """The checkpoint-writer process and our end of its socket."""
+class _Child(Helper):
+    """The checkpoint-writer process: until it is ready (has imported torch) the thread writes, so
+    that a job's first checkpoint is not seconds late."""
 
     def __init__(self):
-        self.process, self.sock = spawn("trainer.checkpoint_process")  # it imports torch meanwhile
-        self._ready = False
-
-    def ready(self, timeout: float = 0.0) -> bool:
-        """Whether the child has started (imported torch): until then the thread writes, so that
-        a job's first checkpoint is not seconds late."""
-        if not self._ready:
-            self.sock.settimeout(timeout)
-            try:
-                self._ready = recv(self.sock)[0] == "ready"
-            except (socket.timeout, BlockingIOError):
-                pass
-            finally:
-                self.sock.settimeout(None)
-        return self._ready
+        super().__init__("trainer.checkpoint_process")
 
     def save(self, skeleton, path: Path, shared: SharedState, new_buffer: bool) -> str:
         if new_buffer:
@@ -136,9 +122,6 @@ class _Child:
             error.free = reply[3]
             raise error
         raise RuntimeError(f"writing checkpoint {path}: {reply[1]}")
-
-    def close(self) -> None:
-        stop(self.process, self.sock, timeout=10)
 
 
 # ---- the writer ----
@@ -203,7 +186,7 @@ class CheckpointWriter:
     def child_pid(self) -> int | None:
         """The writer process's pid (a session of its own), None when the thread writes."""
         child = self._child
-        return child.process.pid if child is not None else None
+        return child.pid if child is not None else None
 
     def close(self, raise_errors: bool = True) -> None:
         if self._thread.is_alive():
@@ -235,7 +218,7 @@ class CheckpointWriter:
     def _stop_child(self) -> None:
         child, self._child = self._child, None
         if child is not None:
-            child.close()
+            child.close(timeout=10)
         self._shared.close()
 
     def _raise_pending(self) -> None:

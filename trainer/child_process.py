@@ -22,20 +22,59 @@ import time
 _HEADER = struct.Struct("!Q")
 
 
-def spawn(module: str, *args: str) -> tuple[subprocess.Popen, socket.socket]:
-    """Start `module.main(argv)` as a helper; (its process, our end of its socket)."""
-    ours, theirs = socket.socketpair()
-    code = f"import sys; from {module} import main; main(sys.argv[1:])"
-    # Linux kills it with the thread that started it: with the job, if that is the main thread
-    main = threading.current_thread() is threading.main_thread()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # imports as ours do
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-c", code, str(os.getpid()), str(theirs.fileno()), "main" if main else "thread", *args],
-            pass_fds=[theirs.fileno()], start_new_session=True, env=env, stdin=subprocess.DEVNULL)
-    finally:
-        theirs.close()
-    return process, ours
+class Helper:
+    """A helper process (`module.main(argv)`, started now) and our end of its socket. Its first
+    message says whether it is ready (it is importing torch or MLflow meanwhile)."""
+
+    def __init__(self, module: str, *args: str):
+        ours, theirs = socket.socketpair()
+        code = f"import sys; from {module} import main; main(sys.argv[1:])"
+        # Linux kills it with the thread that started it: with the job, if that is the main thread
+        main = threading.current_thread() is threading.main_thread()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # imports as ours do
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, str(os.getpid()), str(theirs.fileno()), "main" if main else "thread",
+                 *args], pass_fds=[theirs.fileno()], start_new_session=True, env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._greeting = None  # its first message: "ready", or why it cannot be
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether it has said it is ready (waiting up to `timeout` s for that); EOFError or OSError
+        when it died first."""
+        if self._greeting is None:
+            self.sock.settimeout(timeout)
+            try:
+                self._greeting = recv(self.sock)[0]
+            except (socket.timeout, BlockingIOError):
+                return False
+            finally:
+                self.sock.settimeout(None)
+        return self._greeting == "ready"
+
+    @property
+    def refused(self) -> bool:
+        """It answered that it cannot do its work (and has exited)."""
+        return self._greeting not in (None, "ready")
+
+    def close(self, timeout: float) -> None:
+        """Ask it to end (a None message), kill it if it has not within `timeout` s."""
+        try:
+            send(self.sock, None)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.sock.close()
 
 
 def attach(argv: list[str]) -> tuple[socket.socket, list[str]]:
@@ -43,20 +82,6 @@ def attach(argv: list[str]) -> tuple[socket.socket, list[str]]:
     parent, fd = int(argv[0]), int(argv[1])
     _die_with(parent, argv[2] == "main")
     return socket.socket(fileno=fd), argv[3:]
-
-
-def stop(process: subprocess.Popen, sock: socket.socket, timeout: float) -> None:
-    """Ask a helper to end (a None message), kill it if it has not within `timeout` s."""
-    try:
-        send(sock, None)
-    except OSError:
-        pass
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    sock.close()
 
 
 def send(sock: socket.socket, obj, fds: tuple = ()) -> None:

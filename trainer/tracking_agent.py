@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 
-from trainer.child_process import attach, recv, send, spawn, stop
+from trainer.child_process import Helper, attach, recv, send
 from trainer.logs import setup_logging
 
 log = logging.getLogger("trainer.tracking")
@@ -70,8 +70,8 @@ class TrackingCalls:
     def __init__(self, uri: str):
         self._uri, self._local = uri, None
         self._lock = threading.Lock()
-        self._process = self._control = None
-        self._ready = self._given_up = self._closed = False
+        self._agent: Helper | None = None
+        self._given_up = self._closed = False
         self._connections: list[socket.socket] = []
         self._mine = threading.local()  # this thread's connection to the agent
         self.by_agent = self.here = 0  # calls made by the agent, by this process
@@ -98,31 +98,31 @@ class TrackingCalls:
     def start_agent(self) -> None:
         """Start the agent (once); calls go to it once it has imported MLflow."""
         with self._lock:
-            if self._process is not None or self._given_up or self._closed:
+            if self._agent is not None or self._given_up or self._closed:
                 return
             try:
-                self._process, self._control = spawn("trainer.tracking_agent", self._uri)
+                self._agent = Helper("trainer.tracking_agent", self._uri)
             except OSError as e:
                 self._given_up = True
                 log.warning("tracking calls are made by the training process (%s)", e)
 
     @property
     def agent_pid(self) -> int | None:
-        process = self._process
-        return process.pid if process is not None else None
+        agent = self._agent
+        return agent.pid if agent is not None else None
 
     def in_agent(self, timeout: float = 0.0) -> bool:
         """Whether calls now go to the agent (waiting up to `timeout` s for it to be ready)."""
         with self._lock:
-            return self._process is not None and self._agent_ready(timeout)
+            return self._agent_ready(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:
             self._closed = True
-            process, control, self._process, self._control = self._process, self._control, None, None
+            agent, self._agent = self._agent, None
             connections, self._connections = self._connections, []
-        if process is not None:
-            stop(process, control, timeout)
+        if agent is not None:
+            agent.close(timeout)
         for sock in connections:
             sock.close()
 
@@ -157,11 +157,11 @@ class TrackingCalls:
         if sock is not None and not self._given_up:
             return sock
         with self._lock:
-            if self._process is None or not self._agent_ready(wait):
+            if not self._agent_ready(wait):
                 return None
             ours, theirs = socket.socketpair()
             try:
-                send(self._control, "connect", fds=(theirs.fileno(),))
+                send(self._agent.sock, "connect", fds=(theirs.fileno(),))
             except OSError as e:
                 ours.close()
                 self._give_up(e)
@@ -173,21 +173,17 @@ class TrackingCalls:
         return ours
 
     def _agent_ready(self, timeout: float = 0.0) -> bool:
-        """(Lock held.) Whether the agent has said it is ready."""
-        if not self._ready and not self._given_up:
-            self._control.settimeout(timeout)
-            try:
-                self._ready = recv(self._control)[0] == "ready"
-                if not self._ready:  # it cannot use the URI: this process's client will say why
-                    self._give_up(None)
-            except (socket.timeout, BlockingIOError):
-                pass
-            except (EOFError, OSError) as e:  # it died starting
-                self._give_up(e)
-            finally:
-                if self._control is not None:
-                    self._control.settimeout(None)
-        return self._ready and not self._given_up
+        """(Lock held.) Whether there is an agent and it is ready (waiting up to `timeout` s)."""
+        if self._agent is None or self._given_up:
+            return False
+        try:
+            if self._agent.ready(timeout):
+                return True
+            if self._agent.refused:  # it cannot use the URI: this process's client will say why
+                self._give_up(None)
+        except (EOFError, OSError) as e:  # it died starting
+            self._give_up(e)
+        return False
 
     def _lost(self, e: BaseException) -> None:
         with self._lock:
@@ -196,10 +192,10 @@ class TrackingCalls:
 
     def _give_up(self, e: BaseException | None) -> None:
         """(Lock held.) From now on the calls are made here."""
-        process, self._given_up = self._process, True
-        if process is not None:
-            process.kill()
-            code = process.wait()
+        self._given_up = True
+        if self._agent is not None:
+            self._agent.process.kill()
+            code = self._agent.process.wait()
             if e is not None:
                 log.warning("the tracking agent process ended (%s, exit code %s): tracking calls are made by "
                             "the training process from now on", type(e).__name__, code)
