@@ -149,7 +149,7 @@ def group_cpu_seconds(pgid: int) -> float:
 
 def place_threads(training: set[int] | None, groups: list[int]) -> None:
     """Put this process's main thread on the `training` cores and every other thread (ours, and
-    those of the processes in `groups`: servers, the checkpoint writer) on the remaining cores, as
+    those of the processes in `groups`: servers, our helper processes) on the remaining cores, as
     on a training host whose servers run elsewhere and whose helpers have spare cores; threads
     started later inherit their creator's cores. `training=None`: every thread on every core."""
     every = set(range(os.cpu_count() or 1))
