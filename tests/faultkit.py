@@ -72,8 +72,10 @@ class Job:
         return pids
 
     def workers(self) -> list[int]:
-        """The data loader's workers: the child processes but the checkpoint writer and the tracking agent."""
-        return [p for p in self.children() if not (is_checkpoint_writer(p) or is_tracking_agent(p))]
+        """The data loader's workers: the child processes but our helpers (checkpoint writer, tracking
+        agent, system metrics monitor)."""
+        return [p for p in self.children() if not (is_checkpoint_writer(p) or is_tracking_agent(p)
+                                                   or _runs(p, b"trainer.system_metrics"))]
 
     def checkpoint_writer(self) -> list[int]:
         return [p for p in self.children() if is_checkpoint_writer(p)]

@@ -1,13 +1,18 @@
 """What users see: run names, descriptions, experiment kind, system metrics, `tracktron status`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import demo_overrides, run_trainer
+from tests.conftest import DEMO, demo_overrides, run_trainer
+from tests.faultkit import assert_gone
+from trainer import system_metrics
+from trainer.config import load_config
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,36 @@ def test_system_metrics_are_logged_when_asked(finished_job):
     _, _, _, _, run, _ = finished_job
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert "system/system_memory_usage_megabytes" in run.data.metrics
+
+
+def _system_metrics_on_server(uri: str, run_id: str, key: str, within: float = 60.0) -> list:
+    client, end = MlflowClient(uri), time.monotonic() + within
+    while not (history := client.get_metric_history(run_id, key)) and time.monotonic() < end:
+        time.sleep(0.5)
+    return history
+
+
+@pytest.mark.parametrize("helper", ["process", "no process can be started"])
+def test_system_metrics_are_sampled_outside_the_training_process(helper, tmp_path, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    monkeypatch.setenv("GROUP_RANK", "1")  # the second node of a torchrun job
+    if helper != "process":
+        def no_process(*args):
+            raise OSError(11, "Resource temporarily unavailable")  # fork failed: a pids cgroup at its limit
+
+        monkeypatch.setattr("trainer.system_metrics.Helper", no_process)
+    client = MlflowClient(mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(f"sysmetrics-{tmp_path.name}")).info.run_id
+    cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true"])
+    monitor = system_metrics.start_monitor(cfg, run_id, mlflow_server.url, local_rank=0, world_size=2)
+    try:
+        assert (monitor.pid != os.getpid()) == (helper == "process")
+        assert _system_metrics_on_server(mlflow_server.url, run_id, "system/node1/cpu_utilization_percentage")
+    finally:
+        monitor.finish()
+    if helper == "process":
+        assert_gone([monitor.pid])  # finish() ends it
+    assert system_metrics.start_monitor(cfg, run_id, mlflow_server.url, local_rank=1, world_size=2) is None
 
 
 def test_status_lists_the_job_with_iteration_checkpoint_and_loss(finished_job):

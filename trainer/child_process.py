@@ -1,5 +1,6 @@
-"""Helper processes of a training job (the checkpoint writer, the tracking agent): how they are
-started, how they die with the job, and the messages between them and the job.
+"""Helper processes of a training job (the checkpoint writer, the tracking agent, the system
+metrics monitor): how they are started, how they die with the job, and the messages between them
+and the job.
 
 A helper is `python -c '...main(["PARENT_PID", "SOCKET_FD", "main"|"thread", ...])'` in a session of
 its own: a Ctrl-C or a group SIGTERM is the job's to handle, and the job may still need its helpers
