@@ -38,7 +38,7 @@ class Section:
     what: str  # how it was measured, in a paragraph
     headline: str  # the key figure(s), one line
     target: str
-    passed: bool | None  # None: no target, or it could not be judged
+    passed: bool | str | None  # None: no target, or it could not be judged; or UNRESOLVED
     tables: list[str] = field(default_factory=list)  # markdown tables
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -77,8 +77,11 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
-def verdict(passed: bool | None) -> str:
-    return {True: "PASS", False: "**FAIL**", None: "n/a"}[passed]
+UNRESOLVED = "unresolved"  # a Section.passed: the target lies within the measurement's 95% CI
+
+
+def verdict(passed: bool | str | None) -> str:
+    return {True: "PASS", False: "**FAIL**", None: "n/a", UNRESOLVED: "**UNRESOLVED** (within noise)"}[passed]
 
 
 # ---------------------------------------------------------------------------------------- machine

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from bench.common import (Env, InMemoryBatches, Section, group_cpu_seconds, md_table, median,
+from bench.common import (UNRESOLVED, Env, InMemoryBatches, Section, group_cpu_seconds, md_table, median,
                           place_threads, thread_cpu_seconds)
 
 NAME = "loop_overhead"
@@ -28,30 +28,27 @@ WHAT = (
     "iterations (CheckpointWriter: a host copy into shared memory; the checkpoint-writer process: "
     "torch.save + fsync + sha256 + rename; then the tracker's uploader: the file through the server to "
     "moto S3, the sha256/latest tags, local pruning; the uploader's and the metric sender's MLflow calls "
-    "made by the tracking agent process) and `maybe_reset_timer`. **ours without "
-    "checkpoints**: the same minus `save_snapshot`, to tell the per-iteration path from the checkpoints. "
-    "All three use the same model and optimizer objects, reset to the same initial state and RNG seed "
-    "before every 5-iteration block (the first block checks that bare and ours produce bit-identical "
-    "losses). Blocks run in cycles of three whose order rotates. Ours' checkpoint falls on the first "
-    "iteration of its block, so the background write and upload overlap the 4 iterations after it as in "
-    "a real run; its clock stops only when all it started is written, uploaded and tagged "
-    "(`writer.wait()`, `tracker.wait()`: the drain column). Metrics go out as in a job: every 5 s, and "
-    "before a checkpoint is tagged complete. Two placements, each with its own bare "
-    "loop: **training core alone**: the training (main) thread on core 0, everything else (our other "
-    "threads, the checkpoint-writer and tracking agent processes, the mlflow server, moto) on the other "
-    "core, as on a "
-    "training host whose servers run elsewhere and whose helpers have spare cores; **all on all "
-    "cores**: no pinning, the co-located servers competing with training for the 2 cores. CPU seconds "
-    "are counted too, per thread of this process (from /proc), for the checkpoint-writer and tracking "
-    "agent processes and "
-    "for the mlflow server's and moto's processes, after each block has drained.")
+    "made by the tracking agent process) and `maybe_reset_timer`. Both use the same model and optimizer "
+    "objects, reset to the same initial state and RNG seed before every block (the first block checks "
+    "that bare and ours produce bit-identical losses). Blocks of 5 iterations run in cycles of bare, "
+    "ours, bare. Ours' checkpoint falls on the first iteration of its block, so the background write "
+    "and upload overlap the 4 iterations after it as in a real run; its clock stops only when all it "
+    "started is written, uploaded and tagged (`writer.wait()`, `tracker.wait()`: the drain column). "
+    "Metrics go out as in a job: every 5 s, and before a checkpoint is tagged complete. Two placements: "
+    "**training core alone**: the training (main) thread on core 0, everything else (our other threads, "
+    "the checkpoint-writer and tracking agent processes, the mlflow server, moto) on the other core, as "
+    "on a training host whose servers run elsewhere and whose helpers have spare cores; **all on all "
+    "cores**: no pinning, the co-located servers competing with training for the 2 cores. Then, training "
+    "core alone, **the per-iteration path** (ours without checkpoints) in cycles of single iterations, "
+    "and **a checkpoint every 25 iterations** in cycles of 25-iteration blocks. CPU seconds are counted too, per thread of this process (from /proc), for the "
+    "checkpoint-writer and tracking agent processes and for the mlflow server's and moto's processes, "
+    "after each block has drained.")
 
 
-ARMS = ("bare", "ours", "ours_nockpt")
 PLACEMENTS = (("training core alone", {0}), ("all on all cores", None))
 LONG_PERIOD = 25  # a second, measured checkpoint period (a checkpoint every ~3 s of the demo)
 WRITER, AGENT = "checkpoint-writer process", "tracking agent process"
-LABELS = {"bare": "bare loop", "ours": "ours (full path)", "ours_nockpt": "ours without checkpoints"}
+PATH, LONG = "path", "long"  # the phases measured on the first placement only
 
 
 def run(env: Env) -> Section:
@@ -60,7 +57,9 @@ def run(env: Env) -> Section:
     from trainer.mlflow_tracking import MlflowTracker
 
     quick = env.quick
-    cycles = 8 if quick else 40  # per placement
+    cycles = {PLACEMENTS[0][0]: 12 if quick else 80, PLACEMENTS[1][0]: 6 if quick else 30}
+    path_cycles = 30 if quick else 200
+    long_cycles = 1 if quick else 4
     block = 5  # iterations per timed block
     period = 5  # TRAIN.SNAPSHOT_ITERS: one checkpoint per ours block, at its first iteration
     n_batches = 16
@@ -86,7 +85,6 @@ def run(env: Env) -> Section:
     t.stats.stream = open(os.devnull, "w")  # the json_stats lines are still formatted and written
     init = (copy.deepcopy(t.model.state_dict()), copy.deepcopy(t.optimizer.state_dict()),
             copy.deepcopy(t.scheduler.state_dict()))
-
 
     def helpers() -> dict[str, int]:  # our helper processes (each leads its own group)
         pids = {WRITER: t.writer.child_pid, AGENT: tracker.agent_pid}
@@ -133,9 +131,11 @@ def run(env: Env) -> Section:
             state["iter"] += 1
 
     def timed(kind: str, offset: int, n: int = block, record: list | None = None, every: int = period) -> dict:
+        """One block: "bare", "ours" (checkpoints every `every` iterations) or "path" (none)."""
         reset(offset)
         th0 = {**thread_cpu_seconds(), **helper_cpu()}
         cpu0, srv0 = time.process_time() + th0[WRITER] + th0[AGENT], env.server_cpu_seconds()
+        main0 = time.thread_time()  # this (the training) thread's, to the ns; /proc's are in 10 ms ticks
         t0 = time.perf_counter()
         drain = 0.0
         if kind == "bare":
@@ -147,10 +147,12 @@ def run(env: Env) -> Section:
             tracker.wait(600)  # uploaded, tagged
             drain = time.perf_counter() - t1
         wall = time.perf_counter() - t0
+        main = time.thread_time() - main0
         th1 = {**thread_cpu_seconds(), **helper_cpu()}
+        threads = {k: th1[k] - th0.get(k, 0.0) for k in th1}
+        threads["MainThread"] = main
         return {"wall": wall, "drain": drain, "cpu": time.process_time() + th1[WRITER] + th1[AGENT] - cpu0,
-                "server_cpu": env.server_cpu_seconds() - srv0,
-                "threads": {k: th1[k] - th0.get(k, 0.0) for k in th1}}
+                "server_cpu": env.server_cpu_seconds() - srv0, "threads": threads}
 
     # Warm-up, not timed: allocator, HTTP connections; ours runs iterations 0-3, so that every timed
     # ours block (4-8, 9-13, ...) checkpoints at its first iteration (4, 9, ...) and the background
@@ -159,146 +161,91 @@ def run(env: Env) -> Section:
     timed("bare", 0, 4, check["bare"])
     timed("ours", 0, 4, check["ours"])
     identical = check["bare"] == check["ours"]
+
+    def cycle(kind: str, offset: int, n: int = block, every: int = period) -> dict:
+        """bare, `kind`, bare: `kind` is compared with the mean of the bare blocks either side, which
+        cancels the machine's drift across the cycle; bare against bare is the measurement's own noise."""
+        return {"bare1": timed("bare", offset, n), "ours": timed(kind, offset, n, every=every),
+                "bare2": timed("bare", offset, n)}
+
     phases = {}
     for placement, training_cores in PLACEMENTS:
         place_threads(training_cores, helper_groups())
-        results = []
-        for c in range(cycles):
-            offset = (c * block) % n_batches
-            order = ARMS[c % 3:] + ARMS[:c % 3]
-            cycle = {kind: timed(kind, offset) for kind in order}
-            results.append(cycle)
-        phases[placement] = results
-        print(f"   {placement}: ours/bare " + ", ".join(
-            f"{k} {median(c['bare']['wall'] / c[k]['wall'] for c in results):.3f}" for k in ARMS[1:]), flush=True)
+        phases[placement] = [cycle("ours", (c * block) % n_batches) for c in range(cycles[placement])]
+        print(f"   {placement}: ours/bare {median(_ratios(phases[placement])):.3f}", flush=True)
+    alone = PLACEMENTS[0][0]
+    place_threads(PLACEMENTS[0][1], helper_groups())
+    # The per-iteration path alone (no checkpoints), in cycles of single iterations: nothing of it
+    # outlasts its iteration (metrics leave every 5 s), and short cycles resolve finer here.
+    phases[PATH] = [cycle("path", c % n_batches, 1) for c in range(path_cycles)]
+    print(f"   per-iteration path: ours/bare {median(_ratios(phases[PATH])):.3f}", flush=True)
+    # Measured, not projected: one checkpoint per LONG_PERIOD-iteration block.
+    phases[LONG] = [cycle("ours", (c * LONG_PERIOD) % n_batches, LONG_PERIOD, LONG_PERIOD) for c in range(long_cycles)]
+    print(f"   SNAPSHOT_ITERS {LONG_PERIOD}: ours/bare {median(_ratios(phases[LONG])):.3f}", flush=True)
     place_threads(None, helper_groups())
-
-    # Measured, not projected: one checkpoint per LONG_PERIOD-iteration block, against bare blocks of
-    # the same length, in pairs whose order alternates (all on all cores).
-    long_ratios = []
-    for r in range(2 if quick else 6):
-        offset = (r * LONG_PERIOD) % n_batches
-        order = ("bare", "ours") if r % 2 == 0 else ("ours", "bare")
-        pair = {kind: timed(kind, offset, LONG_PERIOD, every=LONG_PERIOD) for kind in order}
-        long_ratios.append(pair["bare"]["wall"] / pair["ours"]["wall"])
-        print(f"   SNAPSHOT_ITERS {LONG_PERIOD} pair {r}: ours/bare {long_ratios[-1]:.3f}", flush=True)
 
     t.writer.close()
     tracker.finish("FINISHED")
     logged = len(tracker.client.get_metric_history(tracker.run.run_id, "loss"))
     tagged = [n for n in tracker.client.get_run(tracker.run.run_id).data.tags if n.endswith(".sha256")]
 
-    def cpu(side):
-        return side["cpu"] + side["server_cpu"]
+    rows, verdicts = [], {}
+    for what, placement, res, n in ((f"checkpoint every {period}", alone, phases[alone], block),
+                                    (f"checkpoint every {period}", PLACEMENTS[1][0], phases[PLACEMENTS[1][0]], block),
+                                    ("no checkpoints (per-iteration path)", alone, phases[PATH], 1),
+                                    (f"checkpoint every {LONG_PERIOD}", alone, phases[LONG], LONG_PERIOD)):
+        ours, noise = _ratios(res), _noise(res)
+        verdicts[(what, placement)] = (median(ours), median_ci(ours))
+        bare_s = sum(c["bare1"]["wall"] + c["bare2"]["wall"] for c in res) / 2
+        ours_s = sum(c["ours"]["wall"] for c in res)
+        main_cpu = [(c["bare1"]["threads"]["MainThread"] + c["bare2"]["threads"]["MainThread"]) / 2
+                    / c["ours"]["threads"]["MainThread"] for c in res]
+        rows.append([what, placement, f"{len(res)} x {n}", f"{len(res) * n / bare_s:.3f}", f"{len(res) * n / ours_s:.3f}",
+                     f"**{median(ours):.3f}**", "{:.3f}-{:.3f}".format(*median_ci(ours)), f"{bare_s / ours_s:.3f}",
+                     f"{median(noise):.3f}", "{:.3f}-{:.3f}".format(*median_ci(noise)), f"{median(main_cpu):.3f}",
+                     f"{sum(c['ours']['drain'] for c in res) / len(res):.2f}"])
+    table = md_table(["ours", "placement", "cycles x iterations", "bare it/s", "ours it/s",
+                      "ours/bare: median of cycles", "95% CI", "pooled", "bare/bare (noise): median", "95% CI",
+                      "by training-thread CPU", "ours' end-of-block drain s"], rows, "ll" + "r" * 10)
+    thread_table, costs = _cpu_by_thread(phases[alone], block)
 
-    iters = cycles * block
-    rows, medians = [], {}
-    for placement, _ in PLACEMENTS:
-        res = phases[placement]
-        ratio = {k: [c["bare"]["wall"] / c[k]["wall"] for c in res] for k in ARMS}
-        medians[placement] = {k: median(ratio[k]) for k in ARMS}
-        cpu_ratio = {k: [cpu(c["bare"]) / cpu(c[k]) for c in res] for k in ARMS}
-        tot = {k: sum(c[k]["wall"] for c in res) for k in ARMS}
-        for k in ARMS:
-            rows.append([placement, LABELS[k], f"{iters / tot[k]:.3f}", f"{sum(c[k]['drain'] for c in res) / cycles:.2f}",
-                         f"**{medians[placement][k]:.3f}**", f"{tot['bare'] / tot[k]:.3f}",
-                         f"{min(ratio[k]):.2f} .. {max(ratio[k]):.2f}",
-                         f"{sum(c[k]['cpu'] for c in res) / iters * 1e3:.0f} + "
-                         f"{sum(c[k]['server_cpu'] for c in res) / iters * 1e3:.0f}",
-                         f"{median(cpu_ratio[k]):.3f}"])
-    table = md_table(["placement", "loop", "it/s (all blocks)", "end-of-block drain s", "vs bare: median of cycles",
-                      "vs bare: pooled", "vs bare: range", "CPU ms/it: process + servers",
-                      "vs bare by CPU (median)"], rows, "ll" + "r" * 7)
-    alone, shared = (medians[p] for p, _ in PLACEMENTS)
-    ci = {p: median_ci([c["bare"]["wall"] / c["ours"]["wall"] for c in phases[p]]) for p, _ in PLACEMENTS}
-    results = phases[PLACEMENTS[1][0]]  # where the costs below come from: nothing pinned
+    ckpt5 = f"checkpoint every {period}"
+    point, (lo, hi) = verdicts[(ckpt5, alone)]
+    passed = True if point >= TARGET else (False if hi < TARGET else UNRESOLVED)
 
-    # What one checkpoint and the per-iteration path cost, from the arms' differences within each cycle;
-    # medians over the cycles, so that a cycle hit by a burst of outside load does not decide.
-    ck_per_block = 1
-    n_ck = cycles * ck_per_block
-    tot_cpu = {k: sum(c[k]["cpu"] for c in results) for k in ARMS}
-    tot_srv = {k: sum(c[k]["server_cpu"] for c in results) for k in ARMS}
+    def fig(what: str, placement: str = alone) -> str:
+        m, (a, b) = verdicts[(what, placement)]
+        return f"{m:.3f} ({a:.3f}-{b:.3f})"
 
-    def per_cycle(field: str, a: str, b: str, per: int) -> float:
-        return median((c[a][field] - c[b][field]) / per for c in results)
-
-    ck_proc = per_cycle("cpu", "ours", "ours_nockpt", ck_per_block)
-    ck_srv = per_cycle("server_cpu", "ours", "ours_nockpt", ck_per_block)
-    ck_wall = per_cycle("wall", "ours", "ours_nockpt", ck_per_block)
-    path_proc = per_cycle("cpu", "ours_nockpt", "bare", block)
-    path_srv = per_cycle("server_cpu", "ours_nockpt", "bare", block)
-    path_wall = per_cycle("wall", "ours_nockpt", "bare", block)
-    bare_cpu = median((c["bare"]["cpu"] + c["bare"]["server_cpu"]) / block for c in results)
-    it_s = median(c["bare"]["wall"] / block for c in results)
-
-    def snapshot_needed(per_it: float, extra_per_it: float, per_ckpt: float) -> tuple[str, float]:
-        """SNAPSHOT_ITERS from which ours/bare >= TARGET, and ours/bare at the demo's 100."""
-        at_100 = per_it / (per_it + max(0.0, extra_per_it) + per_ckpt / 100)
-        budget = per_it * (1 / TARGET - 1) - max(0.0, extra_per_it)
-        if budget <= 0:
-            return "never (the per-iteration path alone exceeds 2%)", at_100
-        return f">= {max(1, round(per_ckpt / budget))}", at_100
-
-    need_wall, at100_wall = snapshot_needed(it_s, path_wall, ck_wall)
-    need_cpu, at100_cpu = snapshot_needed(bare_cpu, path_proc + path_srv, ck_proc + ck_srv)
-
-    # CPU by thread: where the per-iteration path and the checkpoints spend theirs
-    names = ["MainThread", "checkpoint-writer", WRITER, "uploader", "metric-sender", AGENT]
-    by_thread = {k: {} for k in ARMS}
-    for k in ARMS:
-        for c in results:
-            for name, sec in c[k]["threads"].items():
-                key = name if name in names else "other Python threads"
-                by_thread[k][key] = by_thread[k].get(key, 0.0) + sec
-        by_thread[k]["rest of the process (native threads, exited threads)"] = \
-            tot_cpu[k] - sum(by_thread[k].values())
-        by_thread[k]["mlflow server + moto (other processes)"] = tot_srv[k]
-    trows = []
-    for key in [*names, "other Python threads", "rest of the process (native threads, exited threads)",
-                "mlflow server + moto (other processes)"]:
-        v = {k: by_thread[k].get(key, 0.0) for k in ARMS}
-        trows.append([key, *(f"{v[k] / iters * 1e3:.1f}" for k in ARMS),
-                      f"{(v['ours_nockpt'] - v['bare']) / iters * 1e3:+.1f}",
-                      f"{(v['ours'] - v['ours_nockpt']) / n_ck * 1e3:+.0f}"])
-    thread_table = md_table(["CPU by thread", "bare ms/it", "ours ms/it", "ours w/o ckpt ms/it",
-                             "per-iteration path ms/it (w/o ckpt - bare)", "per checkpoint ms (ours - w/o ckpt)"],
-                            trows)
-
-    passed = alone["ours"] >= TARGET
-    headline = (f"ours/bare it/s with a checkpoint every {period} iterations: {alone['ours']:.3f} with the training "
-                f"thread on a core of its own ({alone['ours_nockpt']:.3f} without checkpoints), {shared['ours']:.3f} "
-                f"with the servers on the same 2 cores ({shared['ours_nockpt']:.3f}); 95% CIs of the two "
-                + ", ".join(f"{lo:.3f}-{hi:.3f}" for lo, hi in ci.values()) + f"; {median(long_ratios):.3f} "
-                f"with one every {LONG_PERIOD} (same cores)")
+    headline = (f"ours/bare it/s (95% CI) with a checkpoint every {period} iterations: {fig(ckpt5)} with the training "
+                f"thread on a core of its own, {fig(ckpt5, PLACEMENTS[1][0])} with the servers on the same 2 cores; "
+                f"without checkpoints {fig('no checkpoints (per-iteration path)')}; with a checkpoint every "
+                f"{LONG_PERIOD} {fig(f'checkpoint every {LONG_PERIOD}')}")
+    bare_it = median(c["bare1"]["wall"] / block for c in phases[alone])
     notes = [
-        f"{cycles} cycles per placement of three {block}-iteration blocks (bare, ours, ours without checkpoints), "
-        f"the order rotating every cycle; bare iteration {it_s * 1e3:.0f} ms on average (all on all cores).",
-        "95% confidence intervals of the medians with a checkpoint every 5 iterations (bootstrap over the "
-        "cycles): " + "; ".join(f"{p} {lo:.3f}-{hi:.3f}" for p, (lo, hi) in ci.items()) + ". Blocks of the same "
-        "loop differ by 10-20% from one to the next on this VM: 2% is at the edge of what it resolves.",
-        "Verdict: on the first placement, the one a training host has. There, whatever slows the training "
-        "thread is ours: the GIL held by our other threads, the host copy, the per-iteration path. With the "
-        "servers on the same 2 cores, moto and the mlflow server's proxy spend more CPU per checkpoint than "
-        "the trainer does, and the scheduler now and then runs them on the training core.",
-        f"Per checkpoint of the demo model ({_ckpt_mb(out):.1f} MB), from ours minus ours-without-checkpoints "
-        "(medians over the cycles, all on all cores): "
-        f"{ck_proc * 1e3:.0f} ms CPU in the training process and its two helpers (host copy, torch.save, "
-        f"fsync, sha256, HTTP upload, tags) + {ck_srv * 1e3:.0f} ms in the mlflow server and moto (proxying the upload to S3, tags) "
-        f"= {(ck_proc + ck_srv) / bare_cpu:.1f} bare iterations of CPU ({ck_wall * 1e3:.0f} ms of wall "
-        f"time). Per iteration without checkpoints: {path_proc * 1e3:+.1f} ms CPU in process, "
-        f"{path_srv * 1e3:+.1f} ms in the servers (log_batch every 5 s), against "
-        f"{bare_cpu * 1e3:.0f} ms for a bare iteration.",
-        f"Projection to other checkpoint periods, from these costs: by wall time (per-iteration path "
-        f"{path_wall * 1e3:+.1f} ms/it, counted as {max(0.0, path_wall) * 1e3:.1f}; checkpoint {ck_wall * 1e3:.0f} ms) "
-        f"ours/bare >= {TARGET} needs TRAIN.SNAPSHOT_ITERS {need_wall} and is {at100_wall:.3f} at the demo's 100; "
-        f"by CPU seconds (the worst case, a machine with no idle core, servers included) it needs {need_cpu} "
-        f"and is {at100_cpu:.3f} at 100.",
-        f"Measured with a checkpoint every {LONG_PERIOD} iterations ({LONG_PERIOD}-iteration blocks, one "
-        f"checkpoint each, against bare blocks of the same length, {len(long_ratios)} pairs, order alternating): "
-        f"ours/bare {median(long_ratios):.3f} (median; pairs {', '.join(f'{x:.3f}' for x in long_ratios)}).",
-        "The mlflow server and moto run on the same 2 cores here, so the CPU they spend receiving metrics "
-        "and checkpoints competes with training; with the servers on other machines it would not.",
+        f"Each cycle is bare, ours, bare, all doing the same arithmetic; its ratio is ours against the mean of its "
+        f"two bare blocks. Blocks of {block} iterations (one checkpoint each), of 1 (the per-iteration path) and of "
+        f"{LONG_PERIOD} (one checkpoint each). Bare iteration {bare_it * 1e3:.0f} ms (median, training core alone). "
+        "95% confidence intervals: bootstrap over the cycles of the median. Training-thread CPU: "
+        "`time.thread_time()` of the main thread, bare over ours (median of cycles).",
+        "Noise: the two bare blocks of a cycle do the very same arithmetic, yet differ by the bare/bare figures; "
+        "on this VM one iteration's time varies by about 12% from one to the next, and blocks of 5 by 8-11% (the "
+        "hypervisor's other tenants; CPU time varies as much as wall time). That noise, not the trainer, sets how "
+        "finely a few minutes of cycles resolve a ratio, and its bursts last seconds, so the bootstrap intervals "
+        "are if anything too narrow.",
+        "Verdict: a checkpoint every 5 iterations, on the first placement, the one a training host has (whatever "
+        f"slows the training thread there is ours). PASS when the median is >= {TARGET}; FAIL when the whole 95% "
+        "CI lies below it; UNRESOLVED when the median is below but the CI reaches it: this run cannot tell the "
+        "trainer from the noise at that resolution.",
+        f"Per checkpoint of the demo model ({_ckpt_mb(out):.1f} MB), CPU from ours minus bare blocks (totals over "
+        f"the cycles, training core alone): {costs['process'] * 1e3:.0f} ms in the training process and its two "
+        f"helpers (of which {costs['main'] * 1e3:+.0f} ms on the training thread: building the state, the host "
+        f"copy, the per-iteration path of 5 iterations) + {costs['servers'] * 1e3:.0f} ms in the mlflow server and "
+        "moto (proxying the upload to S3, tags). Only the training thread's share and the GIL our threads take "
+        "slow training on a host with spare cores.",
+        "With the servers on the same 2 cores, the CPU they spend receiving metrics and checkpoints competes with "
+        "training, and the scheduler now and then runs them on the training core; with the servers on other "
+        "machines it would not.",
         "Checkpoints written by " + ("the checkpoint-writer process" if in_child else
                                      "the writer thread (the process did not start)") + "; tracking's calls made by "
         + (f"the tracking agent process ({tracker._calls.by_agent} calls; {tracker._calls.here} made by the "
@@ -310,6 +257,45 @@ def run(env: Env) -> Section:
     ]
     return Section(NAME, "Trainer path vs bare loop", WHAT, headline, f"ours/bare iterations/s >= {TARGET}",
                    passed, [table, thread_table], notes)
+
+
+def _ratios(cycles: list[dict]) -> list[float]:
+    """ours' iterations/s over bare's, per cycle (bare: the mean of the blocks either side)."""
+    return [(c["bare1"]["wall"] + c["bare2"]["wall"]) / 2 / c["ours"]["wall"] for c in cycles]
+
+
+def _noise(cycles: list[dict]) -> list[float]:
+    return [c["bare1"]["wall"] / c["bare2"]["wall"] for c in cycles]
+
+
+def _cpu_by_thread(cycles: list[dict], block: int) -> tuple[str, dict]:
+    """Where ours' CPU goes, per thread and process, against bare; and per checkpoint totals."""
+    names = ["MainThread", "checkpoint-writer", WRITER, "uploader", "metric-sender", AGENT]
+    other, rest, servers = ("other Python threads", "rest of the process (native threads, exited threads)",
+                            "mlflow server + moto (other processes)")
+    sums = {"bare": {}, "ours": {}}
+    for c in cycles:
+        for kind, sides in (("bare", (c["bare1"], c["bare2"])), ("ours", (c["ours"],))):
+            weight = 1 / len(sides)  # bare: the mean of its two blocks
+            for side in sides:
+                for name, sec in side["threads"].items():
+                    key = name if name in names else other
+                    sums[kind][key] = sums[kind].get(key, 0.0) + sec * weight
+                sums[kind][rest] = sums[kind].get(rest, 0.0) + side["cpu"] * weight
+                sums[kind][servers] = sums[kind].get(servers, 0.0) + side["server_cpu"] * weight
+    for kind in sums:  # "rest" so far holds the process total (with the helpers)
+        sums[kind][rest] -= sum(v for k, v in sums[kind].items() if k not in (rest, servers))
+    iters, n = len(cycles) * block, len(cycles)
+    rows = []
+    for key in [*names, other, rest, servers]:
+        b, o = sums["bare"].get(key, 0.0), sums["ours"].get(key, 0.0)
+        rows.append([key, f"{b / iters * 1e3:.1f}", f"{o / iters * 1e3:.1f}", f"{(o - b) / n * 1e3:+.0f}"])
+    diff = {k: sums["ours"].get(k, 0.0) - sums["bare"].get(k, 0.0) for k in [*names, other, rest, servers]}
+    costs = {"main": diff["MainThread"] / n, "servers": diff[servers] / n,
+             "process": sum(v for k, v in diff.items() if k != servers) / n}
+    table = md_table(["CPU by thread (training core alone)", "bare ms/it", "ours ms/it",
+                      "per checkpoint ms (ours - bare, per block)"], rows)
+    return table, costs
 
 
 def median_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
