@@ -72,7 +72,7 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
            "(the next run rewrites it). Every figure is a ratio of two things measured side by side in "
            "the same run, interleaved, so it holds on a shared machine whose absolute speed moves with the "
            "load. GPU figures come from `bench/gpu.sh` (not part of this file).", "",
-           "Run: `.venv/bin/python -m bench.run` (about 10 minutes on 2 cores; `--quick` about 4; `--only "
+           "Run: `.venv/bin/python -m bench.run` (about 14 minutes on 2 cores; `--quick` about 5; `--only "
            "loop_overhead,resume` for a subset; `python -m bench.<name>` prints one benchmark without "
            "touching this file). Torch runs with one intra-op thread (`--threads`), see bench/run.py.", "",
            "## Machine", ""]
