@@ -66,7 +66,11 @@ def _start(run_id: str, uri: str, node: str):
         log.warning("system metrics off: %s", e)
         return None
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not its start and stop
-    monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node or None, tracking_uri=uri)
+    try:
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node or None, tracking_uri=uri)
+    except Exception as e:  # noqa: BLE001 - no GPU library, a server that fails: the job trains on
+        log.warning("system metrics off: %s", e)
+        return None
     monitor.start()
     return monitor
 
