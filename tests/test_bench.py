@@ -1,0 +1,38 @@
+"""The GPU benchmark cannot run here (no GPU), so its CPU smoke mode keeps it from rotting: it goes
+through the same engine and tracker calls as on a GPU and writes its table."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def test_gpu_bench_smoke_runs_both_models_bare_and_ours_and_writes_the_table(tmp_path):
+    out = tmp_path / "GPU_RESULTS.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_bench", "--allow-cpu", "--models", "fasterrcnn_resnet50_fpn,maskrcnn_resnet50_fpn",
+         "--precisions", "fp32", "--batch", "1", "--size", "96x128", "--iters", "1", "--blocks", "1",
+         "--warmup", "1", "--num-batches", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "_fpn" in line]
+    assert [r.split(" | ")[:2] for r in rows] == [["| fasterrcnn_resnet50_fpn", "fp32"], ["| maskrcnn_resnet50_fpn", "fp32"]]
+    for row in rows:
+        bare, ours = (float(x) for x in row.split(" | ")[2:4])
+        assert bare > 0 and ours > 0
+    assert "none (CPU smoke test)" in out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA GPU")
+def test_gpu_sh_without_a_gpu_says_so_in_one_line_and_exits_2():
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 2
+    assert re.fullmatch(r"bench/gpu\.sh: no NVIDIA GPU here \(nvidia-smi not found\); run this on a GPU machine\n",
+                        result.stderr)
