@@ -172,7 +172,6 @@ class MlflowTracker(Tracker):
             return None
         return Path(path) if path else None
 
-
     # ---- during training: all queued ----
 
     def set_tags(self, tags: dict) -> None:
