@@ -17,7 +17,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import demo_overrides, run_trainer, trainer_cmd
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.state import load as load_checkpoint
 
 MAX_ITER = 10
 JOB = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": MAX_ITER, "TRAIN.SNAPSHOT_ITERS": 3, "LOG_PERIOD": 1,
@@ -66,19 +66,11 @@ class Job:
                 if line.startswith("json_stats: {") and line.endswith("}")]
 
     def children(self) -> list[int]:
+        """The trainer's child processes: its data loader's workers, and nothing else."""
         pids = []
         for task in Path(f"/proc/{self.pid}/task").iterdir():
             pids += [int(p) for p in (task / "children").read_text().split()]
         return pids
-
-    def workers(self) -> list[int]:
-        """The data loader's workers: the child processes but our helpers (checkpoint writer, tracking
-        agent, system metrics monitor)."""
-        return [p for p in self.children() if not (is_checkpoint_writer(p) or is_tracking_agent(p)
-                                                   or _runs(p, b"trainer.system_metrics"))]
-
-    def checkpoint_writer(self) -> list[int]:
-        return [p for p in self.children() if is_checkpoint_writer(p)]
 
     def signal_group(self, sig: int) -> None:
         os.killpg(self.pid, sig)
@@ -127,21 +119,6 @@ def logged_iters(out: Path) -> list[int]:
     return [json.loads(line)["iter"] for line in log.read_text().splitlines() if line.strip()]
 
 
-def _runs(pid: int, module: bytes) -> bool:
-    try:
-        return module in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def is_checkpoint_writer(pid: int) -> bool:
-    return _runs(pid, b"trainer.checkpoint_process")
-
-
-def is_tracking_agent(pid: int) -> bool:
-    return _runs(pid, b"trainer.tracking_agent")
-
-
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -159,7 +136,7 @@ def assert_gone(pids: list[int], within: float = 2.0) -> None:
 
 
 def assert_same_weights(reference: dict, final: Path) -> None:
-    weights = ckpt.load(final)["model"]
+    weights = load_checkpoint(final)["model"]
     assert weights.keys() == reference.keys()
     differ = [k for k in reference if not torch.equal(reference[k], weights[k])]
     assert not differ, f"{len(differ)} tensors differ from the uninterrupted run, e.g. {differ[:3]}"
@@ -198,7 +175,7 @@ def reference(tmp_path_factory, data_dir) -> dict:
     tmp = tmp_path_factory.mktemp("reference")
     result = run_trainer(job_args(tmp, data_dir, **{"TRACKING.ENABLED": "false"}), cwd=tmp)
     assert result.returncode == 0, result.stderr
-    return ckpt.load(tmp / "output" / "model_final.pth")["model"]
+    return load_checkpoint(tmp / "output" / "model_final.pth")["model"]
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ from tests.conftest import DEMO, trainer_cmd
 from trainer import cli
 from trainer.config import _ALL_KEYS, load_config
 from trainer.errors import UserError
-from trainer.synth import write_synthetic_dataset
+from trainer.data.synth import write_synthetic_dataset
 
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]
@@ -264,7 +264,8 @@ DATASET_CASES = [
     ("image-id-list", _set("images", "id", [1]), "image id [1] is not a number or a string"),
     ("image-id-twice", lambda d, r: d["images"].append(dict(d["images"][0])), "image id 1 appears twice"),
     ("category-without-id", lambda d, r: d["categories"][0].pop("id"), "every category needs an id"),
-    ("unknown-category-id", _set("annotations", "category_id", 99), "annotation 1 has category_id 99, not among the categories [1, 2, 3]"),
+    ("unknown-category-id", _set("annotations", "category_id", 99),
+     "annotation 1 has category_id 99, not among the categories [1, 2, 3]"),
     ("unknown-image-id", _set("annotations", "image_id", 99), "annotation 1 refers to unknown image_id 99"),
     ("annotation-not-an-object", lambda d, r: d["annotations"].append(5), "annotation entry 5 is not an object"),
     ("bbox-missing", lambda d, r: d["annotations"][0].pop("bbox"), "annotation 1 has no [x, y, w, h] bbox"),
@@ -377,7 +378,7 @@ def test_random_overrides_never_give_a_traceback(opts, drop_last, tmp_path, monk
     # The CLI: exit 2 with an `error:` line, or on to training (stubbed out), never a traceback.
     with mock.patch.object(cli, "_train", _no_training), \
             mock.patch("trainer.tracking.create_tracker", lambda *a, **k: mock.MagicMock()), \
-            mock.patch.object(cli, "_system_metrics", lambda *a, **k: None):
+            mock.patch("trainer.tracking.system_metrics.start_monitor", lambda *a, **k: None):
         result = run_cli(["train", "--config", str(DEMO), *opts])
     assert result.code in (None, 0, 2), result.stderr[-1000:]
     if result.code == 2:

@@ -11,13 +11,13 @@ import torch
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from trainer import data
+from trainer.data import coco
 from trainer.config import defaults
 from trainer.data import CocoDetection, build_test_loader, build_train_loader, resolve_dataset
-from trainer.prefetch import Prefetcher
-from trainer.sampler import InfiniteGroupedBatchSampler
+from trainer.data.prefetch import Prefetcher
+from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.errors import UserError
-from trainer.synth import write_synthetic_dataset
+from trainer.data.synth import write_synthetic_dataset
 
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools
               pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]  # torchvision 0.29
@@ -225,7 +225,7 @@ def test_resolve_dataset(tmp_path, tiny):
     cfg["DATASET_CATALOG"]["coco_2017_val"] = {"IM_DIR": "x"}
     with pytest.raises(UserError, match="needs IM_DIR and ANN_FN"):
         resolve_dataset(cfg, "coco_2017_val")
-    assert data.CATALOG["keypoints_coco_2014_minival"] == (
+    assert coco.CATALOG["keypoints_coco_2014_minival"] == (
         "coco/val2014", "coco/annotations/person_keypoints_minival2014.json")
     with pytest.raises(UserError, match="TRAIN.DATASETS is empty"):
         build_train_loader(_cfg(tmp_path))

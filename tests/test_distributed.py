@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import DEMO, demo_overrides
 from tests.servers import free_port
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.state import load as load_checkpoint
 
 
 def torchrun(args, cwd):
@@ -28,13 +28,13 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     # NUM_GPUS follows the world size: checkpoints every SNAPSHOT_ITERS // NUM_GPUS = 2 iterations.
     assert sorted(p.name for p in out.glob("*.pth")) == ["model_final.pth", "model_iter1.pth", "model_iter3.pth"]
     assert "NUM_GPUS set to the world size, 2" in first.stderr
-    straight = ckpt.load(out / "model_final.pth")["model"]
-    assert ckpt.load(out / "model_final.pth")["config"]["NUM_GPUS"] == 2
+    straight = load_checkpoint(out / "model_final.pth")["model"]
+    assert load_checkpoint(out / "model_final.pth")["config"]["NUM_GPUS"] == 2
 
     (out / "model_final.pth").unlink()  # as if killed after model_iter3
     resumed = torchrun(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at iteration 4" in resumed.stderr
-    again = ckpt.load(out / "model_final.pth")["model"]
+    again = load_checkpoint(out / "model_final.pth")["model"]
     # Equal only if both ranks restored weights, optimizer state, RNG and sampler position.
     assert all(torch.equal(straight[k], again[k]) for k in straight)

@@ -30,7 +30,7 @@ from trainer.evaluation import (coco_evaluate, eval_command, evaluate, evaluate_
                                 format_metrics, iou_types_for, per_category_table, run_cocoeval,
                                 run_inference)
 from trainer.models import build_model  # noqa: E402
-from trainer.synth import write_synthetic_dataset  # noqa: E402
+from trainer.data.synth import write_synthetic_dataset  # noqa: E402
 from trainer.tracking import Tracker  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools

@@ -27,15 +27,16 @@ from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file ar
     assert_gone, assert_same_weights, flip_bytes, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
     only_run, reference, sha_tag, steps, temp_files, wait_until)
 from tests.servers import FaultProxy
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.files import local_checkpoints, sha256_of
+from trainer.checkpoint.state import load as load_checkpoint
 
 
 # ---- SIGKILL: mid-iteration, then mid-checkpoint-write ---------------------------------------------
 
 def _kill_while_writing(job: Job, out: Path) -> Path:
-    """SIGSTOP the process writing a checkpoint (the checkpoint writer, or the trainer until that
-    has started: its pid ends the temporary file's name) the moment the file appears; if the file
-    is still a temporary one then, SIGKILL the trainer there (else let it go on and catch the next)."""
+    """SIGSTOP the trainer (its checkpoint-writer thread is writing; its pid ends the temporary file's
+    name) the moment the file appears; if the file is still a temporary one then, SIGKILL the trainer
+    there (else let it go on and catch the next)."""
     while True:
         tmp = wait_until(lambda: temp_files(out), job, "a checkpoint being written", poll=0.0005)[0]
         writer = int(tmp.name.rsplit(".", 1)[1])
@@ -45,7 +46,7 @@ def _kill_while_writing(job: Job, out: Path) -> Path:
             continue
         if tmp.exists():
             children = job.children()
-            job.kill_group()  # the trainer's group: the checkpoint writer is not in it, and dies with it
+            job.kill_group()
             assert_gone(children)
             return tmp
         os.kill(writer, signal.SIGCONT)
@@ -58,12 +59,12 @@ def test_sigkill_mid_iteration_then_mid_checkpoint_write_then_resume(tmp_path, d
     # 1. SIGKILL in the middle of iteration 4 (iterations 3 and 4 are not in any checkpoint).
     first = jobs(args + ["DATA_LOADER.NUM_THREADS", "2"], tmp_path, name="first")
     wait_until(lambda: 3 in first.iters(), first, "iteration 3")
-    workers, writer = first.workers(), first.checkpoint_writer()
-    assert len(workers) == 2 and len(writer) == 1
+    workers = first.children()
+    assert len(workers) == 2  # the loader's workers; checkpoints are written by a thread
     os.kill(first.pid, signal.SIGKILL)  # the trainer alone, as the OOM killer does
     assert first.wait() == -signal.SIGKILL
-    assert_gone(workers + writer)  # PR_SET_PDEATHSIG: not left behind for torch's 5 s watchdog
-    assert [p.name for p in ckpt.local_checkpoints(out)] == ["model_iter2.pth"]
+    assert_gone(workers)  # PR_SET_PDEATHSIG: not left behind for torch's 5 s watchdog
+    assert [p.name for p in local_checkpoints(out)] == ["model_iter2.pth"]
 
     # 2. Resumed; SIGKILL while its next checkpoint is half written.
     second = jobs(args, tmp_path, name="second")
@@ -71,9 +72,9 @@ def test_sigkill_mid_iteration_then_mid_checkpoint_write_then_resume(tmp_path, d
     assert "resuming from" in second.stderr and "model_iter2.pth at iteration 3" in second.stderr
     name = torn.name[1:].split(".tmp")[0]
     assert not (out / name).exists(), "the checkpoint being written already had its final name"
-    newest = ckpt.local_checkpoints(out)[0]  # the torn file is not a checkpoint to anyone
+    newest = local_checkpoints(out)[0]  # the torn file is not a checkpoint to anyone
     assert newest.name != name
-    newest_iter = ckpt.load(newest)["iteration"]
+    newest_iter = load_checkpoint(newest)["iteration"]
 
     # 3. Resumed again: from the newest complete checkpoint, to the uninterrupted run's weights.
     third = run_trainer(args, cwd=tmp_path)
@@ -98,20 +99,20 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     # 1. A loader worker is killed (OOM killer, a segfault in a decoder).
     first = jobs(args, tmp_path, name="first")
     wait_until(lambda: (out / "model_iter2.pth").exists() and 3 in first.iters(), first, "iteration 3")
-    workers, children = first.workers(), first.children()
+    workers = children = first.children()
     os.kill(workers[0], signal.SIGKILL)
     code = first.wait(120)
     assert code == 1, first.stderr[-3000:]
     assert re.search(r"\nRuntimeError: DataLoader worker \(pid\(?s?\)? ?" + str(workers[0]) +
                      r"\)? .*(killed by signal: Killed|exited unexpectedly)", first.stderr), first.stderr[-3000:]
-    assert_gone(children)  # the other worker and the checkpoint writer too
+    assert_gone(children)  # the other worker too
     run = only_run(client, "faults")
     assert run.info.status == "FAILED"
     assert "DataLoader worker" in run.data.tags["tracktron.status_reason"]
-    state = ckpt.load(out / "model_iter2.pth")  # intact
+    state = load_checkpoint(out / "model_iter2.pth")  # intact
     assert state["iteration"] == 2
     if sha_tag("model_iter2.pth") in run.data.tags:  # the server never holds other bytes than the tag says
-        assert run.data.tags[sha_tag("model_iter2.pth")] == ckpt.sha256_of(out / "model_iter2.pth")
+        assert run.data.tags[sha_tag("model_iter2.pth")] == sha256_of(out / "model_iter2.pth")
 
     # 2. Resumed in the same run; Ctrl-C reaches the trainer and its workers alike.
     second = jobs(args, tmp_path, name="second")
@@ -123,7 +124,7 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     assert "SIGINT received" in second.stderr and "Traceback" not in second.stderr
     assert_gone(children)
     done = logged_iters(out)[-1]
-    assert ckpt.load(out / f"model_iter{done}.pth")["iteration"] == done  # the iteration it was in, saved
+    assert load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done  # the iteration it was in, saved
     run = only_run(client, "faults")
     assert run.info.status == "KILLED"
     assert run.data.tags["tracktron.ckpt.latest"] == f"model_iter{done}.pth"
@@ -148,7 +149,7 @@ def test_second_signal_exits_at_once_and_leaves_nothing_behind(tmp_path, data_di
                                                "TRAIN.PREEMPT_GRACE_S": 60, "DATA_LOADER.NUM_THREADS": 2})
         job = jobs(args, tmp_path)
         wait_until(lambda: 1 in job.iters(), job, "iteration 1")
-        children = job.children()  # the loader's workers and the checkpoint writer
+        children = job.children()  # the loader's workers
         proxy.set_mode("hang")  # the first signal's clean stop now waits on uploads: time for a second one
         job.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "SIGTERM received" in job.stderr, job, "the first signal's warning", timeout=30)
@@ -161,8 +162,8 @@ def test_second_signal_exits_at_once_and_leaves_nothing_behind(tmp_path, data_di
     assert took < 2.0, f"exited {took:.1f}s after the second signal"
     assert "second signal: exiting now" in job.stderr
     assert_gone(children, within=1.0)
-    for path in ckpt.local_checkpoints(out):  # whatever has a checkpoint's name is complete
-        ckpt.load(path)
+    for path in local_checkpoints(out):  # whatever has a checkpoint's name is complete
+        load_checkpoint(path)
 
 
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
@@ -187,7 +188,7 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
     assert "stopped by SIGTERM" in job.stderr or f"grace period of {grace}s over: exiting now" in job.stderr
     assert_gone(children)
     done = logged_iters(out)[-1]
-    assert ckpt.load(out / f"model_iter{done}.pth")["iteration"] == done
+    assert load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done
     run = only_run(MlflowClient(mlflow_server.url), exp)
     assert sha_tag(f"model_iter{done}.pth") not in run.data.tags  # never claimed without its bytes
 
@@ -213,7 +214,7 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
         assert tags["tracktron.ckpt.latest"] == "model_iter5.pth"
         assert sha_tag("model_iter8.pth") not in tags  # the half-uploaded checkpoint is not claimed
         for name in ("model_iter2.pth", "model_iter5.pth"):
-            assert tags[sha_tag(name)] == ckpt.sha256_of(out / name)
+            assert tags[sha_tag(name)] == sha256_of(out / name)
 
         # The local model_iter8 and model_iter5 rot; the server's model_iter5 is cut in half.
         flip_bytes(out / "model_iter8.pth")
@@ -236,8 +237,10 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
     assert run.info.status == "FINISHED"
     assert steps(client, run.info.run_id) == list(range(MAX_ITER))
     assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
-    for name in ("model_iter5.pth", "model_iter8.pth", "model_final.pth"):
-        assert run.data.tags[sha_tag(name)] == ckpt.sha256_of(out / name)
+    assert run.data.tags[sha_tag("model_final.pth")] == sha256_of(out / "model_final.pth")
+    for name in ("model_iter5.pth", "model_iter8.pth"):  # uploaded unless a newer one superseded it first
+        if sha_tag(name) in run.data.tags:
+            assert run.data.tags[sha_tag(name)] == sha256_of(out / name)
     assert_same_weights(reference, out / "model_final.pth")
 
 
@@ -248,16 +251,13 @@ def test_a_checkpoint_is_marked_complete_only_after_the_metrics_of_its_iteration
     In-process, against sqlite, with a metrics path 3 s slower than the rest: deterministic."""
     from tests.conftest import DEMO
     from trainer.config import load_config
-    from trainer.mlflow_tracking import MlflowTracker
-    from trainer.tracking_agent import TrackingCalls
+    from trainer.tracking.mlflow_tracker import MlflowTracker
 
     monkeypatch.chdir(tmp_path)
-    # The calls stay in this process, where the client patched below makes them. With the agent,
-    # the same uploader thread makes the same calls in the same order; only where they run differs.
-    monkeypatch.setattr(TrackingCalls, "start_agent", lambda self: None)
     cfg = load_config(DEMO, ["TRACKING.URI", f"sqlite:///{tmp_path / 'store.db'}", "OUTPUT_DIR", str(tmp_path)])
     tracker = MlflowTracker(cfg)
-    run_id = tracker.start(cfg).run_id
+    tracker.start(cfg)
+    run_id = tracker.run.run_id
     (tmp_path / "warm-up.txt").write_text("the first upload imports MLflow's artifact code")
     tracker.log_artifact(tmp_path / "warm-up.txt")
     assert tracker.wait(60)
@@ -276,7 +276,7 @@ def test_a_checkpoint_is_marked_complete_only_after_the_metrics_of_its_iteration
         tracker.log_metrics({"loss": 1.0 / (step + 1)}, step)
     path = tmp_path / "model_iter2.pth"
     path.write_bytes(b"the checkpoint of iteration 2")
-    tracker.log_checkpoint(path, ckpt.sha256_of(path))
+    tracker.log_checkpoint(path, sha256_of(path))
     assert tracker.wait(30)
     tracker.finish("FINISHED", timeout=30)
     tagged = calls.index(("tag", sha_tag("model_iter2.pth")))

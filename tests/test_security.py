@@ -24,7 +24,8 @@ from mlflow import MlflowClient
 from tests.conftest import DEMO, demo_overrides, trainer_cmd
 from tests.servers import MlflowServer
 from tests.test_bad_input import Outcome, run_cli
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.files import sha256_of
+from trainer.checkpoint.state import load as load_checkpoint
 from trainer.config import job_hash, load_config
 
 QUICK = {"SOLVER.MAX_ITER": 2, "TRAIN.SNAPSHOT_ITERS": 100, "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "false"}
@@ -85,7 +86,7 @@ def test_malicious_checkpoint_in_output_dir_is_skipped_not_run(train, tmp_path, 
     assert "skipping unusable checkpoint" in result.stderr and "model_iter7.pth" in result.stderr
     assert "resuming from" not in result.stderr  # trained from scratch instead
     assert not marker.exists()
-    assert ckpt.load(out / "model_final.pth")["iteration"] == 1
+    assert load_checkpoint(out / "model_final.pth")["iteration"] == 1
 
 
 def test_malicious_train_weights_are_refused_in_one_line(train, trap):
@@ -120,7 +121,7 @@ def test_malicious_checkpoint_on_the_tracking_server_with_a_matching_sha256_is_n
     staged.parent.mkdir()
     staged.write_bytes(evil.read_bytes())
     client.log_artifact(run.info.run_id, str(staged), "checkpoints")
-    client.set_tag(run.info.run_id, "tracktron.ckpt.model_iter5.pth.sha256", ckpt.sha256_of(staged))
+    client.set_tag(run.info.run_id, "tracktron.ckpt.model_iter5.pth.sha256", sha256_of(staged))
     client.set_tag(run.info.run_id, "tracktron.ckpt.latest", "model_iter5.pth")
 
     result = train(*opts, tracking=True)
@@ -128,7 +129,7 @@ def test_malicious_checkpoint_on_the_tracking_server_with_a_matching_sha256_is_n
     assert "skipping" in result.stderr and "UnpicklingError" in result.stderr
     assert not marker.exists()
     assert client.get_run(run.info.run_id).info.status == "FINISHED"  # the same run, trained from scratch
-    assert ckpt.load(tmp_path / "output" / "model_final.pth")["iteration"] == 1
+    assert load_checkpoint(tmp_path / "output" / "model_final.pth")["iteration"] == 1
 
 
 # ---- MLflow's basic-auth server -------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_secrets_given_as_overrides_appear_nowhere(secret_job, admin_client, tmp
 
 
 def test_credentials_leave_the_tracking_uri_for_mlflows_variables(monkeypatch):
-    from trainer.mlflow_runs import without_credentials
+    from trainer.tracking.runs import without_credentials
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)

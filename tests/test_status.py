@@ -1,17 +1,16 @@
 """What users see: run names, descriptions, experiment kind, system metrics, `tracktron status`."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer
-from tests.faultkit import assert_gone
-from trainer import system_metrics
+from trainer.tracking.system_metrics import start_monitor
 from trainer.config import load_config
 
 
@@ -51,27 +50,23 @@ def _system_metrics_on_server(uri: str, run_id: str, key: str, within: float = 6
     return history
 
 
-@pytest.mark.parametrize("helper", ["process", "no process can be started"])
-def test_system_metrics_are_sampled_outside_the_training_process(helper, tmp_path, mlflow_server, monkeypatch):
+def test_system_metrics_are_sampled_by_mlflows_monitor_thread_per_node(tmp_path, mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     monkeypatch.setenv("GROUP_RANK", "1")  # the second node of a torchrun job
-    if helper != "process":
-        def no_process(*args):
-            raise OSError(11, "Resource temporarily unavailable")  # fork failed: a pids cgroup at its limit
-
-        monkeypatch.setattr("trainer.system_metrics.Helper", no_process)
     client = MlflowClient(mlflow_server.url)
     run_id = client.create_run(client.create_experiment(f"sysmetrics-{tmp_path.name}")).info.run_id
-    cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true"])
-    monitor = system_metrics.start_monitor(cfg, run_id, mlflow_server.url, local_rank=0, world_size=2)
+    cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true", "TRACKING.URI", mlflow_server.url])
+    before = set(threading.enumerate())
+    monitor = start_monitor(cfg, run_id, local_rank=0, world_size=2)
     try:
-        assert (monitor.pid != os.getpid()) == (helper == "process")
+        assert set(threading.enumerate()) - before, "no monitor thread"  # a thread here, no process
         assert _system_metrics_on_server(mlflow_server.url, run_id, "system/node1/cpu_utilization_percentage")
     finally:
         monitor.finish()
-    if helper == "process":
-        assert_gone([monitor.pid])  # finish() ends it
-    assert system_metrics.start_monitor(cfg, run_id, mlflow_server.url, local_rank=1, world_size=2) is None
+    assert not any(t.is_alive() for t in set(threading.enumerate()) - before)  # finish() stops it
+    assert start_monitor(cfg, run_id, local_rank=1, world_size=2) is None  # one per node
+    auto = load_config(DEMO, ["TRACKING.URI", mlflow_server.url])  # auto: on for GPU jobs only
+    assert start_monitor(auto, run_id, local_rank=0, world_size=1, on_gpu=False) is None
 
 
 def test_status_lists_the_job_with_iteration_checkpoint_and_loss(finished_job):

@@ -9,14 +9,14 @@ import json
 import os
 import time
 import uuid
+from pathlib import Path
 
-import pytest
 import torch
 from mlflow import MlflowClient
 
 from tests.conftest import demo_overrides, run_trainer, trainer_cmd
-from tests.test_train import _kill_after
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.files import iteration_of, sha256_of
+from trainer.checkpoint.state import load as load_checkpoint
 
 METRIC_KEYS = {"loss", "loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg", "lr", "time",
                "data_time", "eta_seconds", "mem_mb", "mb_qsize", "images_per_sec"}
@@ -59,7 +59,7 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
     assert tags["tracktron.ckpt.latest"] == "model_final.pth"
     out = tmp_path / "output"
     for name in ("model_iter2.pth", "model_iter5.pth", "model_final.pth"):
-        assert tags[f"tracktron.ckpt.{name}.sha256"] == ckpt.sha256_of(out / name)
+        assert tags[f"tracktron.ckpt.{name}.sha256"] == sha256_of(out / name)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "model.txt", "json_stats.log", "checkpoints"} <= artifacts
     assert run.data.params["SOLVER.MAX_ITER"] == "8"
@@ -131,8 +131,8 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     ref = run_trainer(tracked(straight, data_dir, mlflow_server, exp + "-ref", **keys), cwd=straight,
                       env=s3_server.env)
     assert ref.returncode == 0, ref.stderr
-    a = ckpt.load(straight / "output" / "model_final.pth")["model"]
-    b = ckpt.load(second / "output" / "model_final.pth")["model"]
+    a = load_checkpoint(straight / "output" / "model_final.pth")["model"]
+    b = load_checkpoint(second / "output" / "model_final.pth")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     entries = [json.loads(x)["iter"] for x in (second / "output" / "json_stats.log").read_text().splitlines()]
     assert entries == sorted(set(entries)) and entries[-1] == 11
@@ -161,7 +161,7 @@ def test_tracking_server_down_mid_run_loses_no_point(tmp_path, data_dir, s3_serv
 
     server = MlflowServer(tmp_path, artifacts=f"s3://{s3_server.bucket}/outage", env=s3_server.env).start()
     exp = "outage"
-    args = tracked(tmp_path, data_dir, server, exp, **{"SOLVER.MAX_ITER": 40, "TRAIN.SNAPSHOT_ITERS": 10,
+    args = tracked(tmp_path, data_dir, server, exp, **{"SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 10,
                                                        "LOG_PERIOD": 1})
     err_log = open(tmp_path / "trainer.err", "w")  # a file, not a pipe nobody drains while we wait
     proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_log)
@@ -180,7 +180,7 @@ def test_tracking_server_down_mid_run_loses_no_point(tmp_path, data_dir, s3_serv
         run = only_run(client, exp)
         assert run.info.status == "FINISHED"
         for key in ("loss", "lr", "time"):
-            assert steps(client, run.info.run_id, key) == list(range(40)), key
+            assert steps(client, run.info.run_id, key) == list(range(200)), key
         assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
     finally:
         proc.kill()
@@ -239,7 +239,7 @@ def test_sigterm_checkpoints_the_current_iteration_and_marks_the_run_killed(tmp_
     run = only_run(client, exp)
     assert run.info.status == "KILLED"
     saved = run.data.tags["tracktron.ckpt.latest"]
-    done = ckpt.iteration_of(saved)
+    done = iteration_of(saved)
     assert steps(client, run.info.run_id) == list(range(done + 1))  # every finished iteration is on the server
 
     resumed = subprocess.Popen(trainer_cmd(*tracked(tmp_path / "m2", data_dir, mlflow_server, exp, **keys)),
@@ -252,3 +252,54 @@ def test_sigterm_checkpoints_the_current_iteration_and_marks_the_run_killed(tmp_
     resumed.kill()
     resumed.wait()
     assert f"({saved}) at iteration {done + 1}" in line
+
+
+def test_a_tracked_job_is_one_process_and_its_loader_workers(tmp_path, data_dir, mlflow_server):
+    """Checkpoints, uploads, metrics, system metrics: threads of the trainer. Its only child processes,
+    watched all through training (from model.txt to model_final.pth), are its data loader's workers
+    (forked: the trainer's command line). Around training, the run's creation and MLflow's log_model
+    ask `git` about the source, a command that comes and goes."""
+    import subprocess
+
+    exp = f"one-process-{uuid.uuid4().hex[:6]}"
+    args = tracked(tmp_path, data_dir, mlflow_server, exp, **{"DATA_LOADER.NUM_THREADS": 2, "SOLVER.MAX_ITER": 20,
+                                                              "TRACKING.SYSTEM_METRICS": "true"})
+    env = {**os.environ, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    seen: dict[int, bytes] = {}
+    most, cmdline = 0, b""
+    try:
+        while job.poll() is None and not (tmp_path / "output" / "model_final.pth").exists():
+            if not (tmp_path / "output" / "model.txt").exists():
+                time.sleep(0.02)
+                continue
+            cmdline = cmdline or Path(f"/proc/{job.pid}/cmdline").read_bytes()  # exec'd by now
+            children = _children_of(job.pid)
+            most = max(most, len(children))
+            for pid in children:
+                try:
+                    seen.setdefault(pid, Path(f"/proc/{pid}/cmdline").read_bytes())
+                except OSError:  # gone meanwhile
+                    pass
+            time.sleep(0.05)
+        stderr = job.communicate(timeout=300)[1]
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert seen, "no loader worker was ever seen"
+    assert all(c == cmdline for c in seen.values() if c), ({p: c for p, c in seen.items() if c != cmdline}, cmdline)
+    assert most <= 2  # DATA_LOADER.NUM_THREADS: nothing else
+    run = only_run(MlflowClient(mlflow_server.url), exp)
+    assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:  # the job ended meanwhile
+        pass
+    return found

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import demo_overrides, run_trainer, trainer_cmd
-from trainer import checkpoint as ckpt
+from trainer.checkpoint.files import remove_stale_temps, sha256_of
+from trainer.checkpoint.state import load as load_checkpoint, save_atomic
 from trainer.engine import NonFiniteLoss, check_finite
 
 
@@ -29,7 +30,7 @@ def test_demo_job_trains_checkpoints_and_a_rerun_has_nothing_to_do(tmp_path, dat
     assert [e["iter"] for e in json_stats(out)] == [0, 4, 7]
     assert "json_stats: {" in first.stdout
     assert "parameters:" in (out / "model.txt").read_text()
-    final = ckpt.load(out / "model_final.pth")
+    final = load_checkpoint(out / "model_final.pth")
     assert final["iteration"] == 7 and final["sampler"]["next_iter"] == 8
     assert set(final) >= {"model", "optimizer", "scheduler", "scaler", "config", "rng"}
     assert (tmp_path / "mlflow.db").exists()  # the embedded default tracking store
@@ -54,7 +55,7 @@ def _kill_after(cmd, cwd, marker, timeout=240):
 
 
 def final_weights(output):
-    return ckpt.load(output / "model_final.pth")["model"]
+    return load_checkpoint(output / "model_final.pth")["model"]
 
 
 def test_killed_job_resumes_to_bit_identical_weights(tmp_path, data_dir):
@@ -154,12 +155,12 @@ def test_the_sha256_of_a_saved_checkpoint_is_that_of_its_bytes(tmp_path):
     state = {"model": {"w": torch.randn(300, 700), "b": torch.arange(5)}, "iteration": 7,
              "big": torch.zeros(3 << 20, dtype=torch.uint8), "rng": {"torch": torch.get_rng_state()}}
     path = tmp_path / "model_iter7.pth"
-    assert ckpt.save_atomic(state, path) == ckpt.sha256_of(path)
-    assert ckpt.load(path)["iteration"] == 7
+    assert save_atomic(state, path) == sha256_of(path)
+    assert load_checkpoint(path)["iteration"] == 7
 
 
 def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_path):
-    from trainer.checkpoint_files import _HOST
+    from trainer.checkpoint.files import _HOST
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -172,5 +173,5 @@ def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_pa
             (path / "model_iter9.pth").write_bytes(b"half")
         else:
             path.write_bytes(b"half")
-    assert sorted(ckpt.remove_stale_temps(tmp_path)) == sorted(gone)
+    assert sorted(remove_stale_temps(tmp_path)) == sorted(gone)
     assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from trainer.atomic_write import write_atomic
 from trainer.errors import UserError
 from trainer.logs import setup_logging
 from trainer.preemption import Preempted, StopOnSignal, StopRequested
@@ -57,18 +58,20 @@ def train(config_file, resume_run_id, no_resume, opts):
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
-            # The tracking agent finds the job's run (and downloads a resumed job's checkpoint) while torch loads.
-            tracker.begin(cfg, resume_run_id, new_run=no_resume)
+            # The job's run is found (and a resumed job's checkpoint downloaded) while torch loads.
+            tracker.start(cfg, resume_run_id, new_run=no_resume)
             from trainer import distributed
+            from trainer.tracking.system_metrics import start_monitor
 
-            run = tracker.start(cfg, resume_run_id, new_run=no_resume)
+            run = tracker.run
             if run.run_id:
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
             ctx = distributed.setup()
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
-            monitor = _system_metrics(cfg, distributed.broadcast_object(ctx, run.run_id), ctx)
+            monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
+                                    ctx.world_size, on_gpu=ctx.device.type == "cuda")
             _train(cfg, tracker, ctx)
     except StopRequested as e:
         _stopped(tracker, e)
@@ -95,28 +98,14 @@ def _check_output_dir(path: Path) -> None:
 def _write_run_id(run_id: str) -> None:
     """For pipelines (Kubeflow): the job's run id in the file TRACKTRON_RUN_ID_FILE names."""
     if target := os.environ.get("TRACKTRON_RUN_ID_FILE"):
-        path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(run_id)
-        tmp.replace(path)
-
-
-def _system_metrics(cfg, run_id, ctx):
-    from trainer import system_metrics
-
-    if not system_metrics.wanted(cfg):
-        return None
-    from trainer.mlflow_runs import tracking_uri
-
-    return system_metrics.start_monitor(cfg, run_id, tracking_uri(cfg), ctx.local_rank, ctx.world_size)
+        write_atomic(Path(target), run_id)
 
 
 def _train(cfg, tracker, ctx) -> None:
-    from trainer.engine import NonFiniteLoss, train_model
+    from trainer.engine import Job, NonFiniteLoss, train_model
 
     try:
-        done = train_model(cfg, tracker, ctx)
+        done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR)))
     except (Preempted, StopRequested) as e:
         _stopped(tracker, e)
     except NonFiniteLoss as e:
@@ -173,17 +162,9 @@ def eval_(config_file, weights, opts):
 @click.option("--uri", default=None, help="Tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
 def status(experiment, uri):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
-    from mlflow import MlflowClient
-
-    from trainer.mlflow_runs import DEFAULT_URI, without_credentials
     from trainer.status import job_rows, render
 
-    uri = without_credentials(uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
-    try:
-        rows = job_rows(MlflowClient(uri), uri, experiment)
-    except Exception as e:  # noqa: BLE001 - an unreachable server is the user's to fix
-        raise UserError(f"cannot read jobs from {uri}: {str(e).splitlines()[0][:200]}") from None
-    click.echo(render(rows))
+    click.echo(render(job_rows(uri, experiment)))
 
 
 @cli.group()
@@ -198,7 +179,7 @@ def data():
 @click.option("--seed", default=0, show_default=True, type=int)
 def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
-    from trainer.synth import write_synthetic_dataset
+    from trainer.data.synth import write_synthetic_dataset
 
     path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed)
     click.echo(f"wrote {num_images} images and annotations to {path}")

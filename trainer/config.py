@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from trainer.atomic_write import write_atomic
 from trainer.errors import UserError
 
 _DEFAULTS: dict = {
@@ -141,15 +142,6 @@ class Config(dict):
         if name not in self:  # a typo must not silently become an attribute nobody reads
             raise AttributeError(f"unknown config key {name}")
         self[name] = value
-
-    def get_key(self, dotted: str):
-        node = self
-        for part in dotted.split("."):
-            node = node[part]
-        return node
-
-    def to_dict(self) -> dict:
-        return json.loads(json.dumps(self))
 
 
 def _wrap(d: dict) -> Config:
@@ -393,7 +385,4 @@ def job_hash(cfg: dict) -> str:
 
 def write_config(cfg: Config, path: Path) -> None:
     """config.yaml, redacted: it is uploaded to the run and read by anyone who can see it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(redacted(cfg), sort_keys=False))
-    tmp.replace(path)
+    write_atomic(path, yaml.safe_dump(redacted(cfg), sort_keys=False))

@@ -70,15 +70,6 @@ def all_mean(ctx: Context, values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def any_rank(ctx: Context, flag: bool) -> bool:
-    """True on every rank when it is true on one (preemption: every rank stops together)."""
-    if not ctx.distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def broadcast_object(ctx: Context, obj):
     """Rank 0's value on every rank (the resume decision, the run id)."""
     if not ctx.distributed:
@@ -96,7 +87,3 @@ def gather_object(ctx: Context, obj) -> list:
     dist.gather_object(obj, out, dst=0)
     return out or []
 
-
-def barrier(ctx: Context) -> None:
-    if ctx.distributed:
-        dist.barrier()

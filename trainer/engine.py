@@ -1,8 +1,8 @@
 """The training loop: Detectron's train_model(), step by step, each step one named call.
 
-    start = create_model(...)                  dataset and network; AUTO_RESUME: newest checkpoint
-    if start.final: nothing to do
-    setup_model_for_training(...)             weights, optimizer, scheduler, loader
+    created = create_model(job)                dataset and network; AUTO_RESUME: newest checkpoint
+    if created.start.final: nothing to do
+    state = setup_model_for_training(job, created)     weights, optimizer, scheduler, loader
     for cur_iter in range(start_iter, MAX_ITER):
         step; stats.update; stats.log
         every SNAPSHOT_ITERS // NUM_GPUS: save model_iter{cur_iter}
@@ -26,15 +26,17 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import checkpoint as ckpt
-from trainer.checkpoint_writer import CheckpointWriter
+from trainer.atomic_write import write_atomic
+from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune, sha256_of
+from trainer.checkpoint.state import CheckpointError, capture_rng, load, newest_valid, restore_rng
+from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, job_keys, redacted, write_config
+from trainer.data import build_train_dataset, build_train_loader
+from trainer.data.prefetch import Prefetcher
+from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
 from trainer.evaluation import evaluate_during_training
-from trainer.data import build_train_dataset, build_train_loader
-from trainer.distributed import Context, all_mean, any_rank, broadcast_object, gather_object
-from trainer.models import build_model, describe_model, load_weights
-from trainer.prefetch import Prefetcher
+from trainer.models import build_model, describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
 from trainer.stats import TrainingStats
@@ -42,9 +44,21 @@ from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
+STATS_UPLOAD_PERIOD_S = 300.0  # json_stats.log goes up whole, so now and then (and with model_final)
+
 
 class NonFiniteLoss(Exception):
     """The loss became NaN or infinite: the job fails (Detectron's 'Loss is NaN')."""
+
+
+@dataclass
+class Job:
+    """What every step needs: the config, this process's place in the job, its run, its folder."""
+
+    cfg: Config
+    ctx: Context
+    tracker: Tracker
+    output_dir: Path
 
 
 @dataclass
@@ -56,7 +70,14 @@ class StartPoint:
 
 
 @dataclass
-class Trainer:
+class CreatedModel:
+    start: StartPoint
+    dataset: object | None  # None when the job has nothing to do and its data is gone
+    model: torch.nn.Module | None
+
+
+@dataclass
+class LoopState:
     """What the loop works on."""
 
     model: torch.nn.Module
@@ -65,44 +86,49 @@ class Trainer:
     scaler: torch.amp.GradScaler
     batches: Prefetcher
     stats: TrainingStats
-    writer: CheckpointWriter
+    writer: CheckpointWriter | None  # rank 0 writes the checkpoints; the other ranks have none
 
 
-def train_model(cfg: Config, tracker: Tracker, ctx: Context) -> StartPoint | None:
+def train_model(job: Job) -> StartPoint | None:
     """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
-    output_dir = Path(cfg.OUTPUT_DIR)
+    cfg = job.cfg
     seed_everything(cfg)
-    start, built = create_model(cfg, tracker, ctx, output_dir)
-    if start.final:
-        log.info("model_final already exists (%s): nothing to do", start.source)
-        if ctx.is_main:
-            upload_final_if_missing(tracker, output_dir)
-        return start
-    t = setup_model_for_training(cfg, tracker, ctx, output_dir, start, built)
+    created = create_model(job)
+    if created.start.final:
+        log.info("model_final already exists (%s): nothing to do", created.start.source)
+        if job.ctx.is_main:
+            upload_final_if_missing(job)
+        return created.start
+    s = setup_model_for_training(job, created)
+    start_iter = created.start.iteration
     snapshot_period = max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
-    cur_iter = start.iteration
+    cur_iter = start_iter
     try:
         with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
-            for cur_iter in range(start.iteration, cfg.SOLVER.MAX_ITER):
-                losses = run_iteration(cfg, t, ctx, tracker, cur_iter)
+            for cur_iter in range(start_iter, cfg.SOLVER.MAX_ITER):
+                losses, stop = run_iteration(job, s, cur_iter, guard.requested)
                 check_finite(losses, cur_iter)
-                if is_snapshot_iter(cfg, cur_iter, start.iteration, snapshot_period):
-                    save_snapshot(cfg, t, ctx, tracker, cur_iter)
-                evaluate_during_training(cfg, t.model, ctx, output_dir, tracker, cur_iter)
-                t.stats.maybe_reset_timer(cur_iter)
-                if any_rank(ctx, guard.requested):
+                if is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):
+                    save_snapshot(job, s, cur_iter)
+                evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cur_iter)
+                s.stats.maybe_reset_timer(cur_iter)
+                if stop:  # a signal on any rank: every rank stops after the same iteration
                     raise guard.preempted()
-            save_snapshot(cfg, t, ctx, tracker, None)
-            t.writer.close()
-            evaluate_during_training(cfg, t.model, ctx, output_dir, tracker, cfg.SOLVER.MAX_ITER - 1, final=True)
-            log_final_model(cfg, t, ctx, tracker)  # last: it moves the model to the CPU
+            save_snapshot(job, s, None)
+            if s.writer:
+                s.writer.close()
+            evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cfg.SOLVER.MAX_ITER - 1,
+                                     final=True)
+            log_final_model(job, s)  # last: it moves the model to the CPU
     except Preempted as e:
-        save_preemption_snapshot(cfg, t, ctx, tracker, cur_iter, start.iteration, snapshot_period, e.deadline)
+        save_preemption_snapshot(job, s, cur_iter, is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period),
+                                 e.deadline)
         raise
     finally:
-        t.stats.close()
-        t.batches.close()  # loader workers never outlive the loop
-        t.writer.close(raise_errors=False)  # a checkpoint being written is finished, not torn
+        s.stats.close()
+        s.batches.close()  # loader workers never outlive the loop
+        if s.writer:
+            s.writer.close(raise_errors=False)  # a checkpoint being written is finished, not torn
     return None
 
 
@@ -125,69 +151,72 @@ def seed_everything(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
 
 
-def create_model(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path):
-    """(start point, (dataset, network)). Rank 0 finds where to start on a thread while every rank
-    builds the dataset and the network, so that a checkpoint downloaded from the run (a job moved
-    to another machine) arrives during the build. Every rank restores the same checkpoint."""
+def create_model(job: Job) -> CreatedModel:
+    """Rank 0 finds where to start on a thread while every rank builds the dataset and the network,
+    so that a checkpoint downloaded from the run (a job moved to another machine) arrives during
+    the build. Every rank restores the same checkpoint."""
     with ThreadPoolExecutor(1, thread_name_prefix="find-start") as pool:
-        finding = pool.submit(find_start_point, cfg, tracker, output_dir) if ctx.is_main else None
-        built, failed = None, None
+        finding = pool.submit(find_start_point, job) if job.ctx.is_main else None
+        dataset = model = failed = None
         try:
-            built = build_dataset_and_model(cfg)
+            dataset = build_train_dataset(job.cfg)
+            model = build_model(job.cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
         except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
             failed = e
-        start = broadcast_object(ctx, finding.result() if finding else None)
+        start = broadcast_object(job.ctx, finding.result() if finding else None)
     if failed is not None and not start.final:
         raise failed
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
-    return start, built
+    return CreatedModel(start, dataset, model)
 
 
-def find_start_point(cfg: Config, tracker: Tracker, output_dir: Path) -> StartPoint:
+def find_start_point(job: Job) -> StartPoint:
     """AUTO_RESUME: the newest complete checkpoint in OUTPUT_DIR or on the tracking server.
 
     A local checkpoint wins when it is at least as new as the run's newest; a downloaded one
     whose bytes do not match its sha256 tag is skipped for the one before it.
     """
-    if not (cfg.TRAIN.AUTO_RESUME or tracker.run.resumed):
+    run = job.tracker.run
+    if not (job.cfg.TRAIN.AUTO_RESUME or run.resumed):
         return StartPoint()
-    local = ckpt.newest_valid(output_dir)
+    local = newest_valid(job.output_dir)
     if local:
-        check_same_job(cfg, *local)
-    local_iter = ckpt.iteration_of(local[0].name) if local else -1
-    if local and local[0].name == ckpt.FINAL:
-        return StartPoint(final=True, source=str(local[0]))
-    for name in tracker.run.checkpoints:
-        if ckpt.iteration_of(name) <= local_iter:
+        check_same_job(job.cfg, *local)
+        if local[0].name == FINAL:
+            return StartPoint(final=True, source=str(local[0]))
+    local_iter = iteration_of(local[0].name) if local else -1
+    for name in run.checkpoints:
+        if iteration_of(name) <= local_iter:
             break
-        if name == ckpt.FINAL:
-            return StartPoint(final=True, source=f"run {tracker.run.run_id}")
-        path = tracker.fetch_checkpoint(name, output_dir)
-        if path is not None:
-            try:
-                state = ckpt.load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
-            except ckpt.CheckpointError as e:
-                log.warning("skipping %s", e)
-                continue
-            if not (output_dir / "json_stats.log").exists():
-                tracker.fetch_artifact("json_stats.log", output_dir)
-            return StartPoint(state["iteration"] + 1, state, f"run {tracker.run.run_id} ({name})")
+        if name == FINAL:
+            return StartPoint(final=True, source=f"run {run.run_id}")
+        path = job.tracker.fetch_checkpoint(name, job.output_dir)
+        if path is None:
+            continue
+        try:
+            state = load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
+        except CheckpointError as e:
+            log.warning("skipping %s", e)
+            continue
+        if not (job.output_dir / "json_stats.log").exists():
+            job.tracker.fetch_artifact("json_stats.log", job.output_dir)
+        return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
     return StartPoint()
 
 
-def upload_final_if_missing(tracker: Tracker, output_dir: Path) -> None:
+def upload_final_if_missing(job: Job) -> None:
     """A job whose model_final never reached its run (the artifact store was down to the end):
     running it again sends the local one, so the run is complete without training anything."""
-    final = output_dir / ckpt.FINAL
-    if tracker.run.run_id is None or ckpt.FINAL in tracker.run.checkpoints or not final.exists():
+    final, run = job.output_dir / FINAL, job.tracker.run
+    if run.run_id is None or FINAL in run.checkpoints or not final.exists():
         return
-    log.info("the run lacks %s: uploading the local one", ckpt.FINAL)
-    tracker.log_checkpoint(final, ckpt.sha256_of(final))
-    if (output_dir / "json_stats.log").exists():
-        tracker.log_artifact(output_dir / "json_stats.log")
+    log.info("the run lacks %s: uploading the local one", FINAL)
+    job.tracker.log_checkpoint(final, sha256_of(final))
+    if (job.output_dir / "json_stats.log").exists():
+        job.tracker.log_artifact(job.output_dir / "json_stats.log")
 
 
 def check_same_job(cfg: Config, path: Path, state: dict) -> None:
@@ -199,63 +228,36 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
                         "OUTPUT_DIR, or --no-resume to start this job over in it")
 
 
-def build_dataset_and_model(cfg: Config) -> tuple:
-    dataset = build_train_dataset(cfg)
-    return dataset, build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
-
-
-def setup_model_for_training(cfg: Config, tracker: Tracker, ctx: Context, output_dir: Path,
-                             start: StartPoint, built: tuple | None = None) -> Trainer:
-    dataset, model = built or build_dataset_and_model(cfg)
-    loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=dataset)
-    model = model.to(ctx.device)
+def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
+    cfg, ctx, start = job.cfg, job.ctx, created.start
+    loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
+    model = created.model.to(ctx.device)
     if ctx.is_main:
-        write_run_files(cfg, tracker, output_dir, model)
+        write_run_files(job, model)
     if start.state is None:
         load_weights(model, cfg.TRAIN.WEIGHTS)
     else:
         model.load_state_dict(start.state["model"])
     model.train()
     if ctx.distributed:
-        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=ids)
+        model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_lr_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.SOLVER.AMP and ctx.device.type == "cuda")
     if start.state is not None:
         restore_training_state(start.state, optimizer, scheduler, scaler, ctx)
-    stats = TrainingStats(cfg, start.iteration, output_dir / "json_stats.log" if ctx.is_main else None,
+    stats = TrainingStats(cfg, start.iteration, job.output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
-    writer = (CheckpointWriter(checkpoint_saved(cfg, tracker, output_dir)) if ctx.is_main
-              else CheckpointWriter(in_child=False))  # other ranks write nothing
-    return Trainer(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
+    writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
+    return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
 
 
-STATS_UPLOAD_PERIOD_S = 300.0
-
-
-def checkpoint_saved(cfg: Config, tracker: Tracker, output_dir: Path):
-    """After a checkpoint file is complete: upload it (then prune older local ones), and now and
-    then json_stats.log (whole each time, so not with every checkpoint; always with model_final)."""
-    last_stats_upload = [-math.inf]
-
-    def on_saved(path: Path, digest: str) -> None:
-        tracker.log_checkpoint(path, digest, on_done=lambda: ckpt.prune(output_dir, cfg.TRAIN.CHECKPOINTS_KEEP))
-        now = time.monotonic()
-        if path.name == ckpt.FINAL or now - last_stats_upload[0] >= STATS_UPLOAD_PERIOD_S:
-            last_stats_upload[0] = now
-            tracker.log_artifact(output_dir / "json_stats.log")
-
-    return on_saved
-
-
-def write_run_files(cfg: Config, tracker: Tracker, output_dir: Path, model: torch.nn.Module) -> None:
+def write_run_files(job: Job, model: torch.nn.Module) -> None:
     """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, output_dir / "config.yaml")
-    (output_dir / "model.txt").write_text(describe_model(model))
+    write_config(job.cfg, job.output_dir / "config.yaml")
+    write_atomic(job.output_dir / "model.txt", describe_model(model))
     for name in ("config.yaml", "model.txt"):
-        tracker.log_artifact(output_dir / name)
+        job.tracker.log_artifact(job.output_dir / name)
 
 
 def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:
@@ -267,42 +269,45 @@ def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Conte
     if len(rngs) != ctx.world_size:
         log.warning("checkpoint from %d processes resumed on %d: random streams are not the same",
                     len(rngs), ctx.world_size)
-    ckpt.restore_rng(rngs[ctx.rank % len(rngs)])
+    restore_rng(rngs[ctx.rank % len(rngs)])
 
 
 # ---- the loop ----
 
-def run_iteration(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int) -> dict:
-    t.stats.iter_tic()
+def run_iteration(job: Job, s: LoopState, cur_iter: int, stop_requested: bool) -> tuple[dict, bool]:
+    """One step; (the losses averaged over ranks, whether any rank was asked to stop)."""
+    s.stats.iter_tic()
     data_start = time.perf_counter()
-    images, targets = t.batches.next()
+    images, targets = s.batches.next()
     data_time = time.perf_counter() - data_start
-    lr = t.optimizer.param_groups[0]["lr"]
-    losses = train_step(cfg, t, ctx, images, targets)
-    t.scheduler.step()
-    t.stats.iter_toc()
-    t.stats.update(losses, lr, data_time, t.batches.qsize(), len(images) * ctx.world_size)
-    if ctx.is_main:
-        tracker.log_metrics(t.stats.metrics(cur_iter), cur_iter)
-        t.stats.log(cur_iter)
-    return losses
+    lr = s.optimizer.param_groups[0]["lr"]
+    losses, stop = train_step(job, s, images, targets, stop_requested)
+    s.scheduler.step()
+    s.stats.iter_toc()
+    s.stats.update(losses, lr, data_time, s.batches.qsize(), len(images) * job.ctx.world_size)
+    if job.ctx.is_main:
+        job.tracker.log_metrics(s.stats.metrics(cur_iter), cur_iter)
+        s.stats.log(cur_iter)
+    return losses, stop
 
 
-def train_step(cfg: Config, t: Trainer, ctx: Context, images, targets) -> dict[str, float]:
-    with torch.autocast(ctx.device.type, enabled=t.scaler.is_enabled()):
-        loss_dict = t.model(images, targets)
+def train_step(job: Job, s: LoopState, images, targets, stop_requested: bool) -> tuple[dict[str, float], bool]:
+    with torch.autocast(job.ctx.device.type, enabled=s.scaler.is_enabled()):
+        loss_dict = s.model(images, targets)
     total = sum(loss_dict.values())
-    t.optimizer.zero_grad(set_to_none=True)
-    t.scaler.scale(total).backward()
-    if cfg.SOLVER.CLIP_GRAD_NORM > 0:
-        t.scaler.unscale_(t.optimizer)
-        clip_gradients(cfg, t.model)
-    t.scaler.step(t.optimizer)
-    t.scaler.update()
-    # One host sync and one collective per iteration: every loss term in a single vector.
-    values = torch.stack([total.detach(), *(v.detach() for v in loss_dict.values())]).float()
-    values = all_mean(ctx, values).cpu().tolist()
-    return dict(zip(["loss", *loss_dict], values))
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scaler.scale(total).backward()
+    if job.cfg.SOLVER.CLIP_GRAD_NORM > 0:
+        s.scaler.unscale_(s.optimizer)
+        clip_gradients(job.cfg, s.model)
+    s.scaler.step(s.optimizer)
+    s.scaler.update()
+    # One host sync and one collective per iteration: every loss term and the stop flag in a single
+    # vector (the flag's mean over ranks is > 0 when any rank got a signal).
+    flag = torch.tensor(float(stop_requested), device=total.device)
+    values = torch.stack([total.detach(), *(v.detach() for v in loss_dict.values()), flag]).float()
+    *values, stop = all_mean(job.ctx, values).cpu().tolist()
+    return dict(zip(["loss", *loss_dict], values)), stop > 0
 
 
 def check_finite(losses: dict[str, float], cur_iter: int) -> None:
@@ -313,13 +318,12 @@ def check_finite(losses: dict[str, float], cur_iter: int) -> None:
 
 # ---- checkpoints ----
 
-def training_state(cfg: Config, t: Trainer, cur_iter: int, rngs: list) -> dict:
-    model = t.model.module if isinstance(t.model, DistributedDataParallel) else t.model
+def training_state(cfg: Config, s: LoopState, cur_iter: int, rngs: list) -> dict:
     return {
-        "model": model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
-        "scheduler": t.scheduler.state_dict(),
-        "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else {},
+        "model": unwrap(s.model).state_dict(),
+        "optimizer": s.optimizer.state_dict(),
+        "scheduler": s.scheduler.state_dict(),
+        "scaler": s.scaler.state_dict() if s.scaler.is_enabled() else {},
         "iteration": cur_iter,
         "config": redacted(cfg),  # checkpoints get shared: no secrets in them
         "rng": rngs,
@@ -327,27 +331,44 @@ def training_state(cfg: Config, t: Trainer, cur_iter: int, rngs: list) -> dict:
     }
 
 
-def save_snapshot(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int | None) -> None:
+def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
     """model_iter{cur_iter}.pth, or model_final.pth when cur_iter is None (rank 0 writes)."""
-    rngs = gather_object(ctx, ckpt.capture_rng())  # every rank takes part; rank 0 gets them all
-    if not ctx.is_main:
+    rngs = gather_object(job.ctx, capture_rng())  # every rank takes part; rank 0 gets them all
+    if s.writer is None:
         return
-    it = cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
-    t.writer.submit(training_state(cfg, t, it, rngs), Path(cfg.OUTPUT_DIR) / ckpt.checkpoint_name(cur_iter))
+    it = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
+    s.writer.submit(training_state(job.cfg, s, it, rngs), job.output_dir / checkpoint_name(cur_iter))
 
 
-def save_preemption_snapshot(cfg, t: Trainer, ctx: Context, tracker: Tracker, cur_iter: int,
-                             start_iter: int, snapshot_period: int, deadline: float) -> None:
+class CheckpointPublisher:
+    """What follows a complete checkpoint file, on the writer thread, in this order: its upload is
+    queued (a newer checkpoint supersedes it if it has not started), the local ones past
+    TRAIN.CHECKPOINTS_KEEP are deleted, and now and then json_stats.log goes to the run too."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.last_stats_upload = -math.inf
+
+    def __call__(self, path: Path, sha256: str) -> None:
+        self.job.tracker.log_checkpoint(path, sha256)
+        prune(self.job.output_dir, self.job.cfg.TRAIN.CHECKPOINTS_KEEP)
+        now = time.monotonic()
+        if path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S:
+            self.last_stats_upload = now
+            self.job.tracker.log_artifact(self.job.output_dir / "json_stats.log")
+
+
+def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loop: bool, deadline: float) -> None:
     """Checkpoint the last finished iteration and wait (within the grace period) for its upload."""
-    if not is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):  # not saved by the loop
-        save_snapshot(cfg, t, ctx, tracker, cur_iter)
-    t.writer.close()
-    if ctx.is_main:
-        tracker.log_artifact(Path(cfg.OUTPUT_DIR) / "json_stats.log")  # the resumed job continues it
-    tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit
+    if not saved_by_loop:
+        save_snapshot(job, s, cur_iter)
+    if s.writer is None:
+        return
+    s.writer.close()
+    job.tracker.log_artifact(job.output_dir / "json_stats.log")  # the resumed job continues it
+    job.tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit
 
 
-def log_final_model(cfg: Config, t: Trainer, ctx: Context, tracker: Tracker) -> None:
-    if ctx.is_main and cfg.TRACKING.LOG_MODEL:
-        model = t.model.module if isinstance(t.model, DistributedDataParallel) else t.model
-        tracker.log_model(model.cpu().eval(), cfg)
+def log_final_model(job: Job, s: LoopState) -> None:
+    if job.ctx.is_main and job.cfg.TRACKING.LOG_MODEL:
+        job.tracker.log_model(unwrap(s.model).cpu().eval(), job.cfg)

@@ -1,9 +1,15 @@
-"""The one exception type that means "the user's input is wrong".
+"""The one exception type that means "the user's input is wrong", and how errors are shown.
 
-The CLI turns it into a single line on stderr and exit status 2; everything else is a bug or a
-fault and keeps its traceback.
+The CLI turns a UserError into a single line on stderr and exit status 2; everything else is a bug
+or a fault and keeps its traceback.
 """
 
 
 class UserError(Exception):
     """Bad input: a config key, a value, a file, a dataset, a run id."""
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception in one short line (MLflow's and botocore's messages run to pages)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

@@ -5,8 +5,8 @@ its shard, gathered on rank 0), eval/<dataset>/detections.json + per_category_ap
 Metrics are COCOeval's stats (0..1): `bbox/AP`, `bbox/AP50`, ..., `segm/...`, `keypoints/...`. A stat
 COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` without a large
 object) is dropped, not logged as a -1 that would read as a score. With several TEST.DATASETS the
-first keeps the plain names (DESIGN.md's `bbox/AP`), the others are prefixed: `<dataset>/bbox/AP`.
-mlflow is imported only by the functions that need it (the engine imports this module).
+first keeps the plain names (`bbox/AP`), the others are prefixed: `<dataset>/bbox/AP`. Results go
+to the run through the Tracker; `tracktron eval --weights runs:/<id>/...` logs into that run.
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from trainer.checkpoint import capture_rng, restore_rng
+from trainer.atomic_write import write_atomic
+from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.errors import UserError
-from trainer.models import build_model, load_weights, set_test_size
-from trainer.tracking import Tracker
+from trainer.models import build_model, load_weights, set_test_size, unwrap
+from trainer.tracking import Tracker, attach
+from trainer.tracking.runs import download_uri, load_logged_model
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def iou_types_for(model_type: str) -> list[str]:
 def _eval_mode(model: torch.nn.Module):
     """Eval mode for a while; train mode, input size and RNG states come back exactly as they were,
     so an evaluation in the middle of training changes nothing the training sees."""
-    net = getattr(model, "module", model)
+    net = unwrap(model)
     transform = getattr(net, "transform", None)
     sizes = (transform.min_size, transform.max_size) if transform is not None else None
     was_training, rng = net.training, capture_rng()
@@ -210,8 +212,8 @@ def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, trac
         ev = run_cocoeval(dataset.coco, results, iou_type)
         metrics |= metrics_of(ev, iou_type)
         table = table or per_category_table(ev)  # bbox comes first
-    files = [_write_atomic(out / "detections.json", json.dumps(results)),
-             _write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{table}")]
+    files = [write_atomic(out / "detections.json", json.dumps(results)),
+             write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{table}")]
     for path in files:
         tracker.log_artifact(path, f"eval/{dataset_dirname(name)}")
     return metrics
@@ -222,15 +224,6 @@ def dataset_dirname(name: str) -> str:
     if "/" in name or os.sep in name or name.startswith((".", "~")):
         name = Path(name).expanduser().resolve().name
     return re.sub(r"[^\w.-]+", "_", name) or "dataset"
-
-
-def _write_atomic(path: Path, text: str) -> Path:
-    """Temporary file + rename: an upload still queued from the previous evaluation reads a whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
 
 
 def evaluate_during_training(cfg, model, ctx: Context, output_dir, tracker: Tracker, cur_iter: int,
@@ -250,13 +243,13 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
 
 def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # (model, iteration)
     if weights.startswith("models:/"):
-        return _load_logged_model(cfg, weights), None
+        return load_logged_model(cfg, weights), None
     if not weights.startswith("runs:/"):
         return _load_file(cfg, weights, num_classes, num_keypoints)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
-        path = _download(cfg, weights, tmp)
+        path = download_uri(cfg, weights, tmp)
         if path.is_dir():  # runs:/<id>/model: the logged MLflow model, already here
-            return _load_logged_model(cfg, str(path)), None
+            return load_logged_model(cfg, str(path)), None
         return _load_file(cfg, str(path), num_classes, num_keypoints)
 
 
@@ -277,63 +270,8 @@ def _iteration_in(path: str) -> int | None:
     try:  # mmap: reads the small 'iteration' entry, not the tensors again
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return state["iteration"] if isinstance(state.get("iteration"), int) else None
-    except Exception:  # noqa: BLE001 - a raw state_dict, or an old (non-zip) file mmap cannot map
+    except Exception:  # a raw state_dict, or an old (non-zip) file mmap cannot map
         return None
-
-
-def _tracking_uri(cfg) -> str:
-    from trainer.mlflow_runs import tracking_uri
-
-    return tracking_uri(cfg)
-
-
-def _download(cfg, uri: str, dest: str) -> Path:
-    import mlflow
-
-    try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest,
-                                                        tracking_uri=_tracking_uri(cfg)))
-    except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
-        raise UserError(f"cannot fetch {uri} from {_tracking_uri(cfg)}: {_first_line(e)}") from None
-
-
-def _load_logged_model(cfg, uri: str):
-    import mlflow
-
-    mlflow.set_tracking_uri(_tracking_uri(cfg))
-    try:
-        return mlflow.pytorch.load_model(uri, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - unknown name or version, unreachable server
-        raise UserError(f"cannot load {uri} from {_tracking_uri(cfg)}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-class _RunLogger(Tracker):
-    """Logs an eval's metrics and files into an existing run (`--weights runs:/<id>/...`)."""
-
-    def __init__(self, cfg, run_id: str):
-        from mlflow import MlflowClient
-
-        self.client, self.run_id = MlflowClient(tracking_uri=_tracking_uri(cfg)), run_id
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self._call("log_batch", metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
-
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._call("log_artifact", str(path), artifact_path)
-
-    def _call(self, method: str, *args, **kwargs) -> None:
-        try:
-            getattr(self.client, method)(self.run_id, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - deleted run, unreachable server
-            raise UserError(f"cannot log the evaluation to run {self.run_id}: {_first_line(e)}") from None
 
 
 def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, float]:
@@ -346,10 +284,15 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     model, iteration = _load_for_eval(cfg, weights, probe.num_classes, probe.num_keypoints)
     model.to(ctx.device)
     run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") else None
-    tracker = _RunLogger(cfg, run_id) if run_id and ctx.is_main else Tracker()
-    metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0)
+    tracker = attach(cfg, run_id) if run_id and ctx.is_main else Tracker()
+    try:
+        metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0)
+    finally:
+        failed = tracker.finish(None)
     if ctx.is_main:
         print(format_metrics(metrics, weights))
+    if failed:
+        raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchvision.models import detection as tvd
 from torchvision.models.detection._utils import overwrite_eps
 from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -42,7 +43,7 @@ from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +248,13 @@ def _freeze_batchnorm(module: nn.Module) -> None:
             _freeze_batchnorm(child)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself, out of its DistributedDataParallel wrapper if it has one."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def _transform(model: nn.Module):
-    return getattr(model, "module", model).transform  # DistributedDataParallel wraps the model
+    return unwrap(model).transform
 
 
 def set_test_size(model: nn.Module, cfg) -> None:
@@ -285,7 +291,7 @@ def load_weights(model: nn.Module, spec: str) -> LoadReport | None:
     """
     if not spec:
         return None
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     state, weight = _read_weights(spec)
     target, module, state = _pick_target(model, state)
     own = module.state_dict()
@@ -318,15 +324,16 @@ def _read_weights(spec: str):
     try:
         return weight.get_state_dict(progress=False, check_hash=True), weight
     except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
-        raise UserError(f"TRAIN.WEIGHTS {spec}: download failed ({_first_line(e)}); fetch {weight.url} "
-                        "elsewhere and set TRAIN.WEIGHTS to the file's path") from None
+        raise UserError(f"TRAIN.WEIGHTS {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
+                        f"fetch {weight.url} elsewhere and set TRAIN.WEIGHTS to the file's path") from None
 
 
 def _read_file(path: Path) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle, zip and format errors of every kind
-        raise UserError(f"TRAIN.WEIGHTS {path} is not a valid torch checkpoint ({_first_line(e)})") from None
+        raise UserError(f"TRAIN.WEIGHTS {path} is not a valid torch checkpoint "
+                        f"({type(e).__name__}: {first_line(e)})") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # our checkpoints: {'model': state_dict, 'optimizer': ..., ...}
     state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
@@ -363,11 +370,6 @@ def _log_report(r: LoadReport) -> None:
 def _short(keys: list, limit: int = 20) -> str:
     more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------- model.txt

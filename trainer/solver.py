@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config
 
 # --------------------------------------------------------------------------------------------- #
 # Learning-rate policies (Detectron's lr_func_*), before warm-up
@@ -25,9 +25,8 @@ from trainer.config import Config, ConfigError
 
 
 def _step_index(s, it: int) -> int:
-    """Detectron's get_step_index: the last step of STEPS + [MAX_ITER] that `it` has reached."""
-    if not s.STEPS or s.STEPS[0] != 0:
-        raise ConfigError(f"SOLVER.STEPS must start at 0 (Detectron's convention), got {s.STEPS}")
+    """Detectron's get_step_index: the last step of STEPS + [MAX_ITER] that `it` has reached
+    (config.validate made sure STEPS starts at 0, Detectron's convention)."""
     steps = list(s.STEPS) + [s.MAX_ITER]
     for ind, step in enumerate(steps):
         if it < step:
@@ -70,20 +69,14 @@ _POLICIES = {
 def _warm_up_factor(s, it: int) -> float:
     if s.WARM_UP_METHOD == "constant":
         return s.WARM_UP_FACTOR
-    if s.WARM_UP_METHOD == "linear":
-        alpha = it / s.WARM_UP_ITERS
-        return s.WARM_UP_FACTOR * (1 - alpha) + alpha
-    raise ConfigError(f"unknown SOLVER.WARM_UP_METHOD: {s.WARM_UP_METHOD!r}")
+    alpha = it / s.WARM_UP_ITERS  # linear
+    return s.WARM_UP_FACTOR * (1 - alpha) + alpha
 
 
 def lr_at_iter(cfg: Config, it: int) -> float:
     """Detectron's get_lr_at_iter: the policy's LR, times the warm-up factor while it < WARM_UP_ITERS."""
     s = cfg.SOLVER
-    try:
-        policy = _POLICIES[s.LR_POLICY]
-    except KeyError:
-        raise ConfigError(f"unknown SOLVER.LR_POLICY: {s.LR_POLICY!r}") from None
-    lr = policy(s, it)
+    lr = _POLICIES[s.LR_POLICY](s, it)  # config.validate checked the policy and its keys
     if it < s.WARM_UP_ITERS:
         lr *= _warm_up_factor(s, it)
     return float(np.float32(lr))  # Detectron returns np.float32; keep its rounding

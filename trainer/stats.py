@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from collections import deque
@@ -19,6 +18,8 @@ from typing import TextIO
 
 import numpy as np
 import torch
+
+from trainer.atomic_write import write_atomic
 
 try:
     import resource
@@ -110,9 +111,7 @@ def drop_entries_from(path: Path, start_iter: int) -> None:
     kept = [line for line in lines if _iter_of(line) < start_iter]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)  # atomic: a kill mid-write leaves the old log, never half of one
+    write_atomic(path, "".join(line + "\n" for line in kept))  # a kill mid-write leaves the old log
 
 
 def _iter_of(line: str) -> float:

@@ -1,18 +1,19 @@
-"""The job's MLflow run: where it is tracked, finding or creating it (DESIGN.md's resume rules),
-and fetching its checkpoints. The functions that take a `client` are run by the tracking agent
-(tracking_agent.py) or, when there is none, by the training process: their results are plain data.
+"""The job's MLflow run: where it is tracked, finding or creating it (the resume rules of the
+tracking contract), the checkpoint-tag protocol, and fetching what a run holds. Functions of an
+MlflowClient, used by the tracker and by `tracktron status` and `tracktron eval`.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from trainer.checkpoint_files import FINAL, iteration_of, sha256_of
+from trainer.checkpoint.files import FINAL, iteration_of, sha256_of
 from trainer.config import Config, flatten, job_hash, redact_text, redacted
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -24,8 +25,10 @@ def sha_tag(name: str) -> str:
     return f"tracktron.ckpt.{name}.sha256"
 
 
-def tracking_uri(cfg: Config) -> str:
-    return without_credentials(cfg.TRACKING.URI or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
+    """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
+    given = uri or (cfg.TRACKING.URI if cfg is not None else "")
+    return without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
 
 
 def without_credentials(uri: str) -> str:
@@ -40,6 +43,13 @@ def without_credentials(uri: str) -> str:
     os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
     os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
     return urlunsplit(parts._replace(netloc=host))
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The run's page in the MLflow UI, where the tracking URI is a server's."""
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return None
 
 
 def experiment_name(cfg: Config) -> str:
@@ -98,11 +108,19 @@ def describe_job(cfg: Config, world_size: int) -> str:
             f"Evaluated on {', '.join(cfg.TEST.DATASETS) or 'nothing'}.")
 
 
-# ---- finding the job's run: done by the tracking agent (or here), so plain data comes back ----
+# ---- finding the job's run ----
 
-def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str | None, new_run: bool) -> dict:
-    """Find or create the job's run: its id, experiment, whether an earlier start of the job made
-    it, its tags, its params' names, the last step logged, and a note for the log."""
+@dataclass
+class OpenedRun:
+    run: object  # mlflow.entities.Run, as it was when found or made
+    experiment_id: str
+    resumed: bool  # an earlier start of this job made it
+    last_step: int  # the newest step logged to it (-1: none)
+    note: str | None  # for the log: why the job continues in another run than the launcher's
+
+
+def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str | None, new_run: bool) -> OpenedRun:
+    """Find or create the job's run (UserError, in one line, when the server cannot be used)."""
     from mlflow.entities import RunTag
 
     try:
@@ -118,13 +136,12 @@ def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str 
         else:
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
-            last_step = _last_step(client, run)
+            last_step = last_step_of(run)
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - nothing was written yet: say why in one line
+    except Exception as e:  # nothing was written yet: say why in one line
         raise UserError(start_error(uri, e)) from None
-    return {"run_id": run.info.run_id, "experiment_id": exp_id, "resumed": resumed, "tags": dict(run.data.tags),
-            "params": set(run.data.params), "last_step": last_step, "note": note}
+    return OpenedRun(run, exp_id, resumed, last_step, note)
 
 
 def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool):
@@ -177,36 +194,81 @@ def _newest_job_run(client, exp_id: str, cfg: Config):
     return runs[0] if runs else None
 
 
-def _last_step(client, run) -> int:
-    """The newest step logged: the run's latest `loss` is the one with the highest step (the
-    store keeps it), so no need to fetch a history of every iteration of a long job."""
-    latest = [m for m in getattr(run.data, "_metric_objs", None) or () if m.key == "loss"]
-    if latest:
-        return latest[0].step
-    history = client.get_metric_history(run.info.run_id, "loss")
-    return max((m.step for m in history), default=-1)
+def last_step_of(run, key: str = "loss") -> int:
+    """The newest step of `key` logged to the run, -1 if none. The store keeps each key's latest
+    point (the one with the highest step) with the run, and RunData's proto carries its step, so a
+    long job's history of every iteration is never fetched."""
+    return max((m.step for m in run.data.to_proto().metrics if m.key == key), default=-1)
 
 
 def _run_name(cfg: Config) -> str:
     return cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def download_verified(client, run_id: str, name: str, folder: str, expected: str | None) -> tuple:
+def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
+    """(experiment, run) for every tracktron job on the server (of `experiment` if named), newest
+    first in each experiment; UserError in one line when the server cannot be read."""
+    from mlflow import MlflowClient
+
+    try:
+        client = MlflowClient(uri)
+        if experiment:
+            experiments = [e for e in [client.get_experiment_by_name(experiment)] if e]
+        else:
+            experiments = client.search_experiments()
+        return [(exp, run) for exp in experiments
+                for run in client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` != ''",
+                                              order_by=["attributes.start_time DESC"])]
+    except Exception as e:  # an unreachable server is the user's to fix
+        raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None
+
+
+# ---- fetching what a run holds ----
+
+def download_verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> tuple:
     """(path, None) once checkpoints/<name> is in `folder` and matches its sha256 tag; (None, why) else."""
     try:
-        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", folder))
-    except Exception as e:  # noqa: BLE001 - a missing or unreadable artifact: try an older one
+        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
+    except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
         return None, f"could not download checkpoint {name}: {first_line(e)}"
     if sha256_of(path) != expected:
         return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
-    return str(path), None
+    return path, None
 
 
-def download_optional(client, run_id: str, name: str, folder: str) -> str | None:
+def download_uri(cfg: Config, uri: str, dest: str) -> Path:
+    """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be)."""
+    import mlflow
+
+    where = tracking_uri(cfg)
     try:
-        return client.download_artifacts(run_id, name, folder)
-    except Exception:  # noqa: BLE001 - optional files (json_stats.log) may not exist yet
-        return None
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+    except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
+        raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
+
+
+def load_logged_model(cfg: Config, uri: str):
+    """The torch module of a logged MLflow model (a `models:/` URI or a downloaded model folder)."""
+    import mlflow
+
+    where = tracking_uri(cfg)
+    mlflow.set_tracking_uri(where)
+    try:
+        return mlflow.pytorch.load_model(uri, map_location="cpu")
+    except Exception as e:  # unknown name or version, unreachable server
+        raise UserError(f"cannot load {uri} from {where}: {first_line(e)}") from None
+
+
+def retryable(e: BaseException) -> bool:
+    """Retry what a server that is down or overloaded causes; a request it rejects, or a local file
+    that is not there, is final."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(e, MlflowException):
+        status = e.get_http_status_code()
+        return status >= 500 or status == 429
+    final = (TypeError, ValueError, KeyError, AttributeError, FileNotFoundError, IsADirectoryError, PermissionError)
+    return not isinstance(e, final)
 
 
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
@@ -223,8 +285,3 @@ def start_error(uri: str, e: BaseException) -> str:
     if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
         return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
     return f"tracking server {uri}: {first_line(e)}"
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__

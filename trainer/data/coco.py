@@ -26,10 +26,10 @@ from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_image
 
-from trainer.coco_checks import check, read_json
+from trainer.data.checks import check, read_json
+from trainer.data.sampler import InfiniteGroupedBatchSampler
+from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.errors import UserError
-from trainer.sampler import InfiniteGroupedBatchSampler
-from trainer.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 
 log = logging.getLogger(__name__)
 # torchvision 0.29 deprecates its decoders for TorchCodec, which this project does not use.
@@ -87,8 +87,10 @@ def resolve_dataset(cfg, name: str) -> tuple[Path, Path]:
 
 def _flip_perm(names: list) -> list:
     """Keypoint order after a horizontal flip: left_* <-> right_* (COCO), left <-> right (shapes)."""
+    def mirror(name: str) -> str:
+        return name.replace("left", "\0").replace("right", "left").replace("\0", "right")
+
     index = {n: i for i, n in enumerate(names)}
-    mirror = lambda n: n.replace("left", "\0").replace("right", "left").replace("\0", "right")  # noqa: E731
     return [index.get(mirror(n), i) for i, n in enumerate(names)]
 
 

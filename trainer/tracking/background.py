@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from trainer.errors import first_line
+
 log = logging.getLogger(__name__)
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
@@ -45,7 +47,6 @@ class MetricSender:
         self._inflight_from: int | None = None  # the first step of the batch being sent
         self._deadline = float("inf")
         self.dropped = 0
-        self.sent = 0
         self.failures = 0
         self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
         self._thread.start()
@@ -119,11 +120,10 @@ class MetricSender:
                 continue
             try:
                 self._send(batch)
-                self.sent += len(batch)
                 batch = []
                 self._inflight_from = None
                 backoff.reset()
-            except Exception as e:  # noqa: BLE001 - a server that is down is retried
+            except Exception as e:  # a server that is down is retried
                 self.failures += 1
                 delay = backoff.failed()
                 if time.monotonic() + delay > self._deadline:
@@ -131,7 +131,7 @@ class MetricSender:
                     return
                 # One warning per outage, not one per retry: logs stay readable, stderr never floods.
                 (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
-                    "metrics: send failed (%s), retrying in %.1fs", _short(e), delay)
+                    "metrics: send failed (%s), retrying in %.1fs", first_line(e, 200), delay)
                 time.sleep(delay)
 
 
@@ -154,10 +154,6 @@ class Uploader:
         with self._cv:
             self._jobs.append((description, job))
             self._cv.notify()
-
-    def pending(self) -> int:
-        with self._cv:
-            return len(self._jobs) + (self._busy is not None)
 
     def wait(self, timeout: float) -> bool:
         """Wait until every job queued so far is done (or failed); True when the queue drained."""
@@ -207,7 +203,7 @@ class Uploader:
             try:
                 job()
                 return
-            except Exception as e:  # noqa: BLE001 - retried until the deadline
+            except Exception as e:  # retried until the deadline
                 delay = backoff.failed()
                 if self._abandoned:  # close() has reported it; the job is exiting
                     return
@@ -216,10 +212,5 @@ class Uploader:
                     self.failed.append(description)
                     return
                 first = backoff.delay == backoff.first * 2
-                (log.warning if first else log.debug)("tracking: %s failed (%s); retrying", description, _short(e))
+                (log.warning if first else log.debug)("tracking: %s failed (%s); retrying", description, first_line(e, 200))
                 time.sleep(delay)
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__

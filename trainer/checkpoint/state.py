@@ -1,12 +1,12 @@
-"""Checkpoints: the full training state, written atomically, found again on resume.
+"""A checkpoint's contents: the training state, written atomically, loaded safely.
 
 A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states
 and the sampler's position (the sampler is a pure function of seed and iteration, so the
 iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
 killed process leaves either the old set or the new file, never half of one (its temporary file is
-removed by the next job in that folder). checkpoint_writer.py writes them in the background, off
-the training thread. A write that fails (disk full, file size limit) raises
-`CheckpointWriteError` naming the file and the reason, and leaves the older checkpoints as they were.
+removed by the next job in that folder). writer.py writes them on a background thread. A write
+that fails (disk full, file size limit) raises `CheckpointWriteError` naming the file and the
+reason, and leaves the older checkpoints as they were.
 
 Loading checks every record of the zip archive against its CRC-32 before unpickling (with
 `weights_only=True`), so a truncated or bit-flipped file is skipped, never trained on.
@@ -24,9 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint_files import (FINAL, checkpoint_name, iteration_of, local_checkpoints,  # noqa: F401
-                                      prune, remove_stale_temps, sha256_of, temp_name)
-from trainer.checkpoint_process import map_leaves
+from trainer.checkpoint.files import local_checkpoints, remove_stale_temps, temp_name
+from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +81,14 @@ def _as_tuple(x):
 # ---- files ----
 
 def to_cpu(obj):
-    """A host copy of a state tree, so training can go on while it is written."""
-    return map_leaves(obj, lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x)
+    """A host copy of a state tree (dicts, lists, tuples), so training can go on while it is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 class _HashingFile:
@@ -168,7 +173,7 @@ def load(path: Path, sha256_checked: bool = False) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, tampered pickle, not a torch file
-        raise CheckpointError(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise CheckpointError(f"{path}: {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(state, dict) or "model" not in state or "iteration" not in state:
         raise CheckpointError(f"{path}: not a tracktron checkpoint")
     return state

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-log = logging.getLogger("trainer.checkpoint")
+log = logging.getLogger(__name__)
 
 FINAL = "model_final.pth"
 _ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
@@ -108,12 +108,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def prune(output_dir: Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
-    """Delete all but the `keep` newest model_iter files (never model_final, never `protect`)."""
-    iters = [p for p in local_checkpoints(output_dir) if p.name != FINAL]
-    removed = []
-    for path in iters[keep:]:
-        if path.name not in protect:
-            path.unlink(missing_ok=True)
-            removed.append(path)
+def prune(output_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest model_iter files (never model_final)."""
+    removed = [p for p in local_checkpoints(output_dir) if p.name != FINAL][keep:]
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed

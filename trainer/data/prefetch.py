@@ -30,7 +30,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 self._put((True, _to_device(next(self._it), self._device)))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who re-raises it
+        except BaseException as e:  # handed to the consumer, who re-raises it
             self._put((False, _unwrap(e)))
 
     def _put(self, item) -> None:

@@ -1,0 +1,156 @@
+"""The MLflow tracker against a real `mlflow server`: it finds the job's run on a thread, makes every
+call from background threads of this one process with MLflow's own client, never lets uploads pile
+up (a newer checkpoint supersedes an older one not yet started), and tells a rejected request (final)
+from a server that is down (retried until it is back)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from mlflow import MlflowClient
+
+from tests.conftest import DEMO
+from tests.servers import FaultProxy, MlflowServer
+from trainer.checkpoint.files import checkpoint_name, sha256_of
+from trainer.config import load_config
+from trainer.tracking.mlflow_tracker import MlflowTracker
+from trainer.tracking.runs import sha_tag
+
+KEYS = ("loss", "lr", "time")
+
+
+def new_tracker(tmp_path, uri: str, **keys) -> MlflowTracker:
+    overrides = {"TRACKING.URI": uri, "TRACKING.EXPERIMENT": f"tracker-{tmp_path.name}", "OUTPUT_DIR": str(tmp_path),
+                 **keys}
+    cfg = load_config(DEMO, [str(x) for kv in overrides.items() for x in kv])
+    tracker = MlflowTracker(cfg)
+    tracker.start(cfg, new_run=True)
+    return tracker
+
+
+def checkpoint(tmp_path, tracker: MlflowTracker, iteration: int | None, size: int = 100_000) -> None:
+    path = tmp_path / checkpoint_name(iteration)
+    path.write_bytes(os.urandom(size))
+    tracker.log_checkpoint(path, sha256_of(path))
+
+
+def log_steps(tracker: MlflowTracker, steps: range) -> None:
+    for step in steps:
+        tracker.log_metrics({k: step / 10 for k in KEYS}, step)
+
+
+def stored_checkpoints(uri: str, run_id: str) -> set[str]:
+    return {f.path.rsplit("/", 1)[1] for f in MlflowClient(uri).list_artifacts(run_id, "checkpoints")}
+
+
+def assert_on_server(uri: str, run_id: str, last_step: int, checkpoints: list[str]) -> None:
+    client = MlflowClient(uri)
+    for key in KEYS:
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(last_step + 1)), key
+    tags = client.get_run(run_id).data.tags
+    stored = stored_checkpoints(uri, run_id)
+    for name in checkpoints:
+        assert sha_tag(name) in tags and name in stored
+    assert tags["tracktron.ckpt.latest"] == checkpoints[-1]
+
+
+def test_start_returns_at_once_and_every_call_is_made_by_threads_of_this_process(tmp_path, mlflow_server):
+    before = set(threading.enumerate())
+    children_before = _children()
+    started = time.monotonic()
+    tracker = new_tracker(tmp_path, mlflow_server.url)
+    assert time.monotonic() - started < 0.5, "start() waited for the run"  # the lookup is on a thread
+    assert tracker.run.run_id  # ... which `run` waits for
+    log_steps(tracker, range(0, 3))
+    checkpoint(tmp_path, tracker, 2)
+    assert tracker.wait(60)  # uploaded before the next one comes (else the next one supersedes it)
+    log_steps(tracker, range(3, 6))
+    checkpoint(tmp_path, tracker, 5)
+    assert tracker.wait(60)
+    names = {t.name for t in set(threading.enumerate()) - before}
+    assert {"metric-sender", "uploader"} <= names
+    assert _children() == children_before  # no process of ours, no helper: threads only
+    assert tracker.finish("FINISHED", timeout=30) == []
+    assert_on_server(mlflow_server.url, tracker.run.run_id, 5, ["model_iter2.pth", "model_iter5.pth"])
+    assert MlflowClient(mlflow_server.url).get_run(tracker.run.run_id).info.status == "FINISHED"
+    for thread in set(threading.enumerate()) - before:  # finish() leaves none of ours running
+        assert thread.name not in ("metric-sender", "uploader"), thread.name
+
+
+def test_a_checkpoint_superseded_before_its_upload_starts_is_not_uploaded(tmp_path, mlflow_server):
+    """A slow tracking server (or its S3 on a slower core): checkpoints come faster than they go up.
+    The uploader does not fall behind: only the newest waiting one is sent, and the job ends with
+    nothing reported missing once model_final is there."""
+    with FaultProxy(mlflow_server.url) as proxy:
+        tracker = new_tracker(tmp_path, proxy.url, **{"TRACKING.FLUSH_TIMEOUT_S": 10})
+        run_id = tracker.run.run_id
+        proxy.delay_requests(rb"(PUT|POST) /api/2\.0/mlflow-artifacts/artifacts/.*model_iter", 2.0)
+        for it in range(4, 40, 5):  # eight checkpoints in a burst, as a fast job makes them
+            log_steps(tracker, range(it - 4, it + 1))
+            checkpoint(tmp_path, tracker, it)
+        checkpoint(tmp_path, tracker, None)
+        assert tracker.finish("FINISHED") == []  # within 10 s: eight 2 s uploads in a row would not be
+    stored = stored_checkpoints(mlflow_server.url, run_id)
+    assert "model_final.pth" in stored
+    assert len(stored) <= 3, stored  # the one in flight when the burst came, maybe one more, and model_final
+    tags = MlflowClient(mlflow_server.url).get_run(run_id).data.tags
+    assert tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert {n for n in stored if sha_tag(n) in tags} == stored  # what is there is complete
+
+
+def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_one_did(tmp_path, mlflow_server):
+    tracker = new_tracker(tmp_path, mlflow_server.url)
+    run_id = tracker.run.run_id
+    log_steps(tracker, range(0, 5))
+    gone = tmp_path / "model_iter4.pth"
+    tracker.log_checkpoint(gone, "0" * 64)  # its file is gone before the upload (deleted by hand): fails for good
+    assert tracker.wait(30)
+    checkpoint(tmp_path, tracker, None)
+    assert tracker.finish("FINISHED", timeout=30) == []  # model_final is there: nothing that matters is missing
+    assert stored_checkpoints(mlflow_server.url, run_id) == {"model_final.pth"}
+
+    alone = new_tracker(tmp_path / "alone", mlflow_server.url)  # the same without a newer one: reported
+    alone.log_checkpoint(gone, "0" * 64)
+    assert alone.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
+
+
+def test_a_rejected_request_is_final_and_a_server_that_is_down_is_waited_for(tmp_path, s3_server):
+    server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/tracker", env=s3_server.env)
+    (tmp_path / "server").mkdir()
+    server.start()
+    try:
+        tracker = new_tracker(tmp_path, server.url, **{"TRACKING.FLUSH_TIMEOUT_S": 120})
+        run_id = tracker.run.run_id
+        log_steps(tracker, range(0, 3))
+        tracker.log_artifact(tmp_path / "missing.txt")  # a request that cannot succeed: reported at once
+        server.stop()  # down: metrics and the checkpoint wait for it
+        log_steps(tracker, range(3, 6))
+        checkpoint(tmp_path, tracker, 5)
+        time.sleep(3.0)
+        server.start()
+        assert tracker.finish("FINISHED") == ["upload missing.txt"]
+        assert_on_server(server.url, run_id, 5, ["model_iter5.pth"])
+    finally:
+        server.stop()
+
+
+def test_a_tracking_server_that_is_not_there_is_one_line_when_the_run_is_asked_for(tmp_path):
+    import pytest
+
+    from trainer.errors import UserError
+
+    cfg = load_config(DEMO, ["TRACKING.URI", "http://127.0.0.1:9", "OUTPUT_DIR", str(tmp_path)])
+    tracker = MlflowTracker(cfg)
+    tracker.start(cfg)  # returns at once
+    with pytest.raises(UserError, match="cannot reach the tracking server at http://127.0.0.1:9"):
+        tracker.run
+    assert tracker.finish("FAILED") == []  # nothing to finish, no hang
+
+
+def _children() -> set[int]:
+    pids = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    return pids

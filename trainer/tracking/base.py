@@ -1,0 +1,60 @@
+"""The tracking interface the engine, evaluation and the CLI talk to, and its no-op implementation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.config import Config
+
+
+@dataclass
+class RunInfo:
+    """What the tracker knows of this job's run when training starts."""
+
+    run_id: str | None = None
+    ui_url: str | None = None
+    resumed: bool = False  # an existing run of this job is continued
+    checkpoints: list[str] = field(default_factory=list)  # complete checkpoints, newest first
+
+
+class Tracker:
+    """No-op tracker (TRACKING.ENABLED false, and every rank but 0)."""
+
+    uri: str | None = None
+    run: RunInfo = RunInfo()
+
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
+        """Find or create the job's run on a background thread (a resumed job's newest checkpoint
+        starts downloading right after); `run` waits for it."""
+
+    def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
+        """Download a complete checkpoint of the run and verify it; None if it is unusable."""
+        return None
+
+    def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
+        return None
+
+    def set_tags(self, tags: dict) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        pass
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_checkpoint(self, path: Path, sha256: str) -> None:
+        """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it."""
+
+    def log_model(self, model, cfg: Config) -> None:
+        pass
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for queued uploads (preemption: the last checkpoint must reach the server)."""
+        return True
+
+    def finish(self, status: str | None, reason: str = "", timeout: float | None = None) -> list[str]:
+        """FINISHED, FAILED or KILLED (None: leave the status alone); flushes what is queued within
+        `timeout` (default TRACKING.FLUSH_TIMEOUT_S). Returns what never reached the server that
+        matters (empty: everything did, or a newer checkpoint made an older one moot)."""
+        return []

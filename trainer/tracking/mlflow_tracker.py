@@ -1,0 +1,258 @@
+"""The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
+
+`start()` finds or creates the job's run on a thread (then downloads a resumed job's newest
+checkpoint) while the caller imports torch and builds the model; `run` waits for it. Everything
+after goes through two background threads with MLflow's own client: the MetricSender (one
+`log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the status).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
+from trainer.config import Config, redact_text
+from trainer.errors import UserError
+from trainer.tracking.base import RunInfo, Tracker
+from trainer.tracking.background import MetricSender, Uploader
+from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
+                                   safe_params, sha_tag, start_error, tracking_uri)
+
+log = logging.getLogger(__name__)
+
+METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that much, the server idles
+
+
+class MlflowTracker(Tracker):
+    def __init__(self, cfg: Config, world_size: int = 1):
+        # MLflow's own HTTP retries can block for minutes; ours run in the background instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        self.uri = tracking_uri(cfg)
+        self.world_size = world_size
+        self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
+        self.client = None  # MLflow's client, made by start() (MLflow is imported there)
+        self._skip_until = -1  # steps already logged by an earlier process of this run
+        self._tags: dict[str, str] = {}
+        self._run = RunInfo()
+        self._opening: Future | None = None
+        self._prefetched: tuple[str, Path, Future] | None = None  # the download start() began
+        self._sender: MetricSender | None = None
+        self._uploader = Uploader(retryable)
+        self._newest_checkpoint = -1.0  # the newest checkpoint handed to log_checkpoint
+        self._newest_uploaded = -1.0  # ... and the newest one tagged complete on the server
+
+    # ---- start: find or create the job's run ----
+
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
+        if self._opening is None:
+            self._opening = Future()
+            threading.Thread(target=self._open, args=(cfg, resume_run_id, new_run), name="tracking-start",
+                             daemon=True).start()
+
+    @property
+    def run(self) -> RunInfo:
+        """The job's run: waits for start()'s lookup, raises its UserError."""
+        if self._opening is not None:
+            self._opening.result()
+        return self._run
+
+    def attach(self, run_id: str) -> None:
+        """Log into an existing run, as it is (no status change, no params)."""
+        self._make_client()
+        self._run = RunInfo(run_id)
+        self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
+
+    def _make_client(self) -> None:
+        try:
+            from mlflow import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.uri)
+        except Exception as e:  # a URI MLflow has no store for: the user's to fix
+            raise UserError(start_error(self.uri, e)) from None
+
+    def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
+        """On a thread: the run, then (for a resumed job) the download the resume will want."""
+        try:
+            self._make_client()
+            found = open_run(self.client, self.uri, cfg, self.world_size, resume_run_id, new_run)
+            run_id = found.run.info.run_id
+            self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
+            self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
+                                checkpoints_from(self._tags))
+            self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
+            self._log_params(cfg, set(found.run.data.params))
+            download = self._prefetch_newest(Path(cfg.OUTPUT_DIR)) if found.resumed else None
+        except BaseException as e:  # a UserError, or one line for what the client could not do
+            self._opening.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
+            return
+        if found.note:
+            log.info("%s", found.note)
+        self._opening.set_result(None)
+        if download:
+            download()
+
+    def _log_params(self, cfg: Config, logged: set) -> None:
+        # A param cannot change value within a run: a restart on another machine (other paths)
+        # keeps the values the run started with.
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in safe_params(cfg).items() if k not in logged]
+        for i in range(0, len(items), 100):
+            chunk = items[i:i + 100]
+            self._uploader.submit("params", lambda c=chunk: self.client.log_batch(self._run.run_id, params=c))
+
+    # ---- resume ----
+
+    def _prefetch_newest(self, output_dir: Path):
+        """The download that the resume will want (the run's newest checkpoint, when it is newer
+        than every local one), to run at once so that it overlaps torch's import and the build."""
+        local = local_checkpoints(output_dir)
+        newest_local = iteration_of(local[0].name) if local else -1
+        name = self._run.checkpoints[0] if self._run.checkpoints else FINAL
+        if name == FINAL or iteration_of(name) <= newest_local:
+            return None
+        folder, future = download_folder(output_dir), Future()
+
+        def download():
+            try:
+                future.set_result(self._download_verified(name, folder))
+            except BaseException as e:  # handed to whoever asks for the result
+                future.set_exception(e)
+
+        self._prefetched = name, folder, future
+        return download
+
+    def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
+        """dest_dir/name once its bytes match the sha256 tag. It is downloaded into a hidden folder
+        first, so that nobody looking for local checkpoints meanwhile takes a partial one."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == name:
+            _, folder, future = prefetched
+            path = future.result()
+        else:
+            self._discard(prefetched)
+            folder = download_folder(dest_dir)
+            path = self._download_verified(name, folder)
+        try:
+            return path.replace(dest_dir / name) if path else None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _discard(prefetched) -> None:
+        if prefetched is not None:  # its download, if still going, fails without its folder
+            shutil.rmtree(prefetched[1], ignore_errors=True)
+
+    def _download_verified(self, name: str, folder: Path) -> Path | None:
+        expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
+        path, why = download_verified(self.client, self._run.run_id, name, folder, expected)
+        if why:
+            log.warning("%s", why)
+        return path
+
+    def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
+        try:
+            return Path(self.client.download_artifacts(self.run.run_id, name, str(dest_dir)))
+        except Exception:  # optional files (json_stats.log) may not exist yet
+            return None
+
+    # ---- during training: all queued ----
+
+    def set_tags(self, tags: dict) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._uploader.submit("tags", lambda: self.client.log_batch(self._run.run_id, tags=items))
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        if step > self._skip_until:
+            self._sender.put(metrics, step)
+
+    def _send_metrics(self, points: list) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]  # (key, value, ms, step) each
+        self.client.log_batch(self._run.run_id, metrics=metrics, synchronous=True)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._uploader.submit(f"upload {path.name}",
+                              lambda: self.client.log_artifact(self._run.run_id, str(path), artifact_path))
+
+    def log_checkpoint(self, path: Path, sha256: str) -> None:
+        from mlflow.entities import RunTag
+
+        iteration = iteration_of(path.name)
+        self._newest_checkpoint = max(self._newest_checkpoint, iteration)
+
+        def upload():
+            if iteration < self._newest_checkpoint:  # a newer one is on its way: this one is moot
+                log.info("not uploading %s: a newer checkpoint supersedes it", path.name)
+                return
+            self.client.log_artifact(self._run.run_id, str(path), "checkpoints")
+            # Complete means resumable without a hole: the metrics of every iteration it holds
+            # are on the server too, or a job killed now would resume past unsent points.
+            if not self._sender.wait_sent(iteration, timeout=60.0):
+                raise TimeoutError(f"metrics up to {path.name} not delivered yet")
+            # The tags say "complete": set only after the bytes are on the artifact store.
+            self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
+                                                           RunTag(LATEST_TAG, path.name)])
+            self._newest_uploaded = max(self._newest_uploaded, iteration)
+
+        self._uploader.submit(f"upload checkpoint {path.name}", upload)
+
+    def log_model(self, model, cfg: Config) -> None:
+        import torch
+        import torchvision
+
+        def log_it():
+            import mlflow
+
+            mlflow.set_tracking_uri(self.uri)
+            with mlflow.start_run(run_id=self._run.run_id):
+                mlflow.pytorch.log_model(
+                    model, name="model", serialization_format="pickle",
+                    registered_model_name=cfg.TRACKING.REGISTERED_MODEL or None,
+                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                      f"torchvision=={torchvision.__version__.split('+')[0]}"])
+
+        self._uploader.submit("log the final model", log_it)
+
+    def wait(self, timeout: float) -> bool:
+        return self._uploader.wait(timeout)
+
+    def finish(self, status: str | None, reason: str = "", timeout: float | None = None) -> list[str]:
+        self._discard(self._prefetched)  # never asked for: a local checkpoint was newer
+        self._prefetched = None
+        try:
+            run_id = self.run.run_id
+        except UserError:  # start() failed: there is no run to finish
+            run_id = None
+        if run_id is None:
+            self._uploader.close(0)
+            return []
+        timeout = self.flush_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if self._sender:
+            self._sender.close(timeout)
+        if status is not None:
+            self._uploader.submit("set the run's status", lambda: self._set_status(status, reason))
+        self._uploader.close(max(1.0, deadline - time.monotonic()))
+        return [d for d in self._uploader.failed if not self._superseded(d)]
+
+    def _set_status(self, status: str, reason: str) -> None:
+        from mlflow.entities import RunTag
+
+        if reason:
+            self.client.log_batch(self._run.run_id, tags=[RunTag("tracktron.status_reason", redact_text(reason)[:5000])])
+        self.client.set_terminated(self._run.run_id, status)
+
+    def _superseded(self, description: str) -> bool:
+        """An older checkpoint that never reached the server, when a newer one did, is lost nothing."""
+        prefix = "upload checkpoint "
+        return description.startswith(prefix) and iteration_of(description[len(prefix):]) < self._newest_uploaded

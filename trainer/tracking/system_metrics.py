@@ -1,0 +1,42 @@
+"""MLflow system metrics (CPU, memory, disk, network, GPU) for a training run.
+
+One monitor per node (local rank 0), named `node<N>` under torchrun so the UI keeps the nodes
+apart: MLflow's own SystemMetricsMonitor, a thread of the training process that samples every
+10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). A monitor MLflow cannot make (no psutil, no GPU
+library) turns system metrics off with a warning; the job trains on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from trainer.config import Config
+from trainer.tracking.runs import tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+def wanted(cfg: Config, on_gpu: bool) -> bool:
+    setting = cfg.TRACKING.SYSTEM_METRICS
+    return cfg.TRACKING.ENABLED and (setting == "true" or (setting == "auto" and on_gpu))
+
+
+def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: int, on_gpu: bool = False):
+    """MLflow's SystemMetricsMonitor, started (call `.finish()` at the end); None when it is off,
+    not this process's job, or cannot run."""
+    if not (run_id and local_rank == 0 and wanted(cfg, on_gpu)):
+        return None
+    node = f"node{os.environ.get('GROUP_RANK', '0')}" if world_size > 1 else None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    except ImportError as e:  # psutil missing: say so, train anyway
+        log.warning("system metrics off: %s", e)
+        return None
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not its start and stop
+    try:
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node, tracking_uri=tracking_uri(cfg))
+    except Exception as e:  # no GPU library, a server that fails: the job trains on
+        log.warning("system metrics off: %s", e)
+        return None
+    monitor.start()
+    return monitor
