@@ -22,6 +22,7 @@ demo-long: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/tracktron train --config configs/demo_long.yaml
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check trainer tests bench
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

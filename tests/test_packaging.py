@@ -29,7 +29,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def _torch_pins() -> dict[str, str]:
     """The Makefile's TORCH_PINS: the torch/torchvision pair the project is tested with."""
-    line = next(l for l in (ROOT / "Makefile").read_text().splitlines() if l.startswith("TORCH_PINS"))
+    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("TORCH_PINS"))
     return dict(re.findall(r"(torch|torchvision)==([\w.]+)", line))
 
 
@@ -109,7 +109,8 @@ def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, o
     project = _load_project(ROOT)
     command = project.get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
     stub = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
-    command = command.replace("python -m trainer", stub).replace("tracktron", stub)
+    # One pass, whole words only: the stub's own path (a clone in a folder named tracktron) stays as it is.
+    command = re.sub(r"(?<![\w/.-])(python -m trainer|tracktron)(?![\w/.-])", lambda m: stub, command)
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", *expected]
@@ -193,8 +194,8 @@ def test_dockerfile_user_entrypoint_volumes_and_default_command():
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context():
-    ignored = {l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
-               if l.strip() and not l.startswith("#")}
+    ignored = {x.strip() for x in (ROOT / ".dockerignore").read_text().splitlines()
+               if x.strip() and not x.startswith("#")}
     for entry in (".venv", "output", "datasets", "mlflow.db", "mlruns", ".git"):
         assert entry in ignored
     assert "**/__pycache__" in ignored or "__pycache__" in ignored
@@ -316,7 +317,7 @@ def test_pipeline_prepare_and_eval_steps(tmp_path):
     out_file = tmp_path / "o" / "prepared_dir"
     out = _bash(prepare, "synth", tmp_path / "data", "8", out_file, env=env)
     assert out.returncode == 0, out.stderr
-    calls = [json.loads(l)["argv"] for l in out.stdout.splitlines()]
+    calls = [json.loads(x)["argv"] for x in out.stdout.splitlines()]
     assert calls[0] == ["data", "synth", "--out", f"{tmp_path}/data/synth_shapes/train", "--num-images", "8",
                         "--seed", "0"]
     assert calls[1][:4] == ["data", "synth", "--out", f"{tmp_path}/data/synth_shapes/val"]
