@@ -175,3 +175,32 @@ def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_pa
             path.write_bytes(b"half")
     assert sorted(remove_stale_temps(tmp_path)) == sorted(gone)
     assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)
+
+
+def test_a_second_trainer_on_the_same_output_dir_stops_at_once_naming_the_first(tmp_path, data_dir):
+    """Two trainers on one OUTPUT_DIR would train into the same files (and run): the second one
+    stops before it touches anything. A SIGKILLed first one leaves no stale lock behind."""
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 400, "TRACKING.ENABLED": "false",
+                                                 "LOG_PERIOD": 1})
+    out = tmp_path / "output"
+    first = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 240
+        while not (out / "json_stats.log").exists():  # the first one is training
+            assert first.poll() is None and time.monotonic() < end
+            time.sleep(0.05)
+        logged = (out / "json_stats.log").read_text()
+        second = run_trainer(args, cwd=tmp_path)
+        assert second.returncode == 2, second.stderr
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: OUTPUT_DIR {out} is in use by another trainer (host ")
+        assert f"pid {first.pid})" in last
+        assert (out / "json_stats.log").read_text().startswith(logged)  # the first one's log, not rewritten
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill()
+        first.wait()
+    third = run_trainer(["--no-resume", *demo_overrides(tmp_path, data_dir, **{"TRACKING.ENABLED": "false"})],
+                        cwd=tmp_path)
+    assert third.returncode == 0, third.stderr  # the killed one's lock went with it

@@ -5,6 +5,7 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -16,6 +17,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.errors import UserError
 from trainer.logs import setup_logging
+from trainer.output_lock import OutputLock
 from trainer.preemption import Preempted, StopOnSignal, StopRequested
 
 log = logging.getLogger("tracktron")
@@ -54,12 +56,14 @@ def train(config_file, resume_run_id, no_resume, opts):
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
     _check_output_dir(Path(cfg.OUTPUT_DIR))
+    lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
     tracker = create_tracker(cfg, rank, world_size)
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
             # The job's run is found (and a resumed job's checkpoint downloaded) while torch loads.
             tracker.start(cfg, resume_run_id, new_run=no_resume)
+            importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
             from trainer import distributed
             from trainer.tracking.system_metrics import start_monitor
 
@@ -80,6 +84,8 @@ def train(config_file, resume_run_id, no_resume, opts):
             monitor.finish()
         if ctx is not None:
             distributed.teardown(ctx)
+        if lock is not None:
+            lock.release()
 
 
 def _check_output_dir(path: Path) -> None:

@@ -1,0 +1,60 @@
+"""One trainer per OUTPUT_DIR: a second one started on the same folder stops before it touches
+anything, naming the first. The lock is the kernel's (flock on OUTPUT_DIR/.lock), so a trainer that
+is killed leaves nothing stuck: its lock goes with its process. A job that ends before it wrote
+anything (a tracking server that cannot be reached, say) leaves no OUTPUT_DIR behind either."""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from trainer.errors import UserError
+
+LOCK_NAME = ".lock"
+
+
+class OutputLock:
+    """Held from `acquire()` until `release()` (or the process's end)."""
+
+    def __init__(self, output_dir: Path):
+        self.dir = Path(output_dir)
+        self.path = self.dir / LOCK_NAME
+        self._fd: int | None = None
+        self._made_dir = False
+
+    def acquire(self) -> OutputLock:
+        self._made_dir = not self.dir.exists()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder}): "
+                                "wait for it to end, or give this job another OUTPUT_DIR") from None
+            if self._is_current(fd):
+                break
+            os.close(fd)  # a trainer that was ending removed that file meanwhile: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def _is_current(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        """Drop the lock; an OUTPUT_DIR this job made and wrote nothing to goes too."""
+        if self._fd is None:
+            return
+        if self._made_dir and [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
+            self.path.unlink(missing_ok=True)
+            self.dir.rmdir()
+        os.close(self._fd)  # closing the descriptor drops the lock
+        self._fd = None
