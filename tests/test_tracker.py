@@ -154,3 +154,41 @@ def _children() -> set[int]:
         with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
             pids |= {int(p) for p in f.read().split()}
     return pids
+
+
+def test_two_jobs_starting_at_once_in_a_new_experiment_both_get_their_run(tmp_path, mlflow_server):
+    """Both look the experiment up, find none, and create it: the second create is refused by the
+    server (it exists now), and that job takes the experiment the first one made."""
+    experiment = f"together-{tmp_path.name}"
+    trackers = []
+    for name in ("a", "b"):
+        cfg = load_config(DEMO, ["TRACKING.URI", mlflow_server.url, "TRACKING.EXPERIMENT", experiment,
+                                 "OUTPUT_DIR", str(tmp_path / name), "SOLVER.MAX_ITER", "8" if name == "a" else "9"])
+        trackers.append((MlflowTracker(cfg), cfg))
+    for tracker, cfg in trackers:
+        tracker.start(cfg)  # both lookups run at once, on their threads
+    runs = [tracker.run.run_id for tracker, _ in trackers]
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name(experiment)
+    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == set(runs)
+    for tracker, _ in trackers:
+        assert tracker.finish("FINISHED", timeout=30) == []
+
+
+def test_an_experiment_made_by_another_job_between_lookup_and_create_is_taken(tmp_path, mlflow_server):
+    """The race above, made certain: the lookup saw no experiment, another job then made it."""
+    from trainer.tracking.runs import _experiment
+
+    name = f"raced-{tmp_path.name}"
+    theirs = MlflowClient(mlflow_server.url).create_experiment(name)
+
+    class LateLookup(MlflowClient):
+        looked = False
+
+        def get_experiment_by_name(self, experiment_name):
+            if not self.looked:  # what the lookup saw, a moment before the other job's create
+                self.looked = True
+                return None
+            return super().get_experiment_by_name(experiment_name)
+
+    assert _experiment(LateLookup(mlflow_server.url), name) == theirs

@@ -168,9 +168,11 @@ class MlflowTracker(Tracker):
         from mlflow.entities import RunTag
 
         items = [RunTag(k, str(v)) for k, v in tags.items()]
-        self._uploader.submit("tags", lambda: self.client.log_batch(self._run.run_id, tags=items))
+        self._uploader.submit("tags", lambda: self.client.log_batch(self.run.run_id, tags=items))
 
     def log_metrics(self, metrics: dict, step: int) -> None:
+        if self._sender is None:  # called before the run was asked for: the lookup makes the sender
+            self.run
         if step > self._skip_until:
             self._sender.put(metrics, step)
 
@@ -182,7 +184,7 @@ class MlflowTracker(Tracker):
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._uploader.submit(f"upload {path.name}",
-                              lambda: self.client.log_artifact(self._run.run_id, str(path), artifact_path))
+                              lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         from mlflow.entities import RunTag
@@ -194,11 +196,12 @@ class MlflowTracker(Tracker):
             if iteration < self._newest_checkpoint:  # a newer one is on its way: this one is moot
                 log.info("not uploading %s: a newer checkpoint supersedes it", path.name)
                 return
-            self.client.log_artifact(self._run.run_id, str(path), "checkpoints")
             # Complete means resumable without a hole: the metrics of every iteration it holds
-            # are on the server too, or a job killed now would resume past unsent points.
+            # are on the server too, or a job killed now would resume past unsent points. They go
+            # first (not after the file): a job killed during the upload keeps them as well.
             if not self._sender.wait_sent(iteration, timeout=60.0):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
+            self.client.log_artifact(self.run.run_id, str(path), "checkpoints")
             # The tags say "complete": set only after the bytes are on the artifact store.
             self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                            RunTag(LATEST_TAG, path.name)])

@@ -170,11 +170,17 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
 
 
 def _experiment(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
     exp = client.get_experiment_by_name(name)
     if exp:
         return exp.experiment_id
-    # The UI groups experiments by kind: these are model-training ones.
-    return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
+    try:  # the UI groups experiments by kind: these are model-training ones
+        return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
+    except MlflowException as e:  # another job made it meanwhile
+        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) or not (exp := client.get_experiment_by_name(name)):
+            raise
+        return exp.experiment_id
 
 
 def _get_run(client, uri: str, run_id: str):
