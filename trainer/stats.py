@@ -10,13 +10,13 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import statistics
 import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-import numpy as np
 import torch
 
 from trainer.atomic_write import write_atomic
@@ -50,11 +50,11 @@ class SmoothedValue:
 
     @property
     def median(self) -> float:
-        return float(np.median(self.deque))
+        return statistics.median(self.deque)  # a few µs on a short window (numpy's: ~20 µs of set-up)
 
     @property
     def avg(self) -> float:
-        return float(np.mean(self.deque))
+        return statistics.fmean(self.deque)
 
     @property
     def global_avg(self) -> float:
