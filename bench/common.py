@@ -15,7 +15,6 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +110,7 @@ def machine_info() -> dict:
         usable = os.cpu_count()
     mem = "n/a"
     with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+        kb = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
         mem = f"{kb / 1024 / 1024:.1f} GiB"
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
@@ -151,9 +150,9 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def place_threads(training: set[int] | None, groups: list[int]) -> None:
-    """Put this process's main thread on the `training` cores and every other thread (ours, and
-    those of the processes in `groups`: servers, our helper processes) on the remaining cores, as
-    on a training host whose servers run elsewhere and whose helpers have spare cores; threads
+    """Put this process's main (training) thread on the `training` cores and every other thread
+    (our background threads, and those of the processes in `groups`: the servers) on the remaining
+    cores, as on a training host whose spare cores take the trainer's background threads; threads
     started later inherit their creator's cores. `training=None`: every thread on every core."""
     every = set(range(os.cpu_count() or 1))
     rest = every - training if training else every
@@ -277,14 +276,6 @@ def quiet_logging() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 
 
-class Stopwatch:
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.start
-
-
 def thread_cpu_seconds() -> dict[str, float]:
     """user+system CPU seconds of each live Python thread of this process, by thread name.
 
@@ -305,3 +296,32 @@ def thread_cpu_seconds() -> dict[str, float]:
         fields = stat[stat.rfind(")") + 2:].split()
         out[th.name] = out.get(th.name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
     return out
+
+
+# ---------------------------------------------------------------------------------------- the loop
+
+def fresh_loop(cfg, tracker, ctx=None):
+    """(Job, LoopState) from scratch, as train_model sets them up: the run found (tracker.run waits
+    for start()'s lookup), seeds, the dataset and model built, weights, optimizer, loader, writer."""
+    from trainer import engine
+    from trainer.data import build_train_dataset
+    from trainer.distributed import Context
+    from trainer.models import build_model
+
+    tracker.run  # the run exists before anything is logged to it
+    job = engine.Job(cfg, ctx or Context(), tracker, Path(cfg.OUTPUT_DIR))
+    engine.seed_everything(cfg)
+    dataset = build_train_dataset(cfg)
+    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+    return job, engine.setup_model_for_training(job, engine.CreatedModel(engine.StartPoint(), dataset, model))
+
+
+def quiet_stats(job, s) -> None:
+    """The loop's TrainingStats, printing to /dev/null: the json_stats lines are still formatted and
+    written to json_stats.log, and no terminal progress line depends on where stdout goes."""
+    from trainer.stats import TrainingStats
+
+    s.stats.close()
+    devnull = open(os.devnull, "w")
+    path = job.output_dir / "json_stats.log" if job.ctx.is_main else None
+    s.stats = TrainingStats(job.cfg, 0, path, is_main=job.ctx.is_main, stream=devnull, progress_stream=devnull)

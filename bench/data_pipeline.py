@@ -4,13 +4,11 @@
 """
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import Env, Section, md_table, median
+from bench.common import Env, Section, fresh_loop, md_table, median, quiet_stats
 
 NAME = "data_pipeline"
 TARGET = 0.02
@@ -31,28 +29,25 @@ WHAT = (
 
 def _data_wait(env: Env, quick: bool) -> tuple[list, bool]:
     from trainer import engine
-    from trainer.distributed import Context
     from trainer.tracking import Tracker
 
     settings = (0, 1, 2)
     cycles, block, warm = (2, 8, 3) if quick else (4, 10, 3)
-    ctx, tracker = Context(), Tracker()
     trainers = {}
     for k in settings:
         cfg = env.demo_cfg("DATA_LOADER.NUM_THREADS", k, "OUTPUT_DIR", env.scratch(f"data{k}"),
                            "TRACKING.ENABLED", "false", "SOLVER.MAX_ITER", 100_000)
-        engine.seed_everything(cfg)
-        t = engine.setup_model_for_training(cfg, tracker, ctx, Path(cfg.OUTPUT_DIR), engine.StartPoint())
-        t.stats.stream = open(os.devnull, "w")
-        trainers[k] = (cfg, t, {"iter": 0, "data": [], "time": []})
+        job, s = fresh_loop(cfg, Tracker())
+        quiet_stats(job, s)
+        trainers[k] = (job, s, {"iter": 0, "data": [], "time": []})
 
     def step(k: int, record: bool) -> None:
-        cfg, t, st = trainers[k]
-        engine.run_iteration(cfg, t, ctx, tracker, st["iter"])
+        job, s, st = trainers[k]
+        engine.run_iteration(job, s, st["iter"], False)
         st["iter"] += 1
         if record:
-            st["data"].append(t.stats.data_time.latest)
-            st["time"].append(t.stats.iter_timer.diff)
+            st["data"].append(s.stats.data_time.latest)
+            st["time"].append(s.stats.iter_timer.diff)
 
     try:
         for k in settings:
@@ -64,9 +59,9 @@ def _data_wait(env: Env, quick: bool) -> tuple[list, bool]:
                 for _ in range(block):
                     step(k, True)
     finally:
-        for _, t, _ in trainers.values():
-            t.batches.close()
-            t.writer.close(raise_errors=False)
+        for _, s, _ in trainers.values():
+            s.batches.close()
+            s.writer.close(raise_errors=False)
 
     rows, passed = [], True
     base = median(trainers[0][2]["time"])
@@ -83,7 +78,7 @@ def _data_wait(env: Env, quick: bool) -> tuple[list, bool]:
 
 
 def _make_big_dataset(env: Env):
-    from trainer.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
+    from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 
     root = env.workdir / "datasets" / "synth_640"
     write_synthetic_dataset(root, num_images=24, image_size=640, seed=7)
@@ -107,8 +102,9 @@ def _decode(env: Env, quick: bool) -> list:
     try:
         for label, (im_dir, ann) in sets:
             ds = CocoDetection(im_dir, ann, train=True)
-            records = [(im_dir / r["file_name"], r["width"], r["height"], ds[(i, False)][1])
-                       for i, r in enumerate(ds._records)]  # noqa: SLF001 - the same files and boxes
+            images = [ds.coco.imgs[image_id] for image_id in ds.image_ids]  # in the dataset's order
+            records = [(im_dir / im["file_name"], im["width"], im["height"], ds[(i, False)][1])
+                       for i, im in enumerate(images)]  # the same files and boxes
 
             def ours():
                 for i in range(len(ds)):

@@ -100,8 +100,8 @@ def inference_table(rows: list) -> str:
 
 
 def cocoeval_table(rows: list, n_results: int) -> str:
-    lines = [f"| iou type | detections | loadRes s | evaluate s | accumulate s | summarize s | "
-             f"evaluate + accumulate s | AP |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| iou type | detections | loadRes s | evaluate s | accumulate s | summarize s | "
+             "evaluate + accumulate s | AP |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for iou_type, t in rows:
         lines.append(f"| {iou_type} | {n_results} | {t['loadRes']:.3f} | {t['evaluate']:.3f} | "
                      f"{t['accumulate']:.3f} | {t['summarize']:.3f} | {t['evaluate'] + t['accumulate']:.3f} | "

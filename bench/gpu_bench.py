@@ -8,8 +8,9 @@ Synthetic data, random init (no downloads): a few batches of random images at th
 random boxes each (labels 1..80; box-filled masks for Mask R-CNN), made on the GPU once and fed to both
 loops, so neither side loads data. **ours** is the engine's path: `setup_model_for_training` (the
 Prefetcher swapped for the in-memory batches), then per iteration `run_iteration` (autocast + GradScaler
-when SOLVER.AMP, the one host sync for the loss vector, TrainingStats, metrics to MLflow through the
-MetricSender; tracking in a local sqlite store unless --tracking none) and `check_finite`. **bare** is
+when SOLVER.AMP, the one host sync for the loss vector, TrainingStats, metrics handed to the tracker's
+metric-sender thread; tracking in a local sqlite store unless --tracking none), `check_finite` and
+`maybe_reset_timer`; no checkpoints. **bare** is
 `autocast -> sum(losses) -> zero_grad -> scaler.scale(loss).backward() -> scaler.step -> update` on the
 same model and optimizer objects, with no host sync at all until the end of its block. Blocks
 alternate bare, ours, ours, bare, ...; the clock of a block starts and stops on
@@ -24,7 +25,6 @@ import argparse
 import datetime
 import gc
 import logging
-import os
 import platform
 import sys
 import tempfile
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import InMemoryBatches
+from bench.common import InMemoryBatches, fresh_loop, quiet_stats
 
 
 def parse(argv):
@@ -108,17 +108,16 @@ def bench_one(args, model_type: str, amp: bool, device, workdir: Path) -> dict:
     if args.tracking == "none":
         tracker = Tracker()
     else:
-        from trainer.mlflow_tracking import MlflowTracker
+        from trainer.tracking.mlflow_tracker import MlflowTracker
 
         tracker = MlflowTracker(cfg)
         tracker.start(cfg, new_run=True)
-    engine.seed_everything(cfg)
-    t = engine.setup_model_for_training(cfg, tracker, ctx, out, engine.StartPoint())
+    job, t = fresh_loop(cfg, tracker, ctx)
+    quiet_stats(job, t)
     t.batches.close()  # the synthetic shapes only satisfied the loader; the batches are ours
     batches = synthetic_batches(args.num_batches, args.batch, height, width, model_type.startswith("maskrcnn"),
                                 device)
     t.batches = InMemoryBatches(batches)
-    t.stats.stream = open(os.devnull, "w")
     state = {"iter": 0}
 
     def bare(n: int) -> None:
@@ -136,7 +135,7 @@ def bench_one(args, model_type: str, amp: bool, device, workdir: Path) -> dict:
     def ours(n: int) -> None:
         for _ in range(n):
             t.batches.index = state["iter"]
-            losses = engine.run_iteration(cfg, t, ctx, tracker, state["iter"])
+            losses, _ = engine.run_iteration(job, t, state["iter"], False)
             engine.check_finite(losses, state["iter"])
             t.stats.maybe_reset_timer(state["iter"])
             state["iter"] += 1
@@ -173,7 +172,8 @@ def render(args, rows: list, device, total_s: float) -> str:
              f"`bench/gpu.sh` ({' '.join(sys.argv[1:]) or 'defaults'}), "
              f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {total_s / 60:.1f} min.", "",
              f"- GPU: {gpu}; CUDA {torch.version.cuda}; cuDNN {torch.backends.cudnn.version()}",
-             f"- torch {torch.__version__}; python {platform.python_version()}; host CPU {platform.processor() or platform.machine()}",
+             f"- torch {torch.__version__}; python {platform.python_version()}; "
+             f"host CPU {platform.processor() or platform.machine()}",
              f"- batch {args.batch} images of {args.size} (synthetic, random init), {args.blocks} timed blocks of "
              f"{args.iters} iterations per side after {args.warmup} warm-up iterations, alternating; tracking: "
              f"{args.tracking}", "",

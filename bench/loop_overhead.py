@@ -1,112 +1,115 @@
-"""loop_overhead: the trainer's full per-iteration path vs a bare loop, same model, same batches.
+"""loop_overhead: the trainer's loop body vs a bare loop, same model, same batches, with a checkpoint
+every 100, 20 and 5 iterations, and without checkpoints.
 
     python -m bench.loop_overhead [--quick]
 """
 from __future__ import annotations
 
 import copy
-import os
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
-from bench.common import (UNRESOLVED, Env, InMemoryBatches, Section, group_cpu_seconds, md_table, median,
-                          place_threads, thread_cpu_seconds)
+from trainer import engine
+from trainer.evaluation import evaluate_during_training
+
+from bench.common import (UNRESOLVED, Env, InMemoryBatches, Section, fresh_loop, md_table, median, place_threads,
+                          quiet_stats, thread_cpu_seconds)
 
 NAME = "loop_overhead"
 TARGET = 0.98
+JUDGED = (100, 20)  # the checkpoint periods the target is about: the demo's SNAPSHOT_ITERS, and 20
+REPORTED = 5  # a checkpoint every 5 iterations: shown beside them, no target
+ALONE = ("training core alone", {0})
+SHARED = ("all on all cores", None)
+N_BATCHES = 16
 WHAT = (
     "The demo model (configs/demo.yaml: Faster R-CNN, MobileNetV3 at half width, 4 images of 128 px per "
     "batch; constant LR 0.005 here, so that both sides compute the very same numbers) trained in one "
     "process on the same batches, pre-loaded into memory once (16 batches from the real loader; the "
     "engine's Prefetcher is replaced by an in-memory source, so data loading costs no side anything). "
-    "**bare**: `loss = sum(model(images, targets).values()); zero_grad; backward; step`. **ours**: the "
-    "engine's own functions as `train_model` calls them: `run_iteration` (timer, LR scheduler, the loss "
-    "vector's host sync, `TrainingStats.update/log`, per-iteration metrics through `MlflowTracker` to "
-    "the `mlflow server` over HTTP), `check_finite`, `save_snapshot` every `TRAIN.SNAPSHOT_ITERS` = 5 "
-    "iterations (CheckpointWriter: a host copy into shared memory; the checkpoint-writer process: "
-    "torch.save + fsync + sha256 + rename; then the tracker's uploader: the file through the server to "
-    "moto S3, the sha256/latest tags, local pruning; the uploader's and the metric sender's MLflow calls "
-    "made by the tracking agent process) and `maybe_reset_timer`. Both use the same model and optimizer "
-    "objects, reset to the same initial state and RNG seed before every block (the first block checks "
-    "that bare and ours produce bit-identical losses). Blocks of 5 iterations run in cycles of bare, "
-    "ours, bare. Ours' checkpoint falls on the first iteration of its block, so the background write "
-    "and upload overlap the 4 iterations after it as in a real run; its clock stops only when all it "
-    "started is written, uploaded and tagged (`writer.wait()`, `tracker.wait()`: the drain column). "
-    "Metrics go out as in a job: every 5 s, and before a checkpoint is tagged complete. Two placements: "
-    "**training core alone**: the training (main) thread on core 0, everything else (our other threads, "
-    "the checkpoint-writer and tracking agent processes, the mlflow server, moto) on the other core, as "
-    "on a training host whose servers run elsewhere and whose helpers have spare cores; **all on all "
-    "cores**: no pinning, the co-located servers competing with training for the 2 cores. Then, training "
-    "core alone, **the per-iteration path** (ours without checkpoints) in cycles of single iterations, "
-    "and **a checkpoint every 25 iterations** in cycles of 25-iteration blocks. CPU seconds are counted too, per thread of this process (from /proc), for the "
-    "checkpoint-writer and tracking agent processes and for the mlflow server's and moto's processes, "
-    "after each block has drained.")
+    "**bare**: `loss = sum(model(images, targets).values()); zero_grad; backward; step`. **ours**: "
+    "`train_model`'s loop body, the engine's own functions: `run_iteration` (timer, LR scheduler, the "
+    "loss vector's host sync, `TrainingStats.update/log`, per-iteration metrics through `MlflowTracker` "
+    "to the `mlflow server` over HTTP), `check_finite`, `is_snapshot_iter`/`save_snapshot` (the state "
+    "built and copied to host memory on the training thread; then, on the `checkpoint-writer` thread, "
+    "torch.save + fsync + sha256 + rename and the local pruning; on the tracker's `uploader` thread, the "
+    "file through the server to moto S3 and the sha256/latest tags), `evaluate_during_training` (a no-op "
+    "check here) and `maybe_reset_timer`. Both use the same model and optimizer objects, reset to the "
+    "same initial state and RNG seed before every block (a warm-up block checks that bare and ours "
+    "produce bit-identical losses). Checkpoint periods of 100 iterations (the demo's SNAPSHOT_ITERS), 20 "
+    "and 5: blocks of `period` iterations, in cycles of bare, ours, bare, "
+    "ours' one checkpoint falling on the first iteration of its block (its iteration numbers are chosen "
+    "so), so that the background write and upload overlap the iterations after it as in a real run; "
+    "ours' clock stops only when all it started is written, uploaded and tagged (`writer.wait()`, "
+    "`tracker.wait()`: the drain column). Metrics go out as in a job: every 5 s, and before a checkpoint "
+    "is tagged complete. Then **the per-iteration path** (ours without checkpoints) in cycles of single "
+    "iterations. All of these with the training (main) thread on core 0 and every other thread (ours: "
+    "the checkpoint writer, uploader and metric sender; the mlflow server's and moto's processes) on "
+    "the other core, as on a training host whose servers run elsewhere and whose spare cores take the "
+    "trainer's background threads. Last, a checkpoint every 20 iterations with **all on all cores**: "
+    "no pinning, the co-located servers competing with training for the 2 cores. CPU seconds are "
+    "counted too, per thread of this process (from /proc) and for the mlflow server's and moto's "
+    "processes, after each block has drained.")
 
 
-PLACEMENTS = (("training core alone", {0}), ("all on all cores", None))
-LONG_PERIOD = 25  # a second, measured checkpoint period (a checkpoint every ~3 s of the demo)
-WRITER, AGENT = "checkpoint-writer process", "tracking agent process"
-PATH, LONG = "path", "long"  # the phases measured on the first placement only
+@dataclass
+class Phase:
+    label: str
+    placement: tuple  # (name, the training thread's cores or None)
+    block: int  # iterations per timed block
+    period: int | None  # ours checkpoints once per block, every `period` iterations; None: never
+    cycles: int
 
 
-def run(env: Env) -> Section:
-    from trainer import engine
-    from trainer.distributed import Context
-    from trainer.mlflow_tracking import MlflowTracker
+def phases(quick: bool) -> list[Phase]:
+    """Cycle counts (3 blocks a cycle): about 4,200 demo iterations in all, 5 minutes at 65 ms an
+    iteration, 13 at 180 ms, which keeps `python -m bench.run` under 20 minutes on 2 cores."""
+    n = {100: 2, 20: 4, 5: 8, "path": 30, "shared": 2} if quick else \
+        {100: 6, 20: 20, 5: 30, "path": 120, "shared": 6}
+    return [*(Phase(f"checkpoint every {p}", ALONE, p, p, n[p]) for p in (*JUDGED, REPORTED)),
+            Phase("no checkpoints (per-iteration path)", ALONE, 1, None, n["path"]),
+            Phase(f"checkpoint every {JUDGED[1]}", SHARED, JUDGED[1], JUDGED[1], n["shared"])]
 
-    quick = env.quick
-    cycles = {PLACEMENTS[0][0]: 12 if quick else 80, PLACEMENTS[1][0]: 6 if quick else 30}
-    path_cycles = 30 if quick else 200
-    long_cycles = 1 if quick else 4
-    block = 5  # iterations per timed block
-    period = 5  # TRAIN.SNAPSHOT_ITERS: one checkpoint per ours block, at its first iteration
-    n_batches = 16
 
-    server = env.mlflow
-    out = env.scratch("loop")
-    cfg = env.demo_cfg("TRACKING.URI", server.url, "TRACKING.EXPERIMENT", "bench-loop-overhead",
-                       "OUTPUT_DIR", out, "DATA_LOADER.NUM_THREADS", 0, "TRAIN.SNAPSHOT_ITERS", period,
-                       "SOLVER.MAX_ITER", 1_000_000, "TRACKING.LOG_MODEL", False,
-                       # a constant LR: bare (no scheduler) and ours then compute the same numbers
-                       "SOLVER.BASE_LR", 0.005, "SOLVER.WARM_UP_ITERS", 0)
-    ctx = Context()
-    engine.seed_everything(cfg)
-    tracker = MlflowTracker(cfg)
-    tracker.start(cfg, new_run=True)
-    t = engine.setup_model_for_training(cfg, tracker, ctx, out, engine.StartPoint())
-    in_child = t.writer.in_child(timeout=120)  # the writer process has started, as in a job by then
-    in_agent = tracker.in_agent(timeout=120)  # and the tracking agent
-    loader = t.batches
-    batches = [loader.next() for _ in range(n_batches)]
-    loader.close()
-    t.batches = InMemoryBatches(batches)
-    t.stats.stream = open(os.devnull, "w")  # the json_stats lines are still formatted and written
-    init = (copy.deepcopy(t.model.state_dict()), copy.deepcopy(t.optimizer.state_dict()),
-            copy.deepcopy(t.scheduler.state_dict()))
+class LoopBench:
+    """The trainer's loop state on the demo config, with bare and ours blocks over the same batches."""
 
-    def helpers() -> dict[str, int]:  # our helper processes (each leads its own group)
-        pids = {WRITER: t.writer.child_pid, AGENT: tracker.agent_pid}
-        return {name: pid for name, pid in pids.items() if pid}
+    def __init__(self, env: Env):
+        from trainer.tracking.mlflow_tracker import MlflowTracker
 
-    def helper_cpu() -> dict[str, float]:  # counted as ours
-        return {WRITER: 0.0, AGENT: 0.0, **{name: group_cpu_seconds(pid) for name, pid in helpers().items()}}
+        self.env = env
+        self.out = env.scratch("loop")
+        self.cfg = env.demo_cfg("TRACKING.URI", env.mlflow.url, "TRACKING.EXPERIMENT", "bench-loop-overhead",
+                                "OUTPUT_DIR", self.out, "DATA_LOADER.NUM_THREADS", 0, "SOLVER.MAX_ITER", 1_000_000,
+                                "TRACKING.LOG_MODEL", False,
+                                # a constant LR: bare (no scheduler) and ours then compute the same numbers
+                                "SOLVER.BASE_LR", 0.005, "SOLVER.WARM_UP_ITERS", 0)
+        self.tracker = MlflowTracker(self.cfg)
+        self.tracker.start(self.cfg, new_run=True)
+        self.job, self.s = fresh_loop(self.cfg, self.tracker)
+        quiet_stats(self.job, self.s)
+        self.batches = [self.s.batches.next() for _ in range(N_BATCHES)]
+        self.s.batches.close()
+        self.s.batches = InMemoryBatches(self.batches)
+        s = self.s
+        self.init = copy.deepcopy((s.model.state_dict(), s.optimizer.state_dict(), s.scheduler.state_dict()))
+        self.iter = 0  # ours' next iteration number, going on from block to block
+        self.ran = self.checkpoints = 0
 
-    def helper_groups() -> list[int]:  # the servers and our helpers: their process groups
-        return env.server_groups() + list(helpers().values())
+    def reset(self, offset: int) -> None:
+        self.s.model.load_state_dict(self.init[0])
+        self.s.optimizer.load_state_dict(self.init[1])
+        self.s.scheduler.load_state_dict(self.init[2])
+        torch.manual_seed(self.cfg.RNG_SEED)
+        self.s.batches.index = offset
 
-    def reset(offset: int) -> None:
-        t.model.load_state_dict(init[0])
-        t.optimizer.load_state_dict(init[1])
-        t.scheduler.load_state_dict(init[2])
-        torch.manual_seed(cfg.RNG_SEED)
-        t.batches.index = offset
-
-    def bare_block(offset: int, n: int, losses: list | None = None) -> None:
-        model, optimizer = t.model, t.optimizer
+    def bare(self, offset: int, n: int, losses: list | None = None) -> None:
+        model, optimizer = self.s.model, self.s.optimizer
         for k in range(n):
-            images, targets = batches[(offset + k) % n_batches]
+            images, targets = self.batches[(offset + k) % N_BATCHES]
             loss = sum(model(images, targets).values())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -114,149 +117,178 @@ def run(env: Env) -> Section:
             if losses is not None:  # the untimed check only
                 losses.append(float(loss.detach()))
 
-    state = {"iter": 0, "checkpoints": 0}
-
-    def ours_block(n: int, checkpoints: bool, record: list | None = None, every: int = period) -> None:
-        """train_model's loop body, iteration numbers going on from block to block."""
+    def ours(self, n: int, period: int | None, losses: list | None = None) -> None:
+        """train_model's loop body; with a period, the block starts on a checkpoint iteration (the
+        iteration numbers skip ahead to one: metrics' steps only need to go up)."""
+        job, s, cfg = self.job, self.s, self.cfg
+        if period:
+            self.iter += -(self.iter + 1) % period
         for _ in range(n):
-            cur_iter = state["iter"]
-            losses = engine.run_iteration(cfg, t, ctx, tracker, cur_iter)
-            if record is not None:
-                record.append(losses["loss"])
-            engine.check_finite(losses, cur_iter)
-            if checkpoints and engine.is_snapshot_iter(cfg, cur_iter, 0, every):
-                engine.save_snapshot(cfg, t, ctx, tracker, cur_iter)
-                state["checkpoints"] += 1
-            t.stats.maybe_reset_timer(cur_iter)
-            state["iter"] += 1
+            cur_iter = self.iter
+            out, _ = engine.run_iteration(job, s, cur_iter, False)
+            if losses is not None:
+                losses.append(out["loss"])
+            engine.check_finite(out, cur_iter)
+            if period and engine.is_snapshot_iter(cfg, cur_iter, 0, period):
+                engine.save_snapshot(job, s, cur_iter)
+                self.checkpoints += 1
+            evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cur_iter)
+            s.stats.maybe_reset_timer(cur_iter)
+            self.iter += 1
+            self.ran += 1
 
-    def timed(kind: str, offset: int, n: int = block, record: list | None = None, every: int = period) -> dict:
-        """One block: "bare", "ours" (checkpoints every `every` iterations) or "path" (none)."""
-        reset(offset)
-        th0 = {**thread_cpu_seconds(), **helper_cpu()}
-        cpu0, srv0 = time.process_time() + th0[WRITER] + th0[AGENT], env.server_cpu_seconds()
-        main0 = time.thread_time()  # this (the training) thread's, to the ns; /proc's are in 10 ms ticks
+    def timed(self, kind: str, offset: int, n: int, period: int | None = None, losses: list | None = None) -> dict:
+        """One block, "bare" or "ours"; ours' clock runs until what it started is written and uploaded."""
+        self.reset(offset)
+        th0, cpu0, srv0 = thread_cpu_seconds(), time.process_time(), self.env.server_cpu_seconds()
+        main0 = time.thread_time()  # the training thread's, to the ns; /proc's are in 10 ms ticks
         t0 = time.perf_counter()
         drain = 0.0
         if kind == "bare":
-            bare_block(offset, n, record)
+            self.bare(offset, n, losses)
         else:
-            ours_block(n, kind == "ours", record, every)
+            self.ours(n, period, losses)
             t1 = time.perf_counter()
-            t.writer.wait()  # what the block started is finished inside the block: written,
-            tracker.wait(600)  # uploaded, tagged
+            self.s.writer.wait()
+            self.tracker.wait(600)
             drain = time.perf_counter() - t1
         wall = time.perf_counter() - t0
         main = time.thread_time() - main0
-        th1 = {**thread_cpu_seconds(), **helper_cpu()}
-        threads = {k: th1[k] - th0.get(k, 0.0) for k in th1}
+        threads = {k: v - th0.get(k, 0.0) for k, v in thread_cpu_seconds().items()}
         threads["MainThread"] = main
-        return {"wall": wall, "drain": drain, "cpu": time.process_time() + th1[WRITER] + th1[AGENT] - cpu0,
-                "server_cpu": env.server_cpu_seconds() - srv0, "threads": threads}
+        return {"wall": wall, "drain": drain, "cpu": time.process_time() - cpu0,
+                "server_cpu": self.env.server_cpu_seconds() - srv0, "threads": threads}
 
-    # Warm-up, not timed: allocator, HTTP connections; ours runs iterations 0-3, so that every timed
-    # ours block (4-8, 9-13, ...) checkpoints at its first iteration (4, 9, ...) and the background
-    # write + upload overlaps the 4 iterations after it, as in a real run.
-    check = {"bare": [], "ours": []}
-    timed("bare", 0, 4, check["bare"])
-    timed("ours", 0, 4, check["ours"])
-    identical = check["bare"] == check["ours"]
+    def warm_up(self) -> tuple[bool, dict]:
+        """Not timed: allocator, HTTP connections, the first checkpoint's write and upload. Also
+        says whether bare and ours compute bit-identical losses."""
+        check = {"bare": [], "ours": []}
+        self.timed("bare", 0, 4, losses=check["bare"])
+        self.timed("ours", 0, 4, losses=check["ours"])
+        self.timed("ours", 0, REPORTED, REPORTED)
+        return check["bare"] == check["ours"], check
 
-    def cycle(kind: str, offset: int, n: int = block, every: int = period) -> dict:
-        """bare, `kind`, bare: `kind` is compared with the mean of the bare blocks either side, which
+    def cycle(self, phase: Phase, c: int) -> dict:
+        """bare, ours, bare: ours is compared with the mean of the bare blocks either side, which
         cancels the machine's drift across the cycle; bare against bare is the measurement's own noise."""
-        return {"bare1": timed("bare", offset, n), "ours": timed(kind, offset, n, every=every),
-                "bare2": timed("bare", offset, n)}
+        offset = (c * phase.block) % N_BATCHES
+        return {"bare1": self.timed("bare", offset, phase.block),
+                "ours": self.timed("ours", offset, phase.block, phase.period),
+                "bare2": self.timed("bare", offset, phase.block)}
 
-    phases = {}
-    for placement, training_cores in PLACEMENTS:
-        place_threads(training_cores, helper_groups())
-        phases[placement] = [cycle("ours", (c * block) % n_batches) for c in range(cycles[placement])]
-        print(f"   {placement}: ours/bare {median(_ratios(phases[placement])):.3f}", flush=True)
-    alone = PLACEMENTS[0][0]
-    place_threads(PLACEMENTS[0][1], helper_groups())
-    # The per-iteration path alone (no checkpoints), in cycles of single iterations: nothing of it
-    # outlasts its iteration (metrics leave every 5 s), and short cycles resolve finer here.
-    phases[PATH] = [cycle("path", c % n_batches, 1) for c in range(path_cycles)]
-    print(f"   per-iteration path: ours/bare {median(_ratios(phases[PATH])):.3f}", flush=True)
-    # Measured, not projected: one checkpoint per LONG_PERIOD-iteration block.
-    phases[LONG] = [cycle("ours", (c * LONG_PERIOD) % n_batches, LONG_PERIOD, LONG_PERIOD) for c in range(long_cycles)]
-    print(f"   SNAPSHOT_ITERS {LONG_PERIOD}: ours/bare {median(_ratios(phases[LONG])):.3f}", flush=True)
-    place_threads(None, helper_groups())
+    def finish(self) -> tuple[int, int]:
+        """Close the writer and the run; (iterations with `loss` on the server, checkpoints tagged)."""
+        self.s.writer.close()
+        self.tracker.finish("FINISHED")
+        client, run_id = self.tracker.client, self.tracker.run.run_id
+        logged = len(client.get_metric_history(run_id, "loss"))
+        tagged = [n for n in client.get_run(run_id).data.tags if n.endswith(".sha256")]
+        return logged, len(tagged)
 
-    t.writer.close()
-    tracker.finish("FINISHED")
-    logged = len(tracker.client.get_metric_history(tracker.run.run_id, "loss"))
-    tagged = [n for n in tracker.client.get_run(tracker.run.run_id).data.tags if n.endswith(".sha256")]
 
-    rows, verdicts = [], {}
-    for what, placement, res, n in ((f"checkpoint every {period}", alone, phases[alone], block),
-                                    (f"checkpoint every {period}", PLACEMENTS[1][0], phases[PLACEMENTS[1][0]], block),
-                                    ("no checkpoints (per-iteration path)", alone, phases[PATH], 1),
-                                    (f"checkpoint every {LONG_PERIOD}", alone, phases[LONG], LONG_PERIOD)):
-        ours, noise = _ratios(res), _noise(res)
-        verdicts[(what, placement)] = (median(ours), median_ci(ours))
-        bare_s = sum(c["bare1"]["wall"] + c["bare2"]["wall"] for c in res) / 2
-        ours_s = sum(c["ours"]["wall"] for c in res)
-        main_cpu = [(c["bare1"]["threads"]["MainThread"] + c["bare2"]["threads"]["MainThread"]) / 2
-                    / c["ours"]["threads"]["MainThread"] for c in res]
-        rows.append([what, placement, f"{len(res)} x {n}", f"{len(res) * n / bare_s:.3f}", f"{len(res) * n / ours_s:.3f}",
-                     f"**{median(ours):.3f}**", "{:.3f}-{:.3f}".format(*median_ci(ours)), f"{bare_s / ours_s:.3f}",
-                     f"{median(noise):.3f}", "{:.3f}-{:.3f}".format(*median_ci(noise)), f"{median(main_cpu):.3f}",
-                     f"{sum(c['ours']['drain'] for c in res) / len(res):.2f}"])
+def run(env: Env) -> Section:
+    bench = LoopBench(env)
+    identical, check = bench.warm_up()
+    results = []
+    try:
+        for phase in phases(env.quick):
+            place_threads(phase.placement[1], env.server_groups())
+            cycles = [bench.cycle(phase, c) for c in range(phase.cycles)]
+            results.append((phase, cycles))
+            print(f"   {phase.label}, {phase.placement[0]}: ours/bare {median(_ratios(cycles)):.3f}", flush=True)
+    finally:
+        place_threads(None, env.server_groups())
+    logged, tagged = bench.finish()
+    return _report(bench, results, identical, check, logged, tagged)
+
+
+def _report(bench: LoopBench, results: list, identical: bool, check: dict, logged: int, tagged: int) -> Section:
+    figures = {(p.label, p.placement[0]): _figure(cycles) for p, cycles in results}
     table = md_table(["ours", "placement", "cycles x iterations", "bare it/s", "ours it/s",
                       "ours/bare: median of cycles", "95% CI", "pooled", "bare/bare (noise): median", "95% CI",
-                      "by training-thread CPU", "ours' end-of-block drain s"], rows, "ll" + "r" * 10)
-    thread_table, costs = _cpu_by_thread(phases[alone], block)
+                      "by training-thread CPU", "ours' end-of-block drain s"],
+                     [_row(p, cycles) for p, cycles in results], "ll" + "r" * 10)
+    reported = next((p, cycles) for p, cycles in results if p.period == REPORTED)
+    thread_table, costs = _cpu_by_thread(*reported)
 
-    ckpt5 = f"checkpoint every {period}"
-    point, (lo, hi) = verdicts[(ckpt5, alone)]
-    passed = True if point >= TARGET else (False if hi < TARGET else UNRESOLVED)
-
-    def fig(what: str, placement: str = alone) -> str:
-        m, (a, b) = verdicts[(what, placement)]
+    def fig(period: int | None, placement: str = ALONE[0]) -> str:
+        label = f"checkpoint every {period}" if period else "no checkpoints (per-iteration path)"
+        m, (a, b) = figures[(label, placement)]
         return f"{m:.3f} ({a:.3f}-{b:.3f})"
 
-    headline = (f"ours/bare it/s (95% CI) with a checkpoint every {period} iterations: {fig(ckpt5)} with the training "
-                f"thread on a core of its own, {fig(ckpt5, PLACEMENTS[1][0])} with the servers on the same 2 cores; "
-                f"without checkpoints {fig('no checkpoints (per-iteration path)')}; with a checkpoint every "
-                f"{LONG_PERIOD} {fig(f'checkpoint every {LONG_PERIOD}')}")
-    bare_it = median(c["bare1"]["wall"] / block for c in phases[alone])
-    notes = [
+    passed = _judge([figures[(f"checkpoint every {p}", ALONE[0])] for p in JUDGED])
+    headline = (f"ours/bare it/s (95% CI), training thread on a core of its own, a checkpoint every "
+                f"{JUDGED[0]} iterations: {fig(JUDGED[0])}, every {JUDGED[1]}: {fig(JUDGED[1])}; every {REPORTED} "
+                f"(no target): {fig(REPORTED)}; without checkpoints {fig(None)}; every {JUDGED[1]} with the "
+                f"servers on the same 2 cores {fig(JUDGED[1], SHARED[0])}")
+    bare_it = median(c["bare1"]["wall"] / p.block for p, cycles in results if p.placement is ALONE for c in cycles)
+    notes = _notes(bench, bare_it, costs, identical, check, logged, tagged)
+    return Section(NAME, "Trainer path vs bare loop", WHAT, headline,
+                   f"ours/bare iterations/s >= {TARGET} with a checkpoint every {JUDGED[0]} and every {JUDGED[1]} "
+                   "iterations (training thread on a core of its own)", passed, [table, thread_table], notes)
+
+
+def _figure(cycles: list[dict]) -> tuple[float, tuple[float, float]]:
+    ratios = _ratios(cycles)
+    return median(ratios), median_ci(ratios)
+
+
+def _judge(figures: list) -> bool | str:
+    """PASS when every median reaches the target; FAIL when one's whole 95% CI lies below it;
+    otherwise UNRESOLVED (the run cannot tell the trainer from the noise at that resolution)."""
+    each = [True if m >= TARGET else (False if hi < TARGET else UNRESOLVED) for m, (_, hi) in figures]
+    if any(e is False for e in each):
+        return False
+    return True if all(e is True for e in each) else UNRESOLVED
+
+
+def _row(phase: Phase, cycles: list[dict]) -> list:
+    n = phase.block
+    ours, noise = _ratios(cycles), [c["bare1"]["wall"] / c["bare2"]["wall"] for c in cycles]
+    bare_s = sum(c["bare1"]["wall"] + c["bare2"]["wall"] for c in cycles) / 2
+    ours_s = sum(c["ours"]["wall"] for c in cycles)
+    main_cpu = [(c["bare1"]["threads"]["MainThread"] + c["bare2"]["threads"]["MainThread"]) / 2
+                / c["ours"]["threads"]["MainThread"] for c in cycles]
+    return [phase.label, phase.placement[0], f"{len(cycles)} x {n}", f"{len(cycles) * n / bare_s:.3f}",
+            f"{len(cycles) * n / ours_s:.3f}", f"**{median(ours):.3f}**", "{:.3f}-{:.3f}".format(*median_ci(ours)),
+            f"{bare_s / ours_s:.3f}", f"{median(noise):.3f}", "{:.3f}-{:.3f}".format(*median_ci(noise)),
+            f"{median(main_cpu):.3f}", f"{sum(c['ours']['drain'] for c in cycles) / len(cycles):.2f}"]
+
+
+def _notes(bench: LoopBench, bare_it: float, costs: dict, identical: bool, check: dict, logged: int,
+           tagged: int) -> list[str]:
+    return [
         f"Each cycle is bare, ours, bare, all doing the same arithmetic; its ratio is ours against the mean of its "
-        f"two bare blocks. Blocks of {block} iterations (one checkpoint each), of 1 (the per-iteration path) and of "
-        f"{LONG_PERIOD} (one checkpoint each). Bare iteration {bare_it * 1e3:.0f} ms (median, training core alone). "
-        "95% confidence intervals: bootstrap over the cycles of the median. Training-thread CPU: "
-        "`time.thread_time()` of the main thread, bare over ours (median of cycles).",
-        "Noise: the two bare blocks of a cycle do the very same arithmetic, yet differ by the bare/bare figures; "
-        "on this VM one iteration's time varies by about 12% from one to the next, and blocks of 5 by 8-11% (the "
-        "hypervisor's other tenants; CPU time varies as much as wall time). That noise, not the trainer, sets how "
-        "finely a few minutes of cycles resolve a ratio, and its bursts last seconds, so the bootstrap intervals "
-        "are if anything too narrow.",
-        "Verdict: a checkpoint every 5 iterations, on the first placement, the one a training host has (whatever "
-        f"slows the training thread there is ours). PASS when the median is >= {TARGET}; FAIL when the whole 95% "
-        "CI lies below it; UNRESOLVED when the median is below but the CI reaches it: this run cannot tell the "
-        "trainer from the noise at that resolution.",
-        f"Per checkpoint of the demo model ({_ckpt_mb(out):.1f} MB), CPU from ours minus bare blocks (totals over "
-        f"the cycles, training core alone): {costs['process'] * 1e3:.0f} ms in the training process and its two "
-        f"helpers (of which {costs['main'] * 1e3:+.0f} ms on the training thread: building the state, the host "
-        f"copy, the per-iteration path of 5 iterations) + {costs['servers'] * 1e3:.0f} ms in the mlflow server and "
-        "moto (proxying the upload to S3, tags). Only the training thread's share and the GIL our threads take "
-        "slow training on a host with spare cores.",
+        f"two bare blocks. Blocks of {JUDGED[0]}, {JUDGED[1]} and {REPORTED} iterations (one checkpoint each) and "
+        f"of 1 (the per-iteration path). Bare iteration {bare_it * 1e3:.0f} ms (median, training core alone): "
+        f"a checkpoint every {JUDGED[0]} iterations is one every {JUDGED[0] * bare_it:.0f} s of training here. "
+        "95% confidence intervals: bootstrap over the cycles of the median (with few cycles, as for a checkpoint "
+        "every 100, the interval is coarse). Training-thread CPU: `time.thread_time()` of the main thread, bare "
+        "over ours (median of cycles).",
+        "Noise: the two bare blocks of a cycle do the very same arithmetic, yet differ by the bare/bare figures "
+        "(the hypervisor's other tenants; CPU time varies as much as wall time). That noise, not the trainer, "
+        "sets how finely a few minutes of cycles resolve a ratio, and its bursts last seconds, so the bootstrap "
+        "intervals are if anything too narrow.",
+        f"Verdict: a checkpoint every {JUDGED[0]} and every {JUDGED[1]} iterations, with the training thread on a "
+        "core of its own, as on a training host (whatever slows the training thread there is ours: its own "
+        f"work, and the GIL our background threads hold). PASS when both medians are >= {TARGET}; FAIL when "
+        "either whole 95% CI lies below it; otherwise UNRESOLVED: this run cannot tell the trainer from the "
+        f"noise at that resolution. Every {REPORTED} iterations and the all-on-all-cores row are reported only.",
+        f"Per checkpoint of the demo model ({_ckpt_mb(bench.out):.1f} MB), CPU from ours minus bare blocks (a "
+        f"checkpoint every {REPORTED}, training core alone): {costs['process'] * 1e3:.0f} ms in the training "
+        f"process (of which {costs['main'] * 1e3:+.0f} ms on the training thread: building the state, the host "
+        f"copy, the per-iteration path of {REPORTED} iterations) + {costs['servers'] * 1e3:.0f} ms in the mlflow "
+        "server and moto (proxying the upload to S3, tags). The background threads' share runs on the other "
+        "core; it slows training only through the GIL they take while holding it (torch.save's pickling, "
+        "MLflow's client code).",
         "With the servers on the same 2 cores, the CPU they spend receiving metrics and checkpoints competes with "
         "training, and the scheduler now and then runs them on the training core; with the servers on other "
         "machines it would not.",
-        "Checkpoints written by " + ("the checkpoint-writer process" if in_child else
-                                     "the writer thread (the process did not start)") + "; tracking's calls made by "
-        + (f"the tracking agent process ({tracker._calls.by_agent} calls; {tracker._calls.here} made by the "
-           "training process)." if in_agent else "the training process (the agent did not start)."),
         "Same arithmetic: the warm-up block's losses of bare and ours are "
         + ("bit-identical." if identical else f"NOT identical ({check['bare']} vs {check['ours']})."),
-        f"Delivery: {logged} of {state['iter']} ours iterations have `loss` on the server; "
-        f"{len(tagged)} of {state['checkpoints']} checkpoints tagged complete.",
+        f"Delivery: {logged} of {bench.ran} ours iterations have `loss` on the server; {tagged} of "
+        f"{bench.checkpoints} checkpoints tagged complete.",
     ]
-    return Section(NAME, "Trainer path vs bare loop", WHAT, headline, f"ours/bare iterations/s >= {TARGET}",
-                   passed, [table, thread_table], notes)
 
 
 def _ratios(cycles: list[dict]) -> list[float]:
@@ -264,36 +296,28 @@ def _ratios(cycles: list[dict]) -> list[float]:
     return [(c["bare1"]["wall"] + c["bare2"]["wall"]) / 2 / c["ours"]["wall"] for c in cycles]
 
 
-def _noise(cycles: list[dict]) -> list[float]:
-    return [c["bare1"]["wall"] / c["bare2"]["wall"] for c in cycles]
-
-
-def _cpu_by_thread(cycles: list[dict], block: int) -> tuple[str, dict]:
-    """Where ours' CPU goes, per thread and process, against bare; and per checkpoint totals."""
-    names = ["MainThread", "checkpoint-writer", WRITER, "uploader", "metric-sender", AGENT]
+def _cpu_by_thread(phase: Phase, cycles: list[dict]) -> tuple[str, dict]:
+    """Where ours' CPU goes, per thread, against bare; and per-checkpoint totals (one per block)."""
+    names = ["MainThread", "checkpoint-writer", "uploader", "metric-sender"]
     other, rest, servers = ("other Python threads", "rest of the process (native threads, exited threads)",
                             "mlflow server + moto (other processes)")
-    sums = {"bare": {}, "ours": {}}
+    keys = [*names, other, rest, servers]
+    sums = {"bare": dict.fromkeys(keys, 0.0), "ours": dict.fromkeys(keys, 0.0)}
     for c in cycles:
         for kind, sides in (("bare", (c["bare1"], c["bare2"])), ("ours", (c["ours"],))):
-            weight = 1 / len(sides)  # bare: the mean of its two blocks
-            for side in sides:
+            for side in sides:  # bare: the mean of its two blocks
+                add = sums[kind]
                 for name, sec in side["threads"].items():
-                    key = name if name in names else other
-                    sums[kind][key] = sums[kind].get(key, 0.0) + sec * weight
-                sums[kind][rest] = sums[kind].get(rest, 0.0) + side["cpu"] * weight
-                sums[kind][servers] = sums[kind].get(servers, 0.0) + side["server_cpu"] * weight
-    for kind in sums:  # "rest" so far holds the process total (with the helpers)
-        sums[kind][rest] -= sum(v for k, v in sums[kind].items() if k not in (rest, servers))
-    iters, n = len(cycles) * block, len(cycles)
-    rows = []
-    for key in [*names, other, rest, servers]:
-        b, o = sums["bare"].get(key, 0.0), sums["ours"].get(key, 0.0)
-        rows.append([key, f"{b / iters * 1e3:.1f}", f"{o / iters * 1e3:.1f}", f"{(o - b) / n * 1e3:+.0f}"])
-    diff = {k: sums["ours"].get(k, 0.0) - sums["bare"].get(k, 0.0) for k in [*names, other, rest, servers]}
+                    add[name if name in names else other] += sec / len(sides)
+                add[rest] += (side["cpu"] - sum(side["threads"].values())) / len(sides)
+                add[servers] += side["server_cpu"] / len(sides)
+    iters, n = len(cycles) * phase.block, len(cycles)
+    rows = [[k, f"{sums['bare'][k] / iters * 1e3:.1f}", f"{sums['ours'][k] / iters * 1e3:.1f}",
+             f"{(sums['ours'][k] - sums['bare'][k]) / n * 1e3:+.0f}"] for k in keys]
+    diff = {k: sums["ours"][k] - sums["bare"][k] for k in keys}
     costs = {"main": diff["MainThread"] / n, "servers": diff[servers] / n,
              "process": sum(v for k, v in diff.items() if k != servers) / n}
-    table = md_table(["CPU by thread (training core alone)", "bare ms/it", "ours ms/it",
+    table = md_table([f"CPU by thread ({phase.label}, {phase.placement[0]})", "bare ms/it", "ours ms/it",
                       "per checkpoint ms (ours - bare, per block)"], rows)
     return table, costs
 

@@ -55,7 +55,7 @@ def run_one(name: str, env: Env) -> Section:
     t0 = time.perf_counter()
     try:
         section = module.run(env)
-    except Exception as e:  # noqa: BLE001 - one broken benchmark does not lose the others
+    except Exception as e:  # one broken benchmark does not lose the others
         traceback.print_exc()
         section = Section(name, name, (module.__doc__ or "").split("\n\n")[1] if module.__doc__ else "",
                           f"ERROR: {type(e).__name__}: {e}", "-", False,
@@ -72,7 +72,8 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
            "(the next run rewrites it). Every figure is a ratio of two things measured side by side in "
            "the same run, interleaved, so it holds on a shared machine whose absolute speed moves with the "
            "load. GPU figures come from `bench/gpu.sh` (not part of this file).", "",
-           "Run: `.venv/bin/python -m bench.run` (about 14 minutes on 2 cores; `--quick` about 5; `--only "
+           "Run: `.venv/bin/python -m bench.run` (10-20 minutes on 2 cores, most of it loop_overhead's 4,200 "
+           "demo iterations; `--quick` about 3; `--only "
            "loop_overhead,resume` for a subset; `python -m bench.<name>` prints one benchmark without "
            "touching this file). Torch runs with one intra-op thread (`--threads`), see bench/run.py.", "",
            "## Machine", ""]

@@ -1,7 +1,10 @@
 """The GPU benchmark cannot run here (no GPU), so its CPU smoke mode keeps it from rotting: it goes
-through the same engine and tracker calls as on a GPU and writes its table."""
+through the same engine and tracker calls as on a GPU and writes its table. The CPU benchmarks take
+minutes, so here they are only imported (a renamed trainer module breaks that at once), and
+loop_overhead's verdict rule is checked on made-up figures."""
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -36,3 +39,22 @@ def test_gpu_sh_without_a_gpu_says_so_in_one_line_and_exits_2():
     assert result.returncode == 2
     assert re.fullmatch(r"bench/gpu\.sh: no NVIDIA GPU here \(nvidia-smi not found\); run this on a GPU machine\n",
                         result.stderr)
+
+
+@pytest.mark.parametrize("name", ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline",
+                                  "eval_bench"])
+def test_every_benchmark_module_imports(name):
+    from bench.run import BENCHMARKS
+
+    module = importlib.import_module(f"bench.{name}")
+    assert callable(getattr(module, "run" if name in BENCHMARKS else "main"))
+
+
+def test_loop_overhead_passes_only_when_both_judged_periods_reach_the_target():
+    from bench.common import UNRESOLVED
+    from bench.loop_overhead import _judge
+
+    ok, unsure, bad = (0.99, (0.98, 1.0)), (0.97, (0.95, 0.99)), (0.95, (0.93, 0.97))
+    assert _judge([ok, ok]) is True
+    assert _judge([ok, unsure]) == UNRESOLVED
+    assert _judge([unsure, bad]) is False
