@@ -304,7 +304,7 @@ def train_step(job: Job, s: LoopState, images, targets, stop_requested: bool) ->
     s.scaler.update()
     # One host sync and one collective per iteration: every loss term and the stop flag in a single
     # vector (the flag's mean over ranks is > 0 when any rank got a signal).
-    flag = torch.tensor(float(stop_requested), device=total.device)
+    flag = torch.tensor(float(stop_requested), device=total.device, dtype=total.dtype)
     values = torch.stack([total.detach(), *(v.detach() for v in loss_dict.values()), flag]).float()
     *values, stop = all_mean(job.ctx, values).cpu().tolist()
     return dict(zip(["loss", *loss_dict], values)), stop > 0
