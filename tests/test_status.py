@@ -108,3 +108,39 @@ def test_data_synth_writes_a_coco_dataset(tmp_path):
     coco = json.loads((tmp_path / "shapes" / "annotations.json").read_text())
     assert len(coco["images"]) == 5 and coco["annotations"] and len(coco["categories"]) == 3
     assert len(list((tmp_path / "shapes" / "images").glob("*.png"))) == 5
+
+
+@pytest.mark.parametrize("kind", ["an unrelated SQLite database", "not a database", "no file"])
+def test_status_reads_only_and_refuses_what_is_not_a_tracking_store(tmp_path, kind):
+    """Pointed at the wrong file, `status` says so in one line and leaves it as it was: MLflow would
+    create its tables in any SQLite file it opens."""
+    import sqlite3
+
+    path = tmp_path / "other.db"
+    if kind == "an unrelated SQLite database":
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE inventory (item TEXT, count INTEGER)")
+    elif kind == "not a database":
+        path.write_text("just some notes\n")
+    before = path.read_bytes() if path.exists() else None
+    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", f"sqlite:///{path}"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert ("does not exist" if kind == "no file" else "is not an MLflow tracking store") in lines[0]
+    assert (path.read_bytes() if path.exists() else None) == before  # untouched, and not created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if kind == "no file" else ["other.db"])
+
+
+def test_status_against_a_server_that_never_answers_ends_in_bounded_time(tmp_path):
+    from tests.servers import FaultProxy
+
+    with FaultProxy("http://127.0.0.1:9", mode="hang") as proxy:
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", proxy.url],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        took = time.monotonic() - start
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: cannot read jobs from {proxy.url}")
+    assert took < 60, f"{took:.0f}s"

@@ -4,6 +4,7 @@ MlflowClient, used by the tracker and by `tracktron status` and `tracktron eval`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -213,9 +214,15 @@ def _run_name(cfg: Config) -> str:
 
 def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
     """(experiment, run) for every tracktron job on the server (of `experiment` if named), newest
-    first in each experiment; UserError in one line when the server cannot be read."""
+    first in each experiment; UserError in one line when the server cannot be read. Reading never
+    writes: a SQLite file that is not an MLflow store is refused before MLflow opens it (it would
+    create its tables there), and a server that never answers is given up on in bounded time."""
     from mlflow import MlflowClient
 
+    if uri.startswith("sqlite:///"):
+        _check_sqlite_store(uri)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     try:
         client = MlflowClient(uri)
         if experiment:
@@ -227,6 +234,22 @@ def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
                                               order_by=["attributes.start_time DESC"])]
     except Exception as e:  # an unreachable server is the user's to fix
         raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None
+
+
+def _check_sqlite_store(uri: str) -> None:
+    """An existing SQLite file with MLflow's tables in it, looked at read-only."""
+    import sqlite3
+
+    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    if not path.is_file():
+        raise UserError(f"no tracking store at {uri} ({path} does not exist)")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as e:  # not a database at all
+        raise UserError(f"{path} is not an MLflow tracking store ({e})") from None
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        raise UserError(f"{path} is not an MLflow tracking store (it has no MLflow tables)")
 
 
 # ---- fetching what a run holds ----
