@@ -218,6 +218,27 @@ def test_unknown_resume_run_id_is_exit_2(tmp_path, data_dir):
     assert result.stderr.strip().splitlines()[-1] == f"error: run {'0' * 32} does not exist on {uri}"
 
 
+def test_resume_of_another_jobs_run_is_refused_before_anything_is_touched(tmp_path, data_dir):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    first = run_trainer(demo_overrides(tmp_path / "a", data_dir, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    client = MlflowClient(uri)
+    (theirs,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    other = demo_overrides(tmp_path / "b", data_dir, **{"TRACKING.URI": uri, "SOLVER.BASE_LR": 0.001})
+    result = run_trainer(other + ["--resume", theirs.info.run_id], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: run {theirs.info.run_id} is another job's (job ")
+    after = client.get_run(theirs.info.run_id)
+    assert after.info.status == "FINISHED" and after.data.tags == theirs.data.tags
+    assert len(client.search_runs([theirs.info.experiment_id])) == 1
+    assert not (tmp_path / "b" / "output").exists()  # nothing written for the refused job
+
+    untracked = run_trainer(demo_overrides(tmp_path / "c", data_dir, **{"TRACKING.ENABLED": "false"})
+                            + ["--resume", theirs.info.run_id], cwd=tmp_path)
+    assert untracked.returncode == 2
+    assert untracked.stderr.strip().splitlines()[-1].startswith("error: --resume RUN_ID continues a tracked run")
+
+
 def test_sigterm_checkpoints_the_current_iteration_and_marks_the_run_killed(tmp_path, data_dir, mlflow_server,
                                                                             s3_server):
     import signal

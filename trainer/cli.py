@@ -55,6 +55,8 @@ def train(config_file, resume_run_id, no_resume, opts):
         cfg.NUM_GPUS = world_size
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
+    if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
+        raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     _check_output_dir(Path(cfg.OUTPUT_DIR))
     lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
     tracker = create_tracker(cfg, rank, world_size)

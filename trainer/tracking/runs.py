@@ -151,6 +151,10 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
 
     if resume_run_id:
         run = _get_run(client, uri, resume_run_id)
+        theirs, ours = run.data.tags.get(JOB_TAG), job_hash(cfg)
+        if theirs is not None and theirs != ours:  # never train into (or finish) another job's run
+            raise UserError(f"run {resume_run_id} is another job's (job {theirs}; this config is job {ours}): "
+                            "resume it with its own config, or drop --resume to start this job's run")
         return run, run.info.experiment_id, None
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
