@@ -21,7 +21,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import DEMO, demo_overrides, trainer_cmd
+from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
 from tests.servers import MlflowServer
 from tests.test_bad_input import Outcome, run_cli
 from trainer.checkpoint.files import sha256_of
@@ -301,3 +301,29 @@ def test_redacted_config_keeps_what_a_rerun_needs():
     assert out["TRACKING"]["URI"] == "http://***@host:5000"
     assert out["DATASET_CATALOG"]["d"] == {"IM_DIR": "s3://b/im", "ANN_FN": "a.json", "API_KEY": "***"}
     assert cfg.DATASET_CATALOG["d"]["API_KEY"] == "k-123"  # the job itself still has it
+
+
+FAILING = {  # inputs whose job fails, each with a secret in it; the error paths print the most
+    "database URI password": ({"TRACKING.URI": "postgresql://trainer:{secret}@127.0.0.1:1/mlflow"}, {}),
+    "weights URL password": ({"TRAIN.WEIGHTS": "https://user:{secret}@127.0.0.1:9/w.pth",
+                              "TRACKING.ENABLED": "false"}, {}),
+    "catalog entry token": ({"DATASET_CATALOG.private.API_TOKEN": "{secret}", "TRAIN.DATASETS": "('private',)",
+                             "TRACKING.ENABLED": "false"}, {}),
+    "password in the environment": ({"TRACKING.URI": "http://127.0.0.1:9"},
+                                    {"MLFLOW_TRACKING_USERNAME": "trainer", "MLFLOW_TRACKING_PASSWORD": "{secret}"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILING))
+def test_a_failing_job_prints_and_writes_no_secret(case, tmp_path, data_dir):
+    secret = "pw-" + uuid.uuid4().hex[:12]
+    keys, env = FAILING[case]
+    keys = {k: v.format(secret=secret) for k, v in keys.items()}
+    env = {k: v.format(secret=secret) for k, v in env.items()}
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path, env=env)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert secret not in result.stdout + result.stderr, (result.stdout + result.stderr)[-2000:]
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path

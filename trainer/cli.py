@@ -18,6 +18,7 @@ from trainer.atomic_write import write_atomic
 from trainer.errors import UserError
 from trainer.logs import setup_logging
 from trainer.output_lock import OutputLock
+from trainer.redaction import redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested
 
 log = logging.getLogger("tracktron")
@@ -202,7 +203,7 @@ def main(argv=None) -> None:
         e.show()
         sys.exit(2)
     except UserError as e:
-        click.echo(f"error: {_one_line(str(e))}", err=True)
+        click.echo(f"error: {_one_line(redact_text(str(e)))}", err=True)
         sys.exit(2)
 
 

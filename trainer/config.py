@@ -12,13 +12,13 @@ import difflib
 import hashlib
 import json
 import math
-import re
 from pathlib import Path
 
 import yaml
 
 from trainer.atomic_write import write_atomic
 from trainer.errors import UserError
+from trainer.redaction import REDACTED, is_secret_key, redact_urls, remember
 
 _DEFAULTS: dict = {
     "NAME": "",  # the job's readable name; defaults to the config file's stem
@@ -118,11 +118,6 @@ _NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD"
                "TRAIN.PREEMPT_GRACE_S")
 
 
-# Values of keys named like these, and user:password@ in URLs, are never written anywhere.
-_SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
-                 "CREDENTIAL")
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-REDACTED = "***"
 
 
 class ConfigError(UserError):
@@ -287,7 +282,10 @@ def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) ->
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
     for key, value in zip(opts[0::2], opts[1::2]):
+        if is_secret_key(str(key)):
+            remember(value)  # before anything can echo it
         _set(cfg, key, _parse_override(value))
+    _remember_secrets(cfg)
     validate(cfg)
     return cfg
 
@@ -347,15 +345,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
 
 
-def redact_text(text: str) -> str:
-    """`http://user:password@host` -> `http://***@host`."""
-    return _URL_USERINFO.sub(REDACTED + "@", text)
-
-
-def is_secret_key(key: str) -> bool:
-    return any(w in key.upper() for w in _SECRET_WORDS)
-
-
 def redacted(cfg: dict) -> dict:
     """A plain copy of the config that is safe to write anywhere (files, checkpoints, params):
     secret-named values and URL credentials replaced. Secrets are given as overrides or in the
@@ -367,9 +356,18 @@ def redacted(cfg: dict) -> dict:
             return REDACTED
         if isinstance(value, list):
             return [clean("", v) for v in value]
-        return redact_text(value) if isinstance(value, str) else value
+        return redact_urls(value) if isinstance(value, str) else value
 
     return clean("", json.loads(json.dumps(cfg)))
+
+
+def _remember_secrets(node: dict) -> None:
+    """Values of secret-named keys (DATASET_CATALOG's entries too), for redaction wherever they go."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            _remember_secrets(value)
+        elif is_secret_key(str(key)):
+            remember(value)
 
 
 def job_keys(cfg: dict) -> dict:

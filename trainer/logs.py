@@ -1,8 +1,11 @@
-"""How the job's processes log: one format on stderr, libraries that repeat themselves quietened."""
+"""How the job's processes log: one format on stderr, libraries that repeat themselves quietened,
+secrets redacted."""
 from __future__ import annotations
 
 import logging
 import sys
+
+from trainer import redaction
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -11,3 +14,4 @@ def setup_logging(level: int = logging.INFO) -> None:
     for noisy in ("alembic", "botocore", "mlflow.store.db.utils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
+    redaction.install()  # no secret in any line that leaves

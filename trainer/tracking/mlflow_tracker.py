@@ -16,8 +16,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
-from trainer.config import Config, redact_text
+from trainer.config import Config
 from trainer.errors import UserError
+from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,

@@ -13,8 +13,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import FINAL, iteration_of, sha256_of
-from trainer.config import Config, flatten, job_hash, redact_text, redacted
+from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
+from trainer.redaction import redact_text
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -72,7 +73,7 @@ def safe_params(cfg: Config) -> dict[str, str]:
     """The flattened config as params: secrets redacted, long values truncated."""
     out = {}
     for key, value in flatten(redacted(cfg)).items():
-        text = str(value)
+        text = redact_text(str(value))
         out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
     return out
 
@@ -94,7 +95,7 @@ def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     }
     if commit := _git_commit():
         tags["mlflow.source.git.commit"] = commit
-    tags["mlflow.note.content"] = describe_job(cfg, world_size)
+    tags["mlflow.note.content"] = redact_text(describe_job(cfg, world_size))
     return tags
 
 

@@ -1,0 +1,90 @@
+"""Nothing secret leaves the process: one redaction point for every way text goes out.
+
+What is secret: the `user:password@` of any URL, and the values of config keys and environment
+variables named like secrets (password, secret, token, API key, access key, private key,
+credential), remembered as they are read. `redact_text` replaces them with `***`; `install()`
+puts it in front of every log record and uncaught traceback; the CLI's error line and the run's
+tags and params pass through it too. Files (config.yaml, checkpoints) get config.redacted: the
+secret-named values and URL credentials replaced, the same on every machine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import traceback
+
+SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
+                "CREDENTIAL")
+REDACTED = "***"
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
+_values: set[str] = set()
+
+
+def is_secret_key(key: str) -> bool:
+    return any(w in key.upper() for w in SECRET_WORDS)
+
+
+def remember(value) -> None:
+    """A secret's value: redacted from now on wherever it appears."""
+    if isinstance(value, str) and len(value) >= _MIN_LEN and value != REDACTED:
+        _values.add(value)
+
+
+def remember_environment() -> None:
+    for name, value in os.environ.items():
+        if is_secret_key(name):
+            remember(value)
+
+
+def redact_urls(text: str) -> str:
+    """`http://user:password@host` -> `http://***@host` (and nothing else: the same text always
+    gives the same result, whatever this process remembered)."""
+    return _URL_USERINFO.sub(REDACTED + "@", text)
+
+
+def redact_text(text: str) -> str:
+    """URL credentials and every remembered secret -> `***`."""
+    text = redact_urls(text)
+    for value in sorted(_values, key=len, reverse=True):  # a longer secret before one inside it
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def _redact_record(record: logging.LogRecord) -> logging.LogRecord:
+    message = record.getMessage()
+    clean = redact_text(message)
+    if clean != message:
+        record.msg, record.args = clean, ()
+    if record.exc_info and record.exc_info[0] is not None:
+        record.exc_text = redact_text("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        record.exc_info = None
+    return record
+
+
+def install() -> None:
+    """Every log record (ours, MLflow's, any library's, whatever handler writes it) and every
+    uncaught traceback, in the main thread or another, goes through redact_text."""
+    remember_environment()
+    make_record = logging.getLogRecordFactory()
+    if getattr(make_record, "redacting", False):
+        return
+    def factory(*args, **kwargs):
+        return _redact_record(make_record(*args, **kwargs))
+
+    factory.redacting = True
+    logging.setLogRecordFactory(factory)
+
+    def excepthook(kind, value, tb):
+        sys.stderr.write(redact_text("".join(traceback.format_exception(kind, value, tb))))
+
+    def thread_excepthook(args):
+        if args.exc_type is not SystemExit:
+            sys.stderr.write(redact_text("".join(traceback.format_exception(args.exc_type, args.exc_value,
+                                                                            args.exc_traceback))))
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
