@@ -111,3 +111,37 @@ def test_every_shipped_config_loads():
     for path in configs:
         cfg = load_config(path)
         assert cfg.TRAIN.DATASETS and cfg.SOLVER.MAX_ITER > 0, path
+
+
+def test_a_key_given_twice_in_a_file_is_an_error_not_a_silent_replacement(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("SOLVER:\n  BASE_LR: 0.01\nTRAIN:\n  IMS_PER_BATCH: 2\nSOLVER:\n  MAX_ITER: 10\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: duplicate key SOLVER \(line 5\)$"):
+        load_config(path)
+    path.write_text("SOLVER:\n  BASE_LR: 0.01\n  BASE_LR: 0.02\n")
+    with pytest.raises(ConfigError, match="duplicate key BASE_LR"):
+        load_config(path)
+
+
+def test_yaml_aliases_are_refused(tmp_path):
+    path = tmp_path / "alias.yaml"  # the start of a "billion laughs": each level refers to the one before
+    path.write_text("DATASET_CATALOG:\n  a: &a [x, x, x, x]\n  b: &b [*a, *a, *a, *a]\n  c: [*b, *b, *b, *b]\n")
+    with pytest.raises(ConfigError, match=r"YAML aliases are not allowed in a config \(line 3\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("key, written", [("TRACKING.EXPERIMENT", "12:30"), ("TRACKING.RUN_NAME", "010"),
+                                          ("TRACKING.RUN_NAME", "1e3"), ("TRACKING.EXPERIMENT", "2024-01-01"),
+                                          ("NAME", "0x1F")])
+def test_string_keys_keep_what_was_written(tmp_path, key, written):
+    section, leaf = key.split(".") if "." in key else (None, key)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {written}\n" if section else f"{leaf}: {written}\n")
+    from_file = load_config(path)
+    from_override = load_config(None, [key, written])
+    for cfg in (from_file, from_override):
+        node = cfg[section] if section else cfg
+        assert node[leaf] == written
+    assert load_config(None, ["SOLVER.MAX_ITER", "200", "SOLVER.BASE_LR", "1e-2"]).SOLVER.BASE_LR == 0.01
+    write_config(from_file, tmp_path / "out.yaml")  # plain data: dumps, hashes
+    assert job_hash(from_file) == job_hash(load_config(path))

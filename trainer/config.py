@@ -6,7 +6,6 @@ closest valid key suggested), values are coerced the way Detectron's YAML writes
 """
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
 import hashlib
@@ -17,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from trainer.atomic_write import write_atomic
-from trainer.errors import UserError
+from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
+from trainer.errors import ConfigError
 from trainer.redaction import REDACTED, is_secret_key, redact_urls, remember
 
 _DEFAULTS: dict = {
@@ -120,10 +120,6 @@ _NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD"
 
 
 
-class ConfigError(UserError):
-    pass
-
-
 class Config(dict):
     """A nested dict with attribute access: cfg.SOLVER.BASE_LR."""
 
@@ -172,20 +168,12 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"unknown config key {key}{hint}")
 
 
-def _literal(text: str):
-    """Detectron writes tuples as Python literals: `(800,)`, `('a', 'b')`."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: `{[1]: 2}`
-        return text
-
-
 def _coerce(key: str, value, default):
     """Return `value` as the type of `default`, or raise ConfigError naming the key."""
     if isinstance(default, dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return value
+        return plain(value)
     if isinstance(default, bool):
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -193,7 +181,7 @@ def _coerce(key: str, value, default):
             return value
     elif isinstance(default, int):
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif isinstance(default, float):
@@ -210,6 +198,8 @@ def _coerce(key: str, value, default):
     elif isinstance(default, str):
         if isinstance(value, str):
             return value
+        if isinstance(value, (Int, Float)):  # as written, not as YAML 1.1 reads it
+            return value.source
         if value is None:
             return ""
         if isinstance(value, bool):  # YAML reads `true` as a boolean
@@ -218,7 +208,7 @@ def _coerce(key: str, value, default):
             return str(value)
     elif isinstance(default, list):
         if isinstance(value, str):
-            value = _literal(value)
+            value = literal(value)
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -237,7 +227,7 @@ def _set(cfg: Config, key: str, value) -> None:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(parts[:i])} is {node!r}, not a mapping; cannot set {key}")
-        node[parts[-1]] = value
+        node[parts[-1]] = plain(value)
         return
     node, default = cfg, _DEFAULTS
     for part in parts[:-1]:
@@ -261,51 +251,21 @@ def merge(cfg: Config, data: dict, prefix: str = "") -> None:
             _set(cfg, key, v)
 
 
-def _parse_override(text: str):
-    text = text.strip()
-    if text[:1] in "([{":
-        value = _literal(text)
-        if not isinstance(value, str):
-            return value
-    try:
-        return yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        return text
-
-
 def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) -> Config:
     """Defaults, then the YAML file, then `KEY VALUE` pairs; validated."""
     cfg = defaults()
     if path is not None:
-        merge(cfg, _read_yaml(Path(path)))
+        merge(cfg, read_yaml(Path(path)))
         cfg["NAME"] = cfg.NAME or Path(path).stem
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
     for key, value in zip(opts[0::2], opts[1::2]):
         if is_secret_key(str(key)):
             remember(value)  # before anything can echo it
-        _set(cfg, key, _parse_override(value))
+        _set(cfg, key, parse_override(value))
     _remember_secrets(cfg)
     validate(cfg)
     return cfg
-
-
-def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all (a .pth passed by mistake)
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
-    return data
 
 
 def validate(cfg: Config) -> None:

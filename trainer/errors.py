@@ -9,6 +9,10 @@ class UserError(Exception):
     """Bad input: a config key, a value, a file, a dataset, a run id."""
 
 
+class ConfigError(UserError):
+    """A config file, key or value that cannot work."""
+
+
 def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception in one short line (MLflow's and botocore's messages run to pages)."""
     text = str(e).strip()

@@ -1,0 +1,118 @@
+"""Config text as the user wrote it: YAML files and `KEY VALUE` override values.
+
+A key twice in one mapping (a second `SOLVER:` section) and YAML aliases (which can expand into
+something large) are errors. Numbers remember their text, so that a string-typed key keeps what was
+written (`TRACKING.EXPERIMENT 12:30` is not 750, as YAML 1.1 reads it, nor `RUN_NAME 010` 8);
+dates stay text. Detectron writes tuples as Python literals (`(800,)`), read here too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import yaml
+
+from trainer.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as the user wrote it: a key twice in one mapping (a second `SOLVER:` section) and
+    aliases (which can expand into something large) are errors; numbers remember their text, so a
+    string-typed key keeps what was written (`TRACKING.EXPERIMENT 12:30` is not 750, which YAML 1.1
+    reads, nor `RUN_NAME 010` 8); dates stay text."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"YAML aliases are not allowed in a config (line {mark.line + 1})")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise ConfigError(f"duplicate key {key} (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            except TypeError:  # an unhashable key: YAML's own constructor says so below
+                break
+        return super().construct_mapping(node, deep)
+
+
+class Int(int):
+    source = ""
+
+
+class Float(float):
+    source = ""
+
+
+def _with_source(kind, construct):
+    def constructor(loader, node):
+        value = kind(construct(loader, node))
+        value.source = node.value
+        return value
+    return constructor
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _with_source(Int, yaml.SafeLoader.construct_yaml_int))
+_Loader.add_constructor("tag:yaml.org,2002:float", _with_source(Float, yaml.SafeLoader.construct_yaml_float))
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_scalar)
+
+
+def load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+
+
+def plain(value):
+    """Loaded data with plain int and float again (the config is dumped, hashed and saved)."""
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Int):
+        return int(value)
+    if isinstance(value, Float):
+        return float(value)
+    return value
+
+
+def literal(text: str):
+    """Detectron writes tuples as Python literals: `(800,)`, `('a', 'b')`."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: `{[1]: 2}`
+        return text
+
+
+def parse_override(text: str):
+    text = text.strip()
+    if text[:1] in "([{":
+        value = literal(text)
+        if not isinstance(value, str):
+            return value
+    try:
+        return load_yaml(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = load_yaml(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all (a .pth passed by mistake)
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    except ConfigError as e:  # a duplicate key, an alias
+        raise ConfigError(f"{path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(plain(data)).__name__}")
+    return data
