@@ -293,6 +293,12 @@ def validate(cfg: Config) -> None:
         (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
+        (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),
+        (cfg.TEST.SCALE > 0 and cfg.TEST.MAX_SIZE > 0,
+         f"TEST.SCALE and TEST.MAX_SIZE must be > 0, got {cfg.TEST.SCALE} and {cfg.TEST.MAX_SIZE}"),
+        (all(lr > 0 for lr in s.LRS), f"SOLVER.LRS must all be > 0, got {s.LRS}"),
+        (s.WARM_UP_FACTOR >= 0, f"SOLVER.WARM_UP_FACTOR must be >= 0, got {s.WARM_UP_FACTOR}"),
+        (cfg.TRACKING.FLUSH_TIMEOUT_S >= 0, f"TRACKING.FLUSH_TIMEOUT_S must be >= 0, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ]
