@@ -279,3 +279,23 @@ def _distributed_main(dataset: str, weights: str, out: str) -> None:
 
 if __name__ == "__main__":
     _distributed_main(*sys.argv[1:4])
+
+
+def test_eval_names_its_own_options_and_checks_its_output_dir(tmp_path, data_dir):
+    """`tracktron eval` says --weights (not TRAIN.WEIGHTS), and refuses an OUTPUT_DIR it cannot
+    write before it evaluates anything."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "trainer", "eval", "--config", str(ROOT / "configs" / "demo.yaml")]
+    opts = ["DATA_DIR", str(data_dir), "TRACKING.ENABLED", "false", "DATA_LOADER.NUM_THREADS", "0"]
+    missing = subprocess.run(base + ["--weights", str(tmp_path / "nope.pth"), *opts, "OUTPUT_DIR", str(tmp_path / "o")],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1].startswith(f"error: --weights {tmp_path / 'nope.pth'}: no such file")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    blocked = subprocess.run(base + ["--weights", str(tmp_path / "nope.pth"), *opts, "OUTPUT_DIR", str(blocker / "out")],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert blocked.returncode == 2
+    assert blocked.stderr.strip().splitlines()[-1] == f"error: cannot write to OUTPUT_DIR {blocker / 'out'}: {blocker} is a file"

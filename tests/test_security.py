@@ -104,7 +104,7 @@ def test_malicious_eval_weights_are_refused_in_one_line(tmp_path, monkeypatch, d
     result = run_cli(["eval", "--config", str(DEMO), "--weights", str(evil), "DATA_DIR", str(data_dir),
                       "TRACKING.ENABLED", "false", "DATA_LOADER.NUM_THREADS", "0"])
     assert result.code == 2, result.stderr[-2000:]
-    assert "is not a valid torch checkpoint (UnpicklingError" in result.last_line
+    assert result.last_line.startswith(f"error: --weights {evil} is not a valid torch checkpoint (UnpicklingError")
     assert not marker.exists()
 
 

@@ -158,6 +158,7 @@ def eval_(config_file, weights, opts):
 
     _setup_logging()
     cfg = load_config(config_file, list(opts))
+    _check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     ctx = distributed.setup()
     _setup_logging(ctx.rank)
     try:

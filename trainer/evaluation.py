@@ -255,7 +255,7 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # 
 
 def _load_file(cfg, path: str, num_classes: int, num_keypoints: int):
     model = build_model(cfg, num_classes, num_keypoints)
-    report = load_weights(model, path)
+    report = load_weights(model, path, option="--weights")
     if report is None:
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if report.skipped or report.missing:  # an evaluation of random heads would be meaningless

@@ -283,7 +283,7 @@ class LoadReport:
     unexpected: list = field(default_factory=list)  # the weights' tensors the model does not have
 
 
-def load_weights(model: nn.Module, spec: str) -> LoadReport | None:
+def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS") -> LoadReport | None:
     """Initialise from TRAIN.WEIGHTS: a checkpoint file or a torchvision weight name; '' = nothing.
 
     Loads whatever fits: tensors of another shape are skipped, so COCO weights seed a model with
@@ -292,13 +292,13 @@ def load_weights(model: nn.Module, spec: str) -> LoadReport | None:
     if not spec:
         return None
     model = unwrap(model)
-    state, weight = _read_weights(spec)
+    state, weight = _read_weights(spec, option)
     target, module, state = _pick_target(model, state)
     own = module.state_dict()
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     kept = {k: v for k, v in state.items() if k not in skipped}
     if not any(k in own for k in kept):
-        raise UserError(f"TRAIN.WEIGHTS {spec} has no tensor that fits {type(model).__name__} "
+        raise UserError(f"{option} {spec} has no tensor that fits {type(model).__name__} "
                         f"(skipped for shape: {len(skipped)})")
     result = module.load_state_dict(kept, strict=False)
     missing = [k for k in result.missing_keys if k not in skipped]
@@ -310,35 +310,35 @@ def load_weights(model: nn.Module, spec: str) -> LoadReport | None:
     return report
 
 
-def _read_weights(spec: str):
+def _read_weights(spec: str, option: str):
     path = Path(spec).expanduser()
     if path.is_file():
-        return _read_file(path), None
+        return _read_file(path, option), None
     if not _WEIGHT_NAME.fullmatch(spec):
-        raise UserError(f"TRAIN.WEIGHTS {spec}: no such file (nor a torchvision weight name such as "
+        raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
     try:
         weight = torchvision.models.get_weight(spec)
     except (ValueError, KeyError, AttributeError):
-        raise UserError(f"TRAIN.WEIGHTS {spec}: unknown torchvision weight name") from None
+        raise UserError(f"{option} {spec}: unknown torchvision weight name") from None
     try:
         return weight.get_state_dict(progress=False, check_hash=True), weight
     except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
-        raise UserError(f"TRAIN.WEIGHTS {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
-                        f"fetch {weight.url} elsewhere and set TRAIN.WEIGHTS to the file's path") from None
+        raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
+                        f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
 
 
-def _read_file(path: Path) -> dict:
+def _read_file(path: Path, option: str) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle, zip and format errors of every kind
-        raise UserError(f"TRAIN.WEIGHTS {path} is not a valid torch checkpoint "
+        raise UserError(f"{option} {path} is not a valid torch checkpoint "
                         f"({type(e).__name__}: {first_line(e)})") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # our checkpoints: {'model': state_dict, 'optimizer': ..., ...}
     state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
     if not state:
-        raise UserError(f"TRAIN.WEIGHTS {path} holds no model weights (a state_dict or {{'model': state_dict}})")
+        raise UserError(f"{option} {path} holds no model weights (a state_dict or {{'model': state_dict}})")
     if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
         state = {k[len("module."):]: v for k, v in state.items()}
     return state
