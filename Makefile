@@ -29,4 +29,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 clean:
-	rm -rf output mlflow.db mlruns mlartifacts datasets .pytest_cache
+	rm -rf output mlflow.db mlflow.db.lock mlruns mlartifacts datasets .pytest_cache

@@ -324,3 +324,22 @@ def _children_of(pid: int) -> list[int]:
     except OSError:  # the job ended meanwhile
         pass
     return found
+
+
+def test_two_jobs_starting_at_once_on_a_new_sqlite_store_both_work(tmp_path, data_dir):
+    """Both would create the store's tables at once (which left it unusable): one does, under a
+    lock beside the database, and the other finds them."""
+    import subprocess
+
+    uri = f"sqlite:///{tmp_path / 'new.db'}"
+    jobs = [subprocess.Popen(trainer_cmd(*demo_overrides(tmp_path / name, data_dir, **{
+                "TRACKING.URI": uri, "TRACKING.EXPERIMENT": "together", "SOLVER.MAX_ITER": 6 + i})),
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for i, name in enumerate(("a", "b"))]
+    results = [(job.wait(300), job.stderr.read()) for job in jobs]
+    for code, stderr in results:
+        assert code == 0, stderr[-3000:]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+    assert all(r.data.tags["tracktron.ckpt.latest"] == "model_final.pth" for r in runs)

@@ -21,8 +21,8 @@ from trainer.errors import UserError
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
-                                   safe_params, sha_tag, start_error, tracking_uri)
+from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, first_use_guard, open_run,
+                                   retryable, run_url, safe_params, sha_tag, start_error, tracking_uri)
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,9 @@ class MlflowTracker(Tracker):
     def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
         """On a thread: the run, then (for a resumed job) the download the resume will want."""
         try:
-            self._make_client()
-            found = open_run(self.client, self.uri, cfg, self.world_size, resume_run_id, new_run)
+            with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
+                self._make_client()
+                found = open_run(self.client, self.uri, cfg, self.world_size, resume_run_id, new_run)
             run_id = found.run.info.run_id
             self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,

@@ -241,6 +241,23 @@ def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
         raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None
 
 
+@contextlib.contextmanager
+def first_use_guard(uri: str):
+    """Around a job's first calls on a SQLite store: one process at a time, so that two jobs that
+    start together on a new store do not both create its tables (which leaves it unusable). A
+    lock file beside the database (`<db>.lock`), the kernel's flock: nothing stays stuck."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _check_sqlite_store(uri: str) -> None:
     """An existing SQLite file with MLflow's tables in it, looked at read-only."""
     import sqlite3
