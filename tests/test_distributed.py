@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from tests.conftest import DEMO, demo_overrides
+from tests.conftest import DEMO, demo_overrides, run_trainer
 from tests.servers import free_port
 from trainer.checkpoint.state import load as load_checkpoint
 
@@ -38,3 +39,20 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     again = load_checkpoint(out / "model_final.pth")["model"]
     # Equal only if both ranks restored weights, optimizer state, RNG and sampler position.
     assert all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "two"}, "torchrun environment: WORLD_SIZE='two' is not an integer"),
+    ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "do not fit"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE > 1 needs MASTER_ADDR and a numeric MASTER_PORT"),
+    ({"LOCAL_RANK": "-1"}, "do not fit"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "numeric MASTER_PORT"),
+])
+def test_a_malformed_torchrun_environment_is_one_line_before_any_run_exists(tmp_path, data_dir, env, message):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}), cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and lines[-1].startswith("error: ") and "Traceback" not in result.stderr
+    assert not (tmp_path / "store.db").exists()  # no run made, so none left RUNNING
+    assert not (tmp_path / "output").exists()

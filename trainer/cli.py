@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from trainer.atomic_write import write_atomic
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.logs import setup_logging
 from trainer.output_lock import OutputLock
 from trainer.redaction import redact_text
@@ -48,7 +48,7 @@ def train(config_file, resume_run_id, no_resume, opts):
     from trainer.tracking import create_tracker
 
     # torchrun's rank and world size, read before torch is imported (see below)
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = _torchrun_environment()
     _setup_logging(rank)
     cfg = load_config(config_file, list(opts))
     if world_size > 1 and cfg.NUM_GPUS != world_size:
@@ -75,7 +75,7 @@ def train(config_file, resume_run_id, no_resume, opts):
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
-            ctx = distributed.setup()
+            ctx = _join(distributed, tracker)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
@@ -89,6 +89,36 @@ def train(config_file, resume_run_id, no_resume, opts):
             distributed.teardown(ctx)
         if lock is not None:
             lock.release()
+
+
+def _join(distributed, tracker):
+    """The job's process group; a failure to join it fails the run (never left RUNNING), in one line."""
+    try:
+        return distributed.setup()
+    except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
+        reason = f"cannot join the job's other processes: {first_line(e)}"
+        tracker.finish("FAILED", reason)
+        raise UserError(reason) from None
+
+
+def _torchrun_environment() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun sets them, checked before anything starts: a job whose
+    processes cannot find each other must not create a run it then leaves RUNNING."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    try:
+        values = {k: int(v) for k, v in env.items() if v is not None}
+    except ValueError:
+        bad = next(k for k, v in env.items() if v is not None and not v.strip().lstrip("-").isdigit())
+        raise UserError(f"torchrun environment: {bad}={env[bad]!r} is not an integer") from None
+    rank, world_size = values.get("RANK", 0), values.get("WORLD_SIZE", 1)
+    local_rank = values.get("LOCAL_RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise UserError(f"torchrun environment: RANK {rank}, LOCAL_RANK {local_rank} and WORLD_SIZE {world_size} "
+                        "do not fit (0 <= RANK < WORLD_SIZE)")
+    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit()):
+        raise UserError("torchrun environment: WORLD_SIZE > 1 needs MASTER_ADDR and a numeric MASTER_PORT "
+                        "(start the job with torchrun)")
+    return rank, world_size
 
 
 def _check_output_dir(path: Path) -> None:
@@ -159,6 +189,7 @@ def eval_(config_file, weights, opts):
     _setup_logging()
     cfg = load_config(config_file, list(opts))
     _check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
+    _torchrun_environment()
     ctx = distributed.setup()
     _setup_logging(ctx.rank)
     try:
