@@ -116,12 +116,14 @@ def test_check_finite_accepts_numbers_and_rejects_nan_and_inf():
     (["SOLVER.BASE_LRR", "0.1"], "error: unknown config key SOLVER.BASE_LRR (did you mean SOLVER.BASE_LR?)"),
     (["TRAIN.DATASETS", "('coco_2071_train',)"], "error: unknown dataset 'coco_2071_train' (did you mean coco_2017_train?)"),
     (["MODEL.TYPE", "fasterrcnn_resnet51_fpn"], "error: unknown MODEL.TYPE"),
+    (["TEST.DATASETS", "('synth_shapes_vall',)"], "error: unknown dataset 'synth_shapes_vall'"),  # before training
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, data_dir, args, message):
     result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.ENABLED": "false"}) + args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in result.stderr
+    assert not list((tmp_path / "output").glob("*.pth")) and not (tmp_path / "output" / "json_stats.log").exists()
 
 
 def test_missing_config_file_is_exit_2(tmp_path):

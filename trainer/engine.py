@@ -31,7 +31,7 @@ from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import CheckpointError, capture_rng, load, newest_valid, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, job_keys, redacted, write_config
-from trainer.data import build_train_dataset, build_train_loader
+from trainer.data import build_train_dataset, build_train_loader, check_test_datasets
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
@@ -160,6 +160,7 @@ def create_model(job: Job) -> CreatedModel:
         dataset = model = failed = None
         try:
             dataset = build_train_dataset(job.cfg)
+            check_test_datasets(job.cfg)
             model = build_model(job.cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
         except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
             failed = e

@@ -342,6 +342,13 @@ def build_train_dataset(cfg):
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
 
+def check_test_datasets(cfg) -> None:
+    """Every TEST.DATASETS entry resolves and its annotations are sound, before training: a typo
+    there is not found only after the whole training (a rerun would then have nothing to do)."""
+    for name in cfg.TEST.DATASETS:
+        CocoDetection(*resolve_dataset(cfg, name), train=False)
+
+
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
     """An endless loader of (images, targets) batches for this rank, starting at start_iter."""
     dataset = build_train_dataset(cfg) if dataset is None else dataset
