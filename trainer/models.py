@@ -78,6 +78,9 @@ def build_model(cfg, num_classes: int, num_keypoints: int = 0) -> nn.Module:
         raise _choice_error("MODEL.TYPE", m.TYPE, MODEL_TYPES)
     family = _family(m.TYPE)
     n = m.NUM_CLASSES if m.NUM_CLASSES > 0 else num_classes
+    if 0 < m.NUM_CLASSES < num_classes:  # a label past the classifier's outputs: an IndexError mid-training
+        raise UserError(f"MODEL.NUM_CLASSES {m.NUM_CLASSES} is fewer than the dataset's {num_classes} "
+                        f"(its {num_classes - 1} categories + background); leave it -1 to take the dataset's")
     if n < 2:
         raise UserError(f"the model needs >= 2 classes (background + objects), got {n}")
     if family == "keypointrcnn" and num_keypoints <= 0:
