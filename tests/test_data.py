@@ -212,6 +212,20 @@ def test_bad_image_file(tmp_path):
         CocoDetection(image_dir, ann)[0]
 
 
+def test_a_16_bit_png_is_read_on_the_same_0_to_1_scale_as_an_8_bit_one(tmp_path):
+    """A 16-bit PNG decodes to values up to 65535: divided by 255 they went up to 257."""
+    images = [{"id": 1, "file_name": "8bit.png", "width": 16, "height": 8},
+              {"id": 2, "file_name": "16bit.png", "width": 16, "height": 8}]
+    image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 4, 4]), _ann(2, 2, [0, 0, 4, 4])])
+    gray = (np.arange(16 * 8).reshape(8, 16) * 2).astype(np.uint8)
+    Image.fromarray(gray).save(image_dir / "8bit.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(image_dir / "16bit.png")  # the same picture, 16 bits
+    ds = CocoDetection(image_dir, ann, train=False)
+    eight, sixteen = ds[0][0], ds[1][0]
+    assert float(sixteen.max()) <= 1.0
+    assert torch.allclose(eight, sixteen, atol=1e-6)
+
+
 def test_resolve_dataset(tmp_path, tiny):
     cfg = _cfg(tmp_path, tiny)
     assert resolve_dataset(cfg, "tiny") == (tiny / "images", tiny / "annotations.json")
@@ -332,6 +346,7 @@ def test_prefetcher_reraises_loader_errors(tmp_path):
                                  [_ann(1, 1, [0, 0, 4, 4])])
     cfg = _cfg(tmp_path, tmp_path)
     cfg.DATA_LOADER["NUM_THREADS"] = 1
+    cfg.TRAIN["IMS_PER_BATCH"] = 1  # the one image
     (image_dir / "1.png").write_bytes(b"broken")
     loader, _ = build_train_loader(cfg)
     with Prefetcher(loader) as p, pytest.raises(UserError) as info:

@@ -118,6 +118,7 @@ def test_check_finite_accepts_numbers_and_rejects_nan_and_inf():
     (["MODEL.TYPE", "fasterrcnn_resnet51_fpn"], "error: unknown MODEL.TYPE"),
     (["TEST.DATASETS", "('synth_shapes_vall',)"], "error: unknown dataset 'synth_shapes_vall'"),  # before training
     (["MODEL.NUM_CLASSES", "3"], "error: MODEL.NUM_CLASSES 3 is fewer than the dataset's 4"),
+    (["TRAIN.IMS_PER_BATCH", "1000000000"], "error: TRAIN.IMS_PER_BATCH 1000000000 is more than the training set's"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, data_dir, args, message):
     result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.ENABLED": "false"}) + args, cwd=tmp_path)

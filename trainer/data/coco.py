@@ -203,7 +203,7 @@ class CocoDetection(Dataset):
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
             raise UserError(f"{path} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
                             f"{record['width']}x{record['height']}")
-        return image.float().div_(255)
+        return image.float().div_(torch.iinfo(image.dtype).max)  # 255 for 8-bit images, 65535 for 16-bit PNGs
 
 
 def _index(data: dict) -> COCO:
@@ -352,6 +352,9 @@ def check_test_datasets(cfg) -> None:
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
     """An endless loader of (images, targets) batches for this rank, starting at start_iter."""
     dataset = build_train_dataset(cfg) if dataset is None else dataset
+    if cfg.TRAIN.IMS_PER_BATCH > len(dataset.aspect_ratios):  # (1e9 ended in a MemoryError)
+        raise UserError(f"TRAIN.IMS_PER_BATCH {cfg.TRAIN.IMS_PER_BATCH} is more than the training set's "
+                        f"{len(dataset.aspect_ratios)} usable images")
     sampler = InfiniteGroupedBatchSampler(
         dataset.aspect_ratios, cfg.TRAIN.IMS_PER_BATCH, cfg.RNG_SEED, start_iter, rank, world_size,
         flip=cfg.TRAIN.USE_FLIPPED, group=cfg.TRAIN.ASPECT_GROUPING)
