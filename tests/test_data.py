@@ -391,3 +391,21 @@ def test_prefetcher_close_is_prompt():
     p.close()
     assert time.monotonic() - start < 3
     release.set()
+
+
+@pytest.mark.parametrize("counts, what", [([5, 3], "list runs short of the image"), ([150, 100], "list runs past it"),
+                                          ("0i0", "compressed runs past it"), ("0", "compressed runs short")])
+def test_an_rle_mask_that_does_not_fit_its_image_is_refused_up_front(tmp_path, counts, what):
+    """The RLE's size matches its image, its runs do not: pycocotools would decode it anyway (past
+    the mask's end when the runs are too long), so the check counts them."""
+    from trainer.data.checks import check
+
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}]
+    image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 4, 4],
+                                                         segmentation={"size": [10, 20], "counts": counts})])
+    data = json.loads(ann.read_text())
+    with pytest.raises(UserError, match="has an RLE mask whose counts cover .* not the 10x20 of its image"):
+        check(ann, data, image_dir, masks=True)
+    good = mask_utils.encode(np.asfortranarray(np.ones((10, 20), np.uint8)))
+    data["annotations"][0]["segmentation"] = {"size": [10, 20], "counts": good["counts"].decode()}
+    check(ann, data, image_dir, masks=True)  # a fitting one passes

@@ -123,12 +123,41 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
         counts, size = segm.get("counts"), segm.get("size")
         counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(_is_int(v) and v >= 0 for v in counts))
         if counts_ok and size == [image["height"], image["width"]]:
-            return
+            covered = _rle_pixels(counts)
+            if covered == image["height"] * image["width"]:
+                return
+            raise UserError(f"{what} has an RLE mask whose counts cover {covered if covered >= 0 else 'no valid run of'} "
+                            f"pixels, not the {image['height']}x{image['width']} of its image")
         if counts_ok and isinstance(size, list):
             raise UserError(f"{what} has an RLE mask of size {_short(size)} on an image of "
                             f"{image['height']}x{image['width']} (height x width)")
     raise UserError(f"{what} has segmentation {_short(segm)}: polygons (lists of numbers) or RLE "
                     "({'counts', 'size'}) expected")
+
+
+def _rle_pixels(counts) -> int:
+    """How many pixels an RLE's runs cover (-1: a malformed compressed string). pycocotools decodes
+    what it is given without this check, writing past the mask's end when the runs are too long."""
+    if isinstance(counts, list):
+        return sum(counts)
+    runs: list[int] = []
+    i = 0
+    while i < len(counts):  # COCO's compressed counts: 5 bits a character, a continuation bit, deltas
+        x, k, more = 0, 0, True
+        while more:
+            if i >= len(counts):
+                return -1
+            c = ord(counts[i]) - 48
+            x |= (c & 0x1F) << (5 * k)
+            more, i, k = bool(c & 0x20), i + 1, k + 1
+            if not more and c & 0x10:
+                x |= -1 << (5 * k)
+        if len(runs) > 2:
+            x += runs[-2]
+        if x < 0:
+            return -1
+        runs.append(x)
+    return sum(runs)
 
 
 def _is_number(v) -> bool:
