@@ -208,3 +208,24 @@ def test_a_second_trainer_on_the_same_output_dir_stops_at_once_naming_the_first(
     third = run_trainer(["--no-resume", *demo_overrides(tmp_path, data_dir, **{"TRACKING.ENABLED": "false"})],
                         cwd=tmp_path)
     assert third.returncode == 0, third.stderr  # the killed one's lock went with it
+
+
+def test_dry_run_checks_everything_says_what_it_would_do_and_writes_nothing(tmp_path, data_dir):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri})
+    plan = run_trainer(["--dry-run", *args], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["model", "train", "test", "schedule", "tracking", "output"]
+    assert "parameters, from random initialisation" in lines[1] and "64 images" in lines[2]
+    assert "8 iterations" in lines[4] and "a checkpoint every 3 iterations (2 model_iter files" in lines[4]
+    assert lines[5].endswith("a new store, experiment demo, a new run") and lines[6].endswith("no checkpoint here")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no OUTPUT_DIR, no store
+
+    assert run_trainer(args, cwd=tmp_path).returncode == 0  # the job itself
+    again = run_trainer(["--dry-run", *args], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "has model_final: nothing to do" in again.stdout and "model_final.pth is here: nothing to do" in again.stdout
+
+    bad = run_trainer(["--dry-run", *args, "TEST.DATASETS", "('synth_shapes_vall',)"], cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: unknown dataset")

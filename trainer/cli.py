@@ -38,8 +38,9 @@ def cli():
               help="YAML config (see configs/).")
 @click.option("--resume", "resume_run_id", default=None, help="Continue this MLflow run id.")
 @click.option("--no-resume", is_flag=True, help="Start a new run even if this job has one.")
+@click.option("--dry-run", is_flag=True, help="Run every check of the job, say what it would do, train nothing.")
 @click.argument("opts", nargs=-1, type=click.UNPROCESSED)
-def train(config_file, resume_run_id, no_resume, opts):
+def train(config_file, resume_run_id, no_resume, dry_run, opts):
     """Train a detector. Trailing KEY VALUE pairs override config keys, as in Detectron:
 
     tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4
@@ -59,6 +60,11 @@ def train(config_file, resume_run_id, no_resume, opts):
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     _check_output_dir(Path(cfg.OUTPUT_DIR))
+    if dry_run:
+        from trainer.dry_run import plan
+
+        click.echo(plan(cfg, resume_run_id, no_resume, world_size))
+        return
     lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
     tracker = create_tracker(cfg, rank, world_size)
     monitor = ctx = None

@@ -43,6 +43,20 @@ class OutputLock:
         self._fd = fd
         return self
 
+    def check(self) -> None:
+        """Whether acquire() would succeed, creating nothing (--dry-run)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder})") from None
+        finally:
+            os.close(fd)
+
     def _is_current(self, fd: int) -> bool:
         try:
             return os.stat(self.path).st_ino == os.fstat(fd).st_ino

@@ -151,11 +151,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
     from mlflow.entities import RunTag
 
     if resume_run_id:
-        run = _get_run(client, uri, resume_run_id)
-        theirs, ours = run.data.tags.get(JOB_TAG), job_hash(cfg)
-        if theirs is not None and theirs != ours:  # never train into (or finish) another job's run
-            raise UserError(f"run {resume_run_id} is another job's (job {theirs}; this config is job {ours}): "
-                            "resume it with its own config, or drop --resume to start this job's run")
+        run = _resumable_run(client, uri, cfg, resume_run_id)
         return run, run.info.experiment_id, None
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
@@ -173,6 +169,52 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         return earlier, exp_id, note
     exp_id = _experiment(client, experiment_name(cfg))
     return (_newest_job_run(client, exp_id, cfg) if resume else None), exp_id, None
+
+
+def _resumable_run(client, uri: str, cfg: Config, run_id: str):
+    """--resume RUN_ID's run, when it is this job's (or a bare run made for it)."""
+    run = _get_run(client, uri, run_id)
+    theirs, ours = run.data.tags.get(JOB_TAG), job_hash(cfg)
+    if theirs is not None and theirs != ours:  # never train into (or finish) another job's run
+        raise UserError(f"run {run_id} is another job's (job {theirs}; this config is job {ours}): "
+                        "resume it with its own config, or drop --resume to start this job's run")
+    return run
+
+
+def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> str:
+    """What the job's start would do with its run, found without writing anything (--dry-run)."""
+    from mlflow import MlflowClient
+
+    name = experiment_name(cfg)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):].split("?", 1)[0]).is_file():
+        if resume_run_id:
+            raise UserError(f"run {resume_run_id} does not exist on {uri} (there is no store yet)")
+        return f"a new store, experiment {name}, a new run"
+    if uri.startswith("sqlite:///"):
+        _check_sqlite_store(uri)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    try:
+        client = MlflowClient(uri)
+        if resume_run_id:
+            run = _resumable_run(client, uri, cfg, resume_run_id)
+        elif launcher := os.environ.get("MLFLOW_RUN_ID"):
+            return f"the launcher's run {launcher} (or this job's earlier run in its experiment)"
+        else:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                return f"experiment {name} (new), a new run"
+            run = _newest_job_run(client, exp.experiment_id, cfg) if cfg.TRAIN.AUTO_RESUME and not new_run else None
+    except UserError:
+        raise
+    except Exception as e:  # unreachable, refused credentials: as the job's start would say
+        raise UserError(start_error(uri, e)) from None
+    if run is None:
+        return f"experiment {name}, a new run"
+    done = checkpoints_of(run)
+    if FINAL in done:
+        return f"run {run.info.run_id} has model_final: nothing to do"
+    return f"continues run {run.info.run_id} ({run.info.status}) from {done[0] if done else 'its start'}"
 
 
 def _experiment(client, name: str) -> str:

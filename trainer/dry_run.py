@@ -1,0 +1,75 @@
+"""`tracktron train --dry-run`: every check a job's start makes, then what it would do. Nothing is
+trained and nothing written (no OUTPUT_DIR, no tracking store, no run: the run lookup only reads),
+except the synthetic dataset, which a job generates on first use."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.checkpoint.files import FINAL, iteration_of, local_checkpoints
+from trainer.config import Config, job_hash
+from trainer.data import build_train_dataset, check_test_datasets
+from trainer.data.coco import CocoDetection, resolve_dataset
+from trainer.errors import UserError
+from trainer.models import build_model, load_weights
+from trainer.output_lock import OutputLock
+from trainer.redaction import redact_text
+from trainer.solver import lr_at_iter
+from trainer.tracking.runs import find_job_run, tracking_uri
+
+
+def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int) -> str:
+    """The job as it would run, in a few lines; UserError for the first thing that would stop it."""
+    OutputLock(Path(cfg.OUTPUT_DIR)).check()
+    dataset = build_train_dataset(cfg)
+    check_test_datasets(cfg)
+    if cfg.TRAIN.IMS_PER_BATCH > len(dataset.aspect_ratios):
+        raise UserError(f"TRAIN.IMS_PER_BATCH {cfg.TRAIN.IMS_PER_BATCH} is more than the training set's "
+                        f"{len(dataset.aspect_ratios)} usable images")
+    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+    load_weights(model, cfg.TRAIN.WEIGHTS)
+    params = sum(p.numel() for p in model.parameters())
+    lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
+             f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "
+             f"{dataset.num_classes} classes, {params:,} parameters, from "
+             f"{redact_text(cfg.TRAIN.WEIGHTS) or 'random initialisation'}",
+             f"train: {', '.join(cfg.TRAIN.DATASETS)}: {len(dataset.aspect_ratios)} images, "
+             f"{cfg.TRAIN.IMS_PER_BATCH} per batch and process",
+             f"test: {_test_sets(cfg)}",
+             _schedule(cfg),
+             _tracking(cfg, resume_run_id, new_run),
+             f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg)}"]
+    return "\n".join(lines)
+
+
+def _test_sets(cfg: Config) -> str:
+    if not cfg.TEST.DATASETS:
+        return "none"
+    sizes = [f"{name}: {len(CocoDetection(*resolve_dataset(cfg, name), train=False))} images"
+             for name in cfg.TEST.DATASETS]
+    when = f"every {cfg.TEST.EVAL_PERIOD} iterations and " if cfg.TEST.EVAL_PERIOD else ""
+    return f"{'; '.join(sizes)}; evaluated {when}after model_final"
+
+
+def _schedule(cfg: Config) -> str:
+    s, period = cfg.SOLVER, max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
+    marks = sorted({0, min(s.WARM_UP_ITERS, s.MAX_ITER - 1), *[x for x in s.STEPS if x < s.MAX_ITER], s.MAX_ITER - 1})
+    lrs = ", ".join(f"{lr_at_iter(cfg, it):.6g} at {it}" for it in marks)
+    return (f"schedule: {s.MAX_ITER} iterations, LR {s.LR_POLICY} ({lrs}); a checkpoint every {period} "
+            f"iterations ({max(0, (s.MAX_ITER - 2) // period)} model_iter files, then model_final)")
+
+
+def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> str:
+    if not cfg.TRACKING.ENABLED:
+        return "tracking: off"
+    uri = tracking_uri(cfg)
+    return f"tracking: {redact_text(uri)}: {find_job_run(cfg, uri, resume_run_id, new_run)}"
+
+
+def _local_start(cfg: Config) -> str:
+    found = local_checkpoints(Path(cfg.OUTPUT_DIR)) if cfg.TRAIN.AUTO_RESUME else []
+    if not found:
+        return "no checkpoint here"
+    newest = found[0].name
+    if newest == FINAL:
+        return "model_final.pth is here: nothing to do"
+    return f"newest checkpoint {newest}: resumes at iteration {int(iteration_of(newest)) + 1} (if it loads)"
