@@ -268,6 +268,12 @@ def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) ->
     return cfg
 
 
+def _model_name_ok(name: str) -> bool:
+    """MLflow's registry rules, checked now rather than when the model is registered after training."""
+    return not name or (bool(name.strip()) and not set("/:") & set(name) and name.isprintable()
+                        and name not in (".", ".."))
+
+
 def validate(cfg: Config) -> None:
     s, t = cfg.SOLVER, cfg.TRAIN
     checks = [
@@ -299,6 +305,9 @@ def validate(cfg: Config) -> None:
         (all(lr > 0 for lr in s.LRS), f"SOLVER.LRS must all be > 0, got {s.LRS}"),
         (s.WARM_UP_FACTOR >= 0, f"SOLVER.WARM_UP_FACTOR must be >= 0, got {s.WARM_UP_FACTOR}"),
         (cfg.TRACKING.FLUSH_TIMEOUT_S >= 0, f"TRACKING.FLUSH_TIMEOUT_S must be >= 0, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
+        (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
+         f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
+         "(MLflow's names are not blank and have no '/' or ':')"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ]
