@@ -55,7 +55,10 @@ def redact_text(text: str) -> str:
 
 
 def _redact_record(record: logging.LogRecord) -> logging.LogRecord:
-    message = record.getMessage()
+    try:
+        message = record.getMessage()
+    except Exception:  # a bad format string: the handler reports it as logging always did
+        return record
     clean = redact_text(message)
     if clean != message:
         record.msg, record.args = clean, ()
