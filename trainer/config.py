@@ -274,6 +274,28 @@ def _model_name_ok(name: str) -> bool:
                         and name not in (".", ".."))
 
 
+MAX_SIDE = 10_000  # pixels: an image side past this does not fit a batch in any GPU's memory
+_POSITIVE_MODEL_KEYS = ("FPN_CHANNELS", "REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN",
+                        "RPN_PRE_NMS_TOP_N_TEST", "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE",
+                        "ROI_BATCH_SIZE_PER_IMAGE", "DETECTIONS_PER_IMAGE")
+
+
+def _model_and_size_checks(cfg: Config) -> list:
+    m, t = cfg.MODEL, cfg.TRAIN
+    sides = {"TRAIN.SCALES": max(t.SCALES, default=0), "TRAIN.MAX_SIZE": t.MAX_SIZE,
+             "TEST.SCALE": cfg.TEST.SCALE, "TEST.MAX_SIZE": cfg.TEST.MAX_SIZE}
+    return [
+        (m.NUM_CLASSES == -1 or m.NUM_CLASSES >= 2,
+         f"MODEL.NUM_CLASSES must be -1 (from the dataset) or >= 2, got {m.NUM_CLASSES}"),
+        (m.BACKBONE_WIDTH > 0, f"MODEL.BACKBONE_WIDTH must be > 0, got {m.BACKBONE_WIDTH}"),
+        (-1 <= m.TRAINABLE_BACKBONE_LAYERS <= 5,
+         f"MODEL.TRAINABLE_BACKBONE_LAYERS must be -1 (the default) or 0 to 5, got {m.TRAINABLE_BACKBONE_LAYERS}"),
+        (all(a > 0 for a in m.ANCHOR_SIZES), f"MODEL.ANCHOR_SIZES must be positive, got {m.ANCHOR_SIZES}"),
+        *((m[k] > 0, f"MODEL.{k} must be > 0, got {m[k]}") for k in _POSITIVE_MODEL_KEYS),
+        *((v <= MAX_SIDE, f"{k} must be at most {MAX_SIDE} pixels, got {v}") for k, v in sides.items()),
+    ]
+
+
 def validate(cfg: Config) -> None:
     s, t = cfg.SOLVER, cfg.TRAIN
     checks = [
@@ -310,7 +332,7 @@ def validate(cfg: Config) -> None:
          "(MLflow's names are not blank and have no '/' or ':')"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
-    ]
+    ] + _model_and_size_checks(cfg)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
