@@ -274,6 +274,7 @@ def _model_name_ok(name: str) -> bool:
                         and name not in (".", ".."))
 
 
+DAY_S = 86_400  # the longest timeout or grace period (more overflows the clocks it is added to)
 MAX_SIDE = 10_000  # pixels: an image side past this does not fit a batch in any GPU's memory
 _POSITIVE_MODEL_KEYS = ("FPN_CHANNELS", "REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN",
                         "RPN_PRE_NMS_TOP_N_TEST", "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE",
@@ -315,7 +316,7 @@ def validate(cfg: Config) -> None:
         (t.SCALES and all(x > 0 for x in t.SCALES), f"TRAIN.SCALES must be positive sizes, got {t.SCALES}"),
         (t.MAX_SIZE > 0, f"TRAIN.MAX_SIZE must be > 0, got {t.MAX_SIZE}"),
         (t.CHECKPOINTS_KEEP >= 1, f"TRAIN.CHECKPOINTS_KEEP must be >= 1, got {t.CHECKPOINTS_KEEP}"),
-        (t.PREEMPT_GRACE_S > 0, f"TRAIN.PREEMPT_GRACE_S must be > 0, got {t.PREEMPT_GRACE_S}"),
+        (0 < t.PREEMPT_GRACE_S <= DAY_S, f"TRAIN.PREEMPT_GRACE_S must be > 0 and <= {DAY_S}, got {t.PREEMPT_GRACE_S}"),
         (0 <= cfg.RNG_SEED < 2**32, f"RNG_SEED must be in [0, 2**32), got {cfg.RNG_SEED}"),
         (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
         (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
@@ -326,7 +327,8 @@ def validate(cfg: Config) -> None:
          f"TEST.SCALE and TEST.MAX_SIZE must be > 0, got {cfg.TEST.SCALE} and {cfg.TEST.MAX_SIZE}"),
         (all(lr > 0 for lr in s.LRS), f"SOLVER.LRS must all be > 0, got {s.LRS}"),
         (s.WARM_UP_FACTOR >= 0, f"SOLVER.WARM_UP_FACTOR must be >= 0, got {s.WARM_UP_FACTOR}"),
-        (cfg.TRACKING.FLUSH_TIMEOUT_S >= 0, f"TRACKING.FLUSH_TIMEOUT_S must be >= 0, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
+        (0 <= cfg.TRACKING.FLUSH_TIMEOUT_S <= DAY_S,
+         f"TRACKING.FLUSH_TIMEOUT_S must be 0 to {DAY_S} seconds, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
         (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
          f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
          "(MLflow's names are not blank and have no '/' or ':')"),
