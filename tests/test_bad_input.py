@@ -449,3 +449,32 @@ def test_damaged_annotations_are_a_user_error_or_a_usable_dataset(tiny_coco, tmp
             ds[(i, i % 2 == 1)]
     except UserError as e:
         assert "\n" not in str(e)
+
+
+# ---- found by an adversarial pass (this wave): each was a traceback ---------------------------------------
+
+def _dangling(tmp_path):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "nowhere" / "at-all")
+    return str(link)
+
+
+@pytest.mark.parametrize("case, opts, env, message", [
+    ("output-dir-dangling-symlink", lambda t: ["OUTPUT_DIR", _dangling(t)], {}, "cannot make OUTPUT_DIR"),
+    ("output-dir-in-proc", lambda t: ["OUTPUT_DIR", "/proc/tracktron-out"], {}, "OUTPUT_DIR /proc/tracktron-out"),
+    ("tracking-uri-broken-ipv6", lambda t: ["TRACKING.URI", "http://[::1"], {}, "is not a URL"),
+    ("torchrun-superscript-digit", lambda t: [], {"RANK": "1\u00b2"}, "torchrun environment: RANK="),
+])
+def test_inputs_from_the_adversarial_pass_are_one_line(tmp_path, monkeypatch, case, opts, env, message):
+    monkeypatch.chdir(tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = run_cli(["train", "--config", str(DEMO), "DATA_DIR", str(tmp_path / "data"), *opts(tmp_path)])
+    assert_exit_2(result, message)
+
+
+def test_synth_into_an_unwritable_place_or_with_a_negative_seed_is_one_line(tmp_path):
+    result = run_cli(["data", "synth", "--out", "/proc/tracktron-synth"])
+    assert_exit_2(result, "cannot write the synthetic dataset to /proc/tracktron-synth")
+    result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--seed", "-1"])
+    assert result.code == 2 and "Traceback" not in result.stderr

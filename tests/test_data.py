@@ -409,3 +409,31 @@ def test_an_rle_mask_that_does_not_fit_its_image_is_refused_up_front(tmp_path, c
     good = mask_utils.encode(np.asfortranarray(np.ones((10, 20), np.uint8)))
     data["annotations"][0]["segmentation"] = {"size": [10, 20], "counts": good["counts"].decode()}
     check(ann, data, image_dir, masks=True)  # a fitting one passes
+
+
+def test_annotations_without_area_or_iscrowd_are_evaluated(tmp_path):
+    """Both are optional in many COCO-format datasets; COCOeval needs them (a KeyError after training)."""
+    from trainer.evaluation import coco_evaluate
+
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}]
+    anns = [{"id": 1, "image_id": 1, "category_id": 7, "bbox": [2, 2, 6, 4]}]
+    image_dir, ann = _write_coco(tmp_path, images, anns)
+    ds = CocoDetection(image_dir, ann, train=False)
+    hit = [{"image_id": 1, "category_id": 7, "bbox": [2, 2, 6, 4], "score": 0.9}]
+    assert coco_evaluate(ds.coco, hit, ["bbox"])["bbox/AP"] == pytest.approx(1.0)
+
+
+def test_keypoint_counts_must_agree_for_a_keypoint_model(tmp_path):
+    from trainer.data.checks import check
+
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}]
+    cats = [{"id": 7, "name": "a", "keypoints": ["l", "r"]}, {"id": 9, "name": "b", "keypoints": ["l", "r", "m"]}]
+    image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 4, 4], keypoints=[1, 1, 2, 3, 3, 2])], cats)
+    data = json.loads(ann.read_text())
+    with pytest.raises(UserError, match="categories name 2 and 3 keypoints"):
+        check(ann, data, image_dir, keypoints=True)
+    data["categories"][1]["keypoints"] = ["l", "r"]
+    check(ann, data, image_dir, keypoints=True)  # agreeing: fine
+    data["annotations"][0]["keypoints"] = [1, 1, 2]
+    with pytest.raises(UserError, match="annotation 1 has 1 keypoints; its categories name 2"):
+        check(ann, data, image_dir, keypoints=True)

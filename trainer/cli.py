@@ -65,8 +65,8 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
 
         click.echo(plan(cfg, resume_run_id, no_resume, world_size))
         return
-    lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
     tracker = create_tracker(cfg, rank, world_size)
+    lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
@@ -111,11 +111,14 @@ def _torchrun_environment() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) as torchrun sets them, checked before anything starts: a job whose
     processes cannot find each other must not create a run it then leaves RUNNING."""
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    try:
-        values = {k: int(v) for k, v in env.items() if v is not None}
-    except ValueError:
-        bad = next(k for k, v in env.items() if v is not None and not v.strip().lstrip("-").isdigit())
-        raise UserError(f"torchrun environment: {bad}={env[bad]!r} is not an integer") from None
+    values = {}
+    for name, text in env.items():
+        if text is None:
+            continue
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise UserError(f"torchrun environment: {name}={text!r} is not an integer") from None
     rank, world_size = values.get("RANK", 0), values.get("WORLD_SIZE", 1)
     local_rank = values.get("LOCAL_RANK", 0)
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
@@ -223,7 +226,7 @@ def data():
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
 @click.option("--num-images", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--size", "image_size", default=128, show_default=True, type=click.IntRange(16))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1))
 def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
     from trainer.data.synth import write_synthetic_dataset

@@ -25,9 +25,15 @@ class OutputLock:
 
     def acquire(self) -> OutputLock:
         self._made_dir = not self.dir.exists()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a dangling symlink, a special file system
+            raise UserError(f"cannot make OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -55,6 +55,11 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         names = c.get("keypoints")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise UserError(f"{path}: category {c['id']!r} has keypoints {_short(names)}, not a list of names")
+    counts = sorted({len(c.get("keypoints") or []) for c in data["categories"] if c.get("keypoints")})
+    if keypoints and len(counts) > 1:  # one keypoint head: one skeleton
+        raise UserError(f"{path}: categories name {' and '.join(map(str, counts))} keypoints; a keypoint model "
+                        "needs one number for all")
+    num_keypoints = counts[0] if counts else 0
     cat_ids = {c["id"] for c in data["categories"]}
     if len(cat_ids) != len(data["categories"]):
         raise UserError(f"{path}: a category id appears twice")
@@ -99,6 +104,8 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
             kp = ann["keypoints"]
             if not isinstance(kp, list) or len(kp) % 3 or not all(_is_number(v) for v in kp):
                 raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
+            if len(kp) != 3 * num_keypoints:  # COCOeval and the keypoint head both assume the count
+                raise UserError(f"{what} has {len(kp) // 3} keypoints; its categories name {num_keypoints}")
     if not data["images"]:
         raise UserError(f"{path} lists no images")
     if not image_dir.is_dir():

@@ -207,6 +207,10 @@ class CocoDetection(Dataset):
 
 
 def _index(data: dict) -> COCO:
+    for ann in data["annotations"]:  # optional in many datasets, needed by COCOeval
+        ann.setdefault("iscrowd", 0)
+        if "area" not in ann:
+            ann["area"] = float(ann["bbox"][2] * ann["bbox"][3])
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
@@ -345,8 +349,8 @@ def build_train_dataset(cfg):
 def check_test_datasets(cfg) -> None:
     """Every TEST.DATASETS entry resolves and its annotations are sound, before training: a typo
     there is not found only after the whole training (a rerun would then have nothing to do)."""
-    for name in cfg.TEST.DATASETS:
-        CocoDetection(*resolve_dataset(cfg, name), train=False)
+    for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
+        CocoDetection(*resolve_dataset(cfg, name), train=False, **_model_needs(cfg))
 
 
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):

@@ -33,10 +33,13 @@ def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128
         return out
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"{out} exists but holds no {ANNOTATIONS}; remove it or choose another folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Build in a hidden sibling and rename: a half-written dataset never looks complete.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # a read-only or special folder, a file in the way
+        raise UserError(f"cannot write the synthetic dataset to {out}: {e.strerror or e}") from None
     try:
         _write(tmp, num_images, image_size, seed)
         _publish(tmp, out)

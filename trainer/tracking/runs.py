@@ -37,7 +37,10 @@ def without_credentials(uri: str) -> str:
     """`http://user:password@host` -> `http://host`, the user and password moved to MLflow's own
     MLFLOW_TRACKING_USERNAME/PASSWORD (this process and its children). MLflow then sends them as
     basic auth, and no URL that we or MLflow print ("View run at ...") carries them."""
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as e:  # `http://[::1` and the like
+        raise UserError(f"tracking URI {redact_text(uri)} is not a URL ({e})") from None
     if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
         return uri
     userinfo, _, host = parts.netloc.rpartition("@")
