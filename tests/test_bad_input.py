@@ -478,3 +478,38 @@ def test_synth_into_an_unwritable_place_or_with_a_negative_seed_is_one_line(tmp_
     assert_exit_2(result, "cannot write the synthetic dataset to /proc/tracktron-synth")
     result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--seed", "-1"])
     assert result.code == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("case, opts, message", [
+    ("in-memory-store", ["TRACKING.URI", "sqlite://"], "an in-memory store keeps nothing past the job"),
+    ("store-folder-missing", ["TRACKING.URI", "sqlite:////nonexistent-tracktron/dir/x.db"],
+     "the folder /nonexistent-tracktron/dir does not exist"),
+])
+def test_tracking_stores_that_cannot_hold_the_job_are_one_line(tmp_path, monkeypatch, case, opts, message):
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["train", "--config", str(DEMO), "DATA_DIR", str(tmp_path / "data"), *opts])
+    assert_exit_2(result, message)
+    assert not Path("/nonexistent-tracktron").exists()  # no folder made for it
+
+
+def test_clicks_own_usage_errors_are_one_line_too(tmp_path):
+    result = run_cli(["train", "--config", str(tmp_path)])  # a folder
+    assert_exit_2(result, "Invalid value for '--config'")
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "0"])
+    assert_exit_2(result, "Invalid value for '--num-images'")
+
+
+def test_synth_over_an_existing_dataset_says_nothing_was_written(tmp_path):
+    assert run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "2", "--size", "32"]).code is None
+    before = sorted(p.name for p in (tmp_path / "s" / "images").iterdir())
+    again = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "5", "--size", "32"])
+    assert again.code is None and "already holds a dataset (annotations.json): nothing written" in again.stdout
+    assert sorted(p.name for p in (tmp_path / "s" / "images").iterdir()) == before
+
+
+def test_a_password_in_a_dataset_path_is_not_printed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["train", "--config", str(DEMO), "TRAIN.DATASETS", "('https://trainer:Hunter2Secret@data.example/ds',)",
+                      "TRACKING.ENABLED", "false"])
+    assert result.code == 2 and "Hunter2Secret" not in result.stderr + result.stdout, result.stderr

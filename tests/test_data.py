@@ -437,3 +437,31 @@ def test_keypoint_counts_must_agree_for_a_keypoint_model(tmp_path):
     data["annotations"][0]["keypoints"] = [1, 1, 2]
     with pytest.raises(UserError, match="annotation 1 has 1 keypoints; its categories name 2"):
         check(ann, data, image_dir, keypoints=True)
+
+
+def test_an_animated_image_is_read_as_its_first_frame(tmp_path):
+    images = [{"id": 1, "file_name": "1.gif", "width": 16, "height": 8}]
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 16, "height": 8}],
+                                 [_ann(1, 1, [0, 0, 4, 4])])
+    frames = [Image.new("RGB", (16, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(image_dir / "1.gif", save_all=True, append_images=frames[1:])
+    data = json.loads(ann.read_text())
+    data["images"] = images
+    ann.write_text(json.dumps(data))
+    image = CocoDetection(image_dir, ann, train=False)[0][0]
+    assert image.shape == (3, 8, 16) and float(image[0].mean()) > 0.9  # the red first frame
+
+
+def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
+    """50000x50000 would be decoded into gigabytes; a polygon point at 1e9 crashes pycocotools'
+    rasteriser (a segfault, not an exception)."""
+    from trainer.data.checks import check
+
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}],
+                                 [_ann(1, 1, [0, 0, 4, 4], segmentation=[[0, 0, 1e9, 0, 1e9, 1e9]])])
+    data = json.loads(ann.read_text())
+    with pytest.raises(UserError, match="has a polygon reaching 1e\\+09 pixels from the origin"):
+        check(ann, data, image_dir, masks=True)
+    data["images"][0].update(width=50_000, height=50_000)
+    with pytest.raises(UserError, match="is 50000x50000; at most 20000 pixels a side"):
+        check(ann, data, image_dir)

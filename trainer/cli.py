@@ -231,6 +231,11 @@ def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
     from trainer.data.synth import write_synthetic_dataset
 
+    from trainer.data.synth import ANNOTATIONS
+
+    if (Path(out_dir) / ANNOTATIONS).is_file():
+        click.echo(f"{out_dir} already holds a dataset ({ANNOTATIONS}): nothing written")
+        return
     path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed)
     click.echo(f"wrote {num_images} images and annotations to {path}")
 
@@ -240,8 +245,8 @@ def main(argv=None) -> None:
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # click's own usage errors: one line too, with the same prefix
+        click.echo(f"error: {_one_line(redact_text(e.format_message()))}", err=True)
         sys.exit(2)
     except UserError as e:
         click.echo(f"error: {_one_line(redact_text(str(e)))}", err=True)

@@ -19,7 +19,7 @@ import traceback
 SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
                 "CREDENTIAL")
 REDACTED = "***"
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_URL_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+)[^/@\s]+@")  # `:/` too: Path() collapses `//`
 _MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
 _values: set[str] = set()
 
@@ -43,7 +43,7 @@ def remember_environment() -> None:
 def redact_urls(text: str) -> str:
     """`http://user:password@host` -> `http://***@host` (and nothing else: the same text always
     gives the same result, whatever this process remembered)."""
-    return _URL_USERINFO.sub(REDACTED + "@", text)
+    return _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
 
 
 def redact_text(text: str) -> str:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from trainer.errors import UserError
 
+MAX_IMAGE_SIDE = 20_000  # pixels
+MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
+
 
 def read_json(path: Path) -> dict:
     try:
@@ -47,6 +50,9 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         if not (_is_int(im["width"]) and _is_int(im["height"]) and im["width"] > 0 and im["height"] > 0):
             raise UserError(f"{path}: image {im['id']!r} has width {_short(im['width'])} and height "
                             f"{_short(im['height'])}; both must be positive integers")
+        if max(im["width"], im["height"]) > MAX_IMAGE_SIDE:  # decoding it would take gigabytes
+            raise UserError(f"{path}: image {im['id']!r} is {im['width']}x{im['height']}; at most "
+                            f"{MAX_IMAGE_SIDE} pixels a side (tile larger images)")
     for c in data["categories"]:
         if not isinstance(c, dict) or "id" not in c:
             raise UserError(f"{path}: every category needs an id")
@@ -125,7 +131,11 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
         return
     if isinstance(segm, list):
         if all(isinstance(p, list) and all(_is_number(v) for v in p) for p in segm):
-            return
+            reach = max((abs(v) for p in segm for v in p), default=0)
+            if reach <= MAX_COORDINATE:  # pycocotools' rasteriser crashes the process far beyond the image
+                return
+            raise UserError(f"{what} has a polygon reaching {reach:g} pixels from the origin, on an image of "
+                            f"{image['height']}x{image['width']}")
     elif isinstance(segm, dict):
         counts, size = segm.get("counts"), segm.get("size")
         counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(_is_int(v) and v >= 0 for v in counts))

@@ -200,6 +200,8 @@ class CocoDetection(Dataset):
             image = decode_image(str(path), mode=ImageReadMode.RGB)
         except (RuntimeError, OSError, ValueError) as e:
             raise UserError(f"cannot decode image {path}: {e}") from None
+        if image.ndim == 4:  # an animated GIF or WebP: its first frame, as a still image viewer shows it
+            image = image[0]
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
             raise UserError(f"{path} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
                             f"{record['width']}x{record['height']}")

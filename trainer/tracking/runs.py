@@ -30,7 +30,11 @@ def sha_tag(name: str) -> str:
 def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
     given = uri or (cfg.TRACKING.URI if cfg is not None else "")
-    return without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+    chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+    if chosen.startswith("sqlite:") and not chosen.startswith("sqlite:///"):  # sqlite:// is in memory
+        raise UserError(f"tracking URI {chosen}: an in-memory store keeps nothing past the job; "
+                        "give a file, e.g. sqlite:///mlflow.db")
+    return chosen
 
 
 def without_credentials(uri: str) -> str:
@@ -267,10 +271,38 @@ def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
     first in each experiment; UserError in one line when the server cannot be read. Reading never
     writes: a SQLite file that is not an MLflow store is refused before MLflow opens it (it would
     create its tables there), and a server that never answers is given up on in bounded time."""
+
+    with _store_settled(uri):
+        return _job_runs(uri, experiment)
+
+
+@contextlib.contextmanager
+def _store_settled(uri: str):
+    """A reader waits while a job creates a new SQLite store's tables (the lock first_use_guard
+    holds), then checks it is an MLflow store; it creates nothing itself."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    try:
+        lock = open(db.with_name(db.name + ".lock"))
+    except OSError:  # no job ever used it
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        _check_sqlite_store(uri)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
     from mlflow import MlflowClient
 
-    if uri.startswith("sqlite:///"):
-        _check_sqlite_store(uri)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     try:
@@ -297,8 +329,13 @@ def first_use_guard(uri: str):
     import fcntl
 
     db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
+    if not db.parent.is_dir():
+        raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
+    try:
+        lock = open(db.with_name(db.name + ".lock"), "a")
+    except OSError as e:
+        raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
