@@ -21,8 +21,9 @@ from trainer.errors import UserError
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, first_use_guard, open_run,
-                                   retryable, run_url, safe_params, sha_tag, start_error, tracking_uri)
+from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
+                                   safe_params, sha_tag, start_error, tracking_uri)
+from trainer.tracking.sqlite_store import first_use_guard
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ MlflowClient, used by the tracker and by `tracktron status` and `tracktron eval`
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
@@ -16,6 +15,7 @@ from trainer.checkpoint.files import FINAL, iteration_of, sha256_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
+from trainer.tracking.sqlite_store import check_store, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -198,7 +198,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
             raise UserError(f"run {resume_run_id} does not exist on {uri} (there is no store yet)")
         return f"a new store, experiment {name}, a new run"
     if uri.startswith("sqlite:///"):
-        _check_sqlite_store(uri)
+        check_store(uri)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     try:
@@ -272,32 +272,8 @@ def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
     writes: a SQLite file that is not an MLflow store is refused before MLflow opens it (it would
     create its tables there), and a server that never answers is given up on in bounded time."""
 
-    with _store_settled(uri):
+    with store_settled(uri):
         return _job_runs(uri, experiment)
-
-
-@contextlib.contextmanager
-def _store_settled(uri: str):
-    """A reader waits while a job creates a new SQLite store's tables (the lock first_use_guard
-    holds), then checks it is an MLflow store; it creates nothing itself."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-
-    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-    try:
-        lock = open(db.with_name(db.name + ".lock"))
-    except OSError:  # no job ever used it
-        lock = None
-    try:
-        if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-        _check_sqlite_store(uri)
-        yield
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
@@ -316,44 +292,6 @@ def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
                                               order_by=["attributes.start_time DESC"])]
     except Exception as e:  # an unreachable server is the user's to fix
         raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None
-
-
-@contextlib.contextmanager
-def first_use_guard(uri: str):
-    """Around a job's first calls on a SQLite store: one process at a time, so that two jobs that
-    start together on a new store do not both create its tables (which leaves it unusable). A
-    lock file beside the database (`<db>.lock`), the kernel's flock: nothing stays stuck."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-
-    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-    if not db.parent.is_dir():
-        raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
-    try:
-        lock = open(db.with_name(db.name + ".lock"), "a")
-    except OSError as e:
-        raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _check_sqlite_store(uri: str) -> None:
-    """An existing SQLite file with MLflow's tables in it, looked at read-only."""
-    import sqlite3
-
-    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-    if not path.is_file():
-        raise UserError(f"no tracking store at {uri} ({path} does not exist)")
-    try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    except sqlite3.DatabaseError as e:  # not a database at all
-        raise UserError(f"{path} is not an MLflow tracking store ({e})") from None
-    if not {"experiments", "runs", "alembic_version"} <= tables:
-        raise UserError(f"{path} is not an MLflow tracking store (it has no MLflow tables)")
 
 
 # ---- fetching what a run holds ----

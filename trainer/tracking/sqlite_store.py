@@ -1,0 +1,71 @@
+"""SQLite tracking stores, which MLflow creates and migrates as soon as it opens one: a job's first
+use of a store is one process at a time (a flock beside the database), a reader waits for it and
+checks the file is an MLflow store before MLflow sees it, so that reading never writes."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from trainer.errors import UserError
+
+
+@contextlib.contextmanager
+def first_use_guard(uri: str):
+    """Around a job's first calls on a SQLite store: one process at a time, so that two jobs that
+    start together on a new store do not both create its tables (which leaves it unusable). A
+    lock file beside the database (`<db>.lock`), the kernel's flock: nothing stays stuck."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    if not db.parent.is_dir():
+        raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
+    try:
+        lock = open(db.with_name(db.name + ".lock"), "a")
+    except OSError as e:
+        raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
+def store_settled(uri: str):
+    """A reader waits while a job creates a new SQLite store's tables (the lock first_use_guard
+    holds), then checks it is an MLflow store; it creates nothing itself."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    try:
+        lock = open(db.with_name(db.name + ".lock"))
+    except OSError:  # no job ever used it
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        check_store(uri)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def check_store(uri: str) -> None:
+    """An existing SQLite file with MLflow's tables in it, looked at read-only."""
+    import sqlite3
+
+    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    if not path.is_file():
+        raise UserError(f"no tracking store at {uri} ({path} does not exist)")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as e:  # not a database at all
+        raise UserError(f"{path} is not an MLflow tracking store ({e})") from None
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        raise UserError(f"{path} is not an MLflow tracking store (it has no MLflow tables)")
