@@ -79,7 +79,7 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
 
 
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
-    keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 12, "TRAIN.SNAPSHOT_ITERS": 3, **keys}
+    keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 3, **keys}
     first = tmp_path / "machine1"
     first.mkdir()
     args = tracked(first, data_dir, mlflow_server, exp, **keys)
@@ -97,25 +97,32 @@ def _wait_for_tag(client, experiment, tag, timeout=120):
     raise TimeoutError(tag)
 
 
-def _start_and_kill_after_upload(tmp, args, client, exp, name):
-    """Run the job on 'machine 1' and SIGKILL it once `name` is complete on the server."""
+def _start_and_kill_after_upload(tmp, args, client, exp):
+    """Run the job on 'machine 1' and SIGKILL it once a model_iter checkpoint is complete on the
+    server (which one depends on timing: one superseded before its upload starts is never sent)."""
     import signal
     import subprocess
 
     proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 120
     try:
-        run = _wait_for_tag(client, exp, f"tracktron.ckpt.{name}.sha256")
+        while time.monotonic() < end:
+            exp_obj = client.get_experiment_by_name(exp)
+            runs = client.search_runs([exp_obj.experiment_id]) if exp_obj else []
+            if runs and runs[0].data.tags.get("tracktron.ckpt.latest", "").startswith("model_iter"):
+                return runs[0]
+            time.sleep(0.05)
+        raise TimeoutError("no model_iter checkpoint completed on the server")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    return run
 
 
 def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_dir, mlflow_server, s3_server):
     exp = f"resume-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(mlflow_server.url)
     first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
-    run = _start_and_kill_after_upload(first, args, client, exp, "model_iter5.pth")  # the second checkpoint
+    run = _start_and_kill_after_upload(first, args, client, exp)
 
     second = tmp_path / "machine2"  # nothing local: only the tracking URI
     second.mkdir()
@@ -124,7 +131,7 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     assert f"resuming from run {run.info.run_id} (model_iter" in resumed.stderr
     run = only_run(client, exp)  # the same run, continued
     assert run.info.status == "FINISHED"
-    assert steps(client, run.info.run_id) == list(range(12))  # one unbroken curve, no step twice
+    assert steps(client, run.info.run_id) == list(range(60))  # one unbroken curve, no step twice
 
     straight = tmp_path / "straight"
     straight.mkdir()
@@ -135,23 +142,35 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     b = load_checkpoint(second / "output" / "model_final.pth")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     entries = [json.loads(x)["iter"] for x in (second / "output" / "json_stats.log").read_text().splitlines()]
-    assert entries == sorted(set(entries)) and entries[-1] == 11
+    assert entries == sorted(set(entries)) and entries[-1] == 59
 
 
 def test_tampered_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir, mlflow_server, s3_server):
+    """The newest checkpoint complete on the server when the job was killed is overwritten on S3: the
+    resume skips it (sha256 mismatch) for the one before. Which ones are complete depends on where
+    the kill lands (a checkpoint superseded before its upload starts is never sent), so the test reads
+    the run's tags rather than assuming names."""
+    from trainer.tracking.runs import checkpoints_from
+
     exp = f"tamper-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(mlflow_server.url)
     first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
-    run = _start_and_kill_after_upload(first, args, client, exp, "model_iter5.pth")
-    key = next(k for k in s3_keys(s3_server) if k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_iter5.pth"))
+    run = _start_and_kill_after_upload(first, args, client, exp)
+    complete = checkpoints_from(client.get_run(run.info.run_id).data.tags)  # newest first
+    assert complete and "model_final.pth" not in complete
+    newest, older = complete[0], (complete[1] if len(complete) > 1 else None)
+    key = next(k for k in s3_keys(s3_server) if k.endswith(f"{run.info.run_id}/artifacts/checkpoints/{newest}"))
     s3_server.client().put_object(Bucket=s3_server.bucket, Key=key, Body=b"not the checkpoint you uploaded")
 
     second = tmp_path / "machine2"
     second.mkdir()
     resumed = run_trainer(tracked(second, data_dir, mlflow_server, exp, **keys), cwd=second, env=s3_server.env)
     assert resumed.returncode == 0, resumed.stderr
-    assert "model_iter5.pth from the tracking server does not match its sha256 tag" in resumed.stderr
-    assert f"resuming from run {run.info.run_id} (model_iter2.pth) at iteration 3" in resumed.stderr
+    assert f"{newest} from the tracking server does not match its sha256 tag" in resumed.stderr
+    if older is not None:
+        assert f"resuming from run {run.info.run_id} ({older}) at iteration {iteration_of(older) + 1}" in resumed.stderr
+    else:
+        assert "resuming from" not in resumed.stderr  # nothing else complete: from the start, in the same run
 
 
 def test_tracking_server_down_mid_run_loses_no_point(tmp_path, data_dir, s3_server):
