@@ -8,8 +8,7 @@ from pathlib import Path
 from trainer.checkpoint.files import FINAL, iteration_of, local_checkpoints
 from trainer.config import Config, job_hash
 from trainer.data import build_train_dataset, check_test_datasets
-from trainer.data.coco import CocoDetection, resolve_dataset
-from trainer.errors import UserError
+from trainer.data.coco import CocoDetection, check_batch_size, resolve_dataset
 from trainer.models import build_model, load_weights
 from trainer.output_lock import OutputLock
 from trainer.redaction import redact_text
@@ -22,9 +21,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
     dataset = build_train_dataset(cfg)
     check_test_datasets(cfg)
-    if cfg.TRAIN.IMS_PER_BATCH > len(dataset.aspect_ratios):
-        raise UserError(f"TRAIN.IMS_PER_BATCH {cfg.TRAIN.IMS_PER_BATCH} is more than the training set's "
-                        f"{len(dataset.aspect_ratios)} usable images")
+    check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
     load_weights(model, cfg.TRAIN.WEIGHTS)
     params = sum(p.numel() for p in model.parameters())

@@ -348,6 +348,13 @@ def build_train_dataset(cfg):
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
 
+def check_batch_size(cfg, dataset) -> None:
+    """A batch no bigger than the training set (1e9 ended in a MemoryError in the sampler)."""
+    if cfg.TRAIN.IMS_PER_BATCH > len(dataset.aspect_ratios):
+        raise UserError(f"TRAIN.IMS_PER_BATCH {cfg.TRAIN.IMS_PER_BATCH} is more than the training set's "
+                        f"{len(dataset.aspect_ratios)} usable images")
+
+
 def check_test_datasets(cfg) -> None:
     """Every TEST.DATASETS entry resolves and its annotations are sound, before training: a typo
     there is not found only after the whole training (a rerun would then have nothing to do)."""
@@ -358,9 +365,7 @@ def check_test_datasets(cfg) -> None:
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
     """An endless loader of (images, targets) batches for this rank, starting at start_iter."""
     dataset = build_train_dataset(cfg) if dataset is None else dataset
-    if cfg.TRAIN.IMS_PER_BATCH > len(dataset.aspect_ratios):  # (1e9 ended in a MemoryError)
-        raise UserError(f"TRAIN.IMS_PER_BATCH {cfg.TRAIN.IMS_PER_BATCH} is more than the training set's "
-                        f"{len(dataset.aspect_ratios)} usable images")
+    check_batch_size(cfg, dataset)
     sampler = InfiniteGroupedBatchSampler(
         dataset.aspect_ratios, cfg.TRAIN.IMS_PER_BATCH, cfg.RNG_SEED, start_iter, rank, world_size,
         flip=cfg.TRAIN.USE_FLIPPED, group=cfg.TRAIN.ASPECT_GROUPING)

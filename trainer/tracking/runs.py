@@ -15,7 +15,7 @@ from trainer.checkpoint.files import FINAL, iteration_of, sha256_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
-from trainer.tracking.sqlite_store import check_store, store_settled
+from trainer.tracking.sqlite_store import check_store, sqlite_path, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -193,7 +193,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     from mlflow import MlflowClient
 
     name = experiment_name(cfg)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):].split("?", 1)[0]).is_file():
+    if uri.startswith("sqlite:///") and not sqlite_path(uri).is_file():
         if resume_run_id:
             raise UserError(f"run {resume_run_id} does not exist on {uri} (there is no store yet)")
         return f"a new store, experiment {name}, a new run"

@@ -9,6 +9,11 @@ from pathlib import Path
 from trainer.errors import UserError
 
 
+def sqlite_path(uri: str) -> Path:
+    """The database file of a `sqlite:///...` URI."""
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
 @contextlib.contextmanager
 def first_use_guard(uri: str):
     """Around a job's first calls on a SQLite store: one process at a time, so that two jobs that
@@ -19,7 +24,7 @@ def first_use_guard(uri: str):
         return
     import fcntl
 
-    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    db = sqlite_path(uri)
     if not db.parent.is_dir():
         raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
     try:
@@ -40,7 +45,7 @@ def store_settled(uri: str):
         return
     import fcntl
 
-    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    db = sqlite_path(uri)
     try:
         lock = open(db.with_name(db.name + ".lock"))
     except OSError:  # no job ever used it
@@ -59,7 +64,7 @@ def check_store(uri: str) -> None:
     """An existing SQLite file with MLflow's tables in it, looked at read-only."""
     import sqlite3
 
-    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    path = sqlite_path(uri)
     if not path.is_file():
         raise UserError(f"no tracking store at {uri} ({path} does not exist)")
     try:
