@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer import engine
-from trainer.evaluation import evaluate_during_training
+from trainer.evaluation import eval_due
 
 from bench.common import (UNRESOLVED, Env, InMemoryBatches, Section, fresh_loop, md_table, median, place_threads,
                           quiet_stats, thread_cpu_seconds)
@@ -36,7 +36,7 @@ WHAT = (
     "to the `mlflow server` over HTTP), `check_finite`, `is_snapshot_iter`/`save_snapshot` (the state "
     "built and copied to host memory on the training thread; then, on the `checkpoint-writer` thread, "
     "torch.save + fsync + sha256 + rename and the local pruning; on the tracker's `uploader` thread, the "
-    "file through the server to moto S3 and the sha256/latest tags), `evaluate_during_training` (a no-op "
+    "file through the server to moto S3 and the sha256/latest tags), `eval_due` (a no-op "
     "check here) and `maybe_reset_timer`. Both use the same model and optimizer objects, reset to the "
     "same initial state and RNG seed before every block (a warm-up block checks that bare and ours "
     "produce bit-identical losses). Checkpoint periods of 100 iterations (the demo's SNAPSHOT_ITERS), 20 "
@@ -132,7 +132,7 @@ class LoopBench:
             if period and engine.is_snapshot_iter(cfg, cur_iter, 0, period):
                 engine.save_snapshot(job, s, cur_iter)
                 self.checkpoints += 1
-            evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cur_iter)
+            eval_due(cfg, cur_iter)  # the engine's check (TEST.EVAL_PERIOD 0 here: never due)
             s.stats.maybe_reset_timer(cur_iter)
             self.iter += 1
             self.ran += 1

@@ -26,7 +26,7 @@ from trainer import config  # noqa: E402
 from trainer.data import CocoDetection, build_test_loader  # noqa: E402
 from trainer.distributed import Context  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.evaluation import (coco_evaluate, eval_command, evaluate, evaluate_during_training,  # noqa: E402
+from trainer.evaluation import (coco_evaluate, eval_command, eval_due, evaluate,  # noqa: E402
                                 format_metrics, iou_types_for, per_category_table, run_cocoeval,
                                 run_inference)
 from trainer.models import build_model  # noqa: E402
@@ -179,14 +179,12 @@ def test_tiny_models_evaluate_and_training_is_unchanged(shapes, tmp_path, model_
     sum(losses.values()).backward()
 
 
-def test_hook_runs_on_the_period_and_after_the_final_model(shapes, tmp_path, monkeypatch):
+def test_evaluations_fall_on_the_period_but_not_on_the_last_iteration(shapes):
+    """The last iteration is model_final's, which the engine evaluates once after saving it."""
     cfg = make_cfg(shapes, SOLVER={"MAX_ITER": 10}, TEST={"EVAL_PERIOD": 4})
-    calls = []
-    monkeypatch.setattr("trainer.evaluation.evaluate", lambda *a, step=None: calls.append(step) or {})
-    for it in range(10):
-        evaluate_during_training(cfg, None, Context(), tmp_path, Tracker(), it)
-    evaluate_during_training(cfg, None, Context(), tmp_path, Tracker(), 9, final=True)
-    assert calls == [3, 7, 9]
+    assert [it for it in range(10) if eval_due(cfg, it)] == [3, 7]
+    cfg.TEST["DATASETS"] = []
+    assert not any(eval_due(cfg, it) for it in range(10))
 
 
 def test_several_datasets_prefix_all_but_the_first(shapes, tmp_path):

@@ -67,15 +67,16 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
     stored = s3_keys(s3_server)  # the bytes really are on S3, put there by the server
     assert any(k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_final.pth") for k in stored)
 
-    # The final model is registered and loads from models:/ for inference.
-    import mlflow.pytorch
+    # The final model is registered, and loads from models:/ as a pyfunc that takes an encoded image.
+    import mlflow.pyfunc
+    import pandas as pd
 
     mlflow.set_tracking_uri(mlflow_server.url)
     os.environ.update(s3_server.env)
-    model = mlflow.pytorch.load_model(f"models:/{exp}/1")
-    with torch.inference_mode():
-        detections = model.eval()([torch.rand(3, 96, 128)])
-    assert set(detections[0]) == {"boxes", "labels", "scores"}
+    model = mlflow.pyfunc.load_model(f"models:/{exp}@final")
+    png = next((data_dir / "synth_shapes" / "val" / "images").glob("*.png")).read_bytes()
+    (detections,) = model.predict(pd.DataFrame({"image": [png]}))
+    assert {"boxes", "scores", "category_ids", "category_names"} <= set(detections)
 
 
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):

@@ -6,10 +6,10 @@
     for cur_iter in range(start_iter, MAX_ITER):
         step; stats.update; stats.log
         every SNAPSHOT_ITERS // NUM_GPUS: save model_iter{cur_iter}
-        every TEST.EVAL_PERIOD: COCO evaluation, metrics to the run
+        every TEST.EVAL_PERIOD: save model_iter{cur_iter} too, COCO evaluation of it, metrics to the run
         at start_iter + LOG_PERIOD: reset the iteration timer
         loss NaN: shut the loader down, fail
-    save model_final; shut the loader down
+    save model_final, evaluate it, log it as the servable model; shut the loader down
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from trainer.data import build_train_dataset, build_train_loader, check_test_dat
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
-from trainer.evaluation import evaluate_during_training
+from trainer.evaluation import eval_due, evaluate
+from trainer.inference import save as save_model
 from trainer.models import build_model, describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
@@ -87,6 +88,7 @@ class LoopState:
     batches: Prefetcher
     stats: TrainingStats
     writer: CheckpointWriter | None  # rank 0 writes the checkpoints; the other ranks have none
+    categories: dict  # what the labels mean: {"categories": [{"id", "name"}], "keypoint_names": [...]}
 
 
 def train_model(job: Job) -> StartPoint | None:
@@ -108,21 +110,23 @@ def train_model(job: Job) -> StartPoint | None:
             for cur_iter in range(start_iter, cfg.SOLVER.MAX_ITER):
                 losses, stop = run_iteration(job, s, cur_iter, guard.requested)
                 check_finite(losses, cur_iter)
-                if is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):
-                    save_snapshot(job, s, cur_iter)
-                evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cur_iter)
+                evaluating = eval_due(cfg, cur_iter)
+                if evaluating or is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):
+                    save_snapshot(job, s, cur_iter)  # an evaluated model is always a checkpoint too
+                if evaluating:
+                    evaluate_checkpoint(job, s, cur_iter)
                 s.stats.maybe_reset_timer(cur_iter)
                 if stop:  # a signal on any rank: every rank stops after the same iteration
                     raise guard.preempted()
             save_snapshot(job, s, None)
             if s.writer:
                 s.writer.close()
-            evaluate_during_training(cfg, s.model, job.ctx, job.output_dir, job.tracker, cfg.SOLVER.MAX_ITER - 1,
-                                     final=True)
-            log_final_model(job, s)  # last: it moves the model to the CPU
+            if cfg.TEST.DATASETS:
+                evaluate_checkpoint(job, s, None)
+            log_final_model(job, s)
     except Preempted as e:
-        save_preemption_snapshot(job, s, cur_iter, is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period),
-                                 e.deadline)
+        saved = is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period) or eval_due(cfg, cur_iter)
+        save_preemption_snapshot(job, s, cur_iter, saved, e.deadline)
         raise
     finally:
         s.stats.close()
@@ -250,7 +254,14 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     stats = TrainingStats(cfg, start.iteration, job.output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
     writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
-    return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer)
+    return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer,
+                     categories_of(created.dataset))
+
+
+def categories_of(dataset) -> dict:
+    """Saved with every checkpoint and model, so that a detection can be named without the dataset."""
+    cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.categories]
+    return {"categories": cats, "keypoint_names": list(getattr(dataset, "keypoint_names", []))}
 
 
 def write_run_files(job: Job, model: torch.nn.Module) -> None:
@@ -327,6 +338,7 @@ def training_state(cfg: Config, s: LoopState, cur_iter: int, rngs: list) -> dict
         "scaler": s.scaler.state_dict() if s.scaler.is_enabled() else {},
         "iteration": cur_iter,
         "config": redacted(cfg),  # checkpoints get shared: no secrets in them
+        "categories": s.categories,
         "rng": rngs,
         "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1},
     }
@@ -359,6 +371,16 @@ class CheckpointPublisher:
             self.job.tracker.log_artifact(self.job.output_dir / "json_stats.log")
 
 
+def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:
+    """COCO evaluation of the checkpoint just saved (model_final when cur_iter is None); its metrics
+    go to the run linked to that checkpoint. The write finishes first, so that the checkpoint's
+    upload is queued before the evaluation that refers to it."""
+    if s.writer:
+        s.writer.wait()
+    step = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
+    evaluate(job.cfg, s.model, job.ctx, job.output_dir, job.tracker, step=step, checkpoint=checkpoint_name(cur_iter))
+
+
 def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loop: bool, deadline: float) -> None:
     """Checkpoint the last finished iteration and wait (within the grace period) for its upload."""
     if not saved_by_loop:
@@ -371,5 +393,8 @@ def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loo
 
 
 def log_final_model(job: Job, s: LoopState) -> None:
+    """The final weights as a servable model (output/model/detector: weights, config, categories)."""
     if job.ctx.is_main and job.cfg.TRACKING.LOG_MODEL:
-        job.tracker.log_model(unwrap(s.model).cpu().eval(), job.cfg)
+        folder = save_model(job.output_dir / "model" / "detector", job.cfg, unwrap(s.model).state_dict(),
+                            s.categories["categories"], s.categories["keypoint_names"])
+        job.tracker.log_model(folder, job.cfg)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
@@ -31,9 +30,11 @@ from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.errors import UserError
+from trainer.inference import encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
-from trainer.tracking.runs import download_uri, load_logged_model
+from trainer.tracking.logged_model import load_detector, load_local
+from trainer.tracking.runs import download_uri
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +97,13 @@ def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: di
         entries = [{"image_id": image_id, "category_id": c, "bbox": b, "score": s}
                    for c, b, s in zip(cats, boxes.tolist(), out["scores"].tolist())]
         if "masks" in out:
-            for entry, rle in zip(entries, _encode_masks(out["masks"])):
+            for entry, rle in zip(entries, encode_masks(out["masks"])):
                 entry["segmentation"] = rle
         if "keypoints" in out:
             for entry, kp in zip(entries, out["keypoints"].flatten(1).tolist()):
                 entry["keypoints"] = kp
         results.extend(entries)
     return results
-
-
-def _encode_masks(masks: torch.Tensor) -> list[dict]:
-    """[N, 1, H, W] probabilities -> RLEs of mask > 0.5, counts as str so they serialise to json."""
-    binary = (masks[:, 0] > 0.5).numpy().astype(np.uint8)
-    rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
-    for rle in rles:
-        rle["counts"] = rle["counts"].decode("ascii")
-    return rles
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -184,15 +176,19 @@ def _mean_defined(p: np.ndarray) -> str:
 # --------------------------------------------------------------------------------------- evaluate
 
 def evaluate(cfg, model, ctx: Context | None = None, output_dir=None, tracker: Tracker | None = None,
-             step: int | None = None) -> dict[str, float]:
-    """Evaluate on every TEST.DATASETS entry; every rank must call it. Same metrics on all ranks."""
+             step: int | None = None, checkpoint: str | None = None) -> dict[str, float]:
+    """Evaluate on every TEST.DATASETS entry; every rank must call it. Same metrics on all ranks.
+    With `checkpoint` (a file of the run), the metrics are linked to it as a model in MLflow."""
     ctx, tracker, output_dir, metrics = ctx or Context(), tracker or Tracker(), Path(output_dir or cfg.OUTPUT_DIR), {}
     for i, name in enumerate(cfg.TEST.DATASETS):
         prefix = "" if i == 0 else f"{dataset_dirname(name)}/"
         found = evaluate_dataset(cfg, model, ctx, name, output_dir, tracker)
         metrics |= {prefix + k: v for k, v in found.items()}
     if ctx.is_main and metrics:
-        tracker.log_metrics(metrics, 0 if step is None else step)
+        if checkpoint:
+            tracker.log_evaluation(metrics, 0 if step is None else step, checkpoint)
+        else:
+            tracker.log_metrics(metrics, 0 if step is None else step)
     return broadcast_object(ctx, metrics)
 
 
@@ -226,30 +222,29 @@ def dataset_dirname(name: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name) or "dataset"
 
 
-def evaluate_during_training(cfg, model, ctx: Context, output_dir, tracker: Tracker, cur_iter: int,
-                             final: bool = False) -> dict | None:
-    """The engine's hook: every TEST.EVAL_PERIOD iterations and after model_final (all ranks call it)."""
-    period, last = cfg.TEST.EVAL_PERIOD, cur_iter + 1 >= cfg.SOLVER.MAX_ITER
-    due = final or (period > 0 and (cur_iter + 1) % period == 0 and not last)  # the last: final=True
-    return evaluate(cfg, model, ctx, output_dir, tracker, step=cur_iter) if due and cfg.TEST.DATASETS else None
+def eval_due(cfg, cur_iter: int) -> bool:
+    """Every TEST.EVAL_PERIOD iterations during training (the last one: model_final is evaluated)."""
+    period = cfg.TEST.EVAL_PERIOD
+    last = cur_iter + 1 >= cfg.SOLVER.MAX_ITER
+    return bool(cfg.TEST.DATASETS) and period > 0 and (cur_iter + 1) % period == 0 and not last
 
 
 # ------------------------------------------------------------------------------ weights and the CLI
 
 def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int = 0):
-    """A model from a checkpoint path, a `runs:/<id>/...` artifact or a `models:/name/version`."""
+    """A model from a checkpoint path, a model folder, a `runs:/<id>/...` artifact or `models:/...`."""
     return _load_for_eval(cfg, weights, num_classes, num_keypoints)[0]
 
 
 def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # (model, iteration)
-    if weights.startswith("models:/"):
-        return load_logged_model(cfg, weights), None
-    if not weights.startswith("runs:/"):
+    if Path(weights).expanduser().is_dir():  # a model folder tracktron wrote (output/model/detector)
+        return load_detector(cfg, weights).model, None
+    if not weights.startswith(("runs:/", "models:/")):
         return _load_file(cfg, weights, num_classes, num_keypoints)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
         path = download_uri(cfg, weights, tmp)
-        if path.is_dir():  # runs:/<id>/model: the logged MLflow model, already here
-            return load_logged_model(cfg, str(path)), None
+        if path.is_dir():  # a logged model (models:/name@alias, runs:/<id>/model): weights, never a pickle
+            return load_local(path, weights).model, None
         return _load_file(cfg, str(path), num_classes, num_keypoints)
 
 

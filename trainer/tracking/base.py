@@ -15,6 +15,7 @@ class RunInfo:
     ui_url: str | None = None
     resumed: bool = False  # an existing run of this job is continued
     checkpoints: list[str] = field(default_factory=list)  # complete checkpoints, newest first
+    experiment_id: str | None = None
 
 
 class Tracker:
@@ -43,11 +44,15 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         pass
 
+    def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
+        """An evaluation of the run's checkpoint file `checkpoint`: metrics linked to it as a model."""
+        self.log_metrics(metrics, step)
+
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it."""
 
-    def log_model(self, model, cfg: Config) -> None:
-        pass
+    def log_model(self, folder: Path, cfg: Config) -> None:
+        """Log a model folder (trainer.inference.save) as the run's servable MLflow model."""
 
     def wait(self, timeout: float) -> bool:
         """Wait for queued uploads (preemption: the last checkpoint must reach the server)."""

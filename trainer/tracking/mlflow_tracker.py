@@ -10,17 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
-from trainer.config import Config
+from trainer.config import Config, config_from_dict
 from trainer.errors import UserError
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
+from trainer.tracking.checkpoint_models import checkpoint_file, link_evaluation, set_alias, update_best
 from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
                                    safe_params, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard
@@ -48,6 +50,11 @@ class MlflowTracker(Tracker):
         self._uploader = Uploader(retryable)
         self._newest_checkpoint = -1.0  # the newest checkpoint handed to log_checkpoint
         self._newest_uploaded = -1.0  # ... and the newest one tagged complete on the server
+        self._uploaded: set[str] = set()  # checkpoint files this process put on the server
+        self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
+        self._best_metric = cfg.TEST.BEST_METRIC
+        self._best = None  # the run's best checkpoint model so far (checkpoint_models.update_best)
+        self._output_dir = Path(cfg.OUTPUT_DIR)
 
     # ---- start: find or create the job's run ----
 
@@ -87,7 +94,7 @@ class MlflowTracker(Tracker):
             run_id = found.run.info.run_id
             self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
-                                checkpoints_from(self._tags))
+                                checkpoints_from(self._tags), found.experiment_id)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
             self._log_params(cfg, set(found.run.data.params))
             download = self._prefetch_newest(Path(cfg.OUTPUT_DIR)) if found.resumed else None
@@ -196,7 +203,7 @@ class MlflowTracker(Tracker):
         self._newest_checkpoint = max(self._newest_checkpoint, iteration)
 
         def upload():
-            if iteration < self._newest_checkpoint:  # a newer one is on its way: this one is moot
+            if iteration < self._newest_checkpoint and path.name not in self._evaluated:  # a newer one is on its way
                 log.info("not uploading %s: a newer checkpoint supersedes it", path.name)
                 return
             # Complete means resumable without a hole: the metrics of every iteration it holds
@@ -209,25 +216,68 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                            RunTag(LATEST_TAG, path.name)])
             self._newest_uploaded = max(self._newest_uploaded, iteration)
+            self._uploaded.add(path.name)
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
 
-    def log_model(self, model, cfg: Config) -> None:
-        import torch
-        import torchvision
+    def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
+        self._evaluated.add(checkpoint)
 
-        def log_it():
-            import mlflow
+        def link():
+            if checkpoint not in self._uploaded:  # its upload failed: the metrics, without a model
+                log.warning("%s is not on the server: its evaluation is logged without a model", checkpoint)
+                self._sender.put(metrics, step)
+                return
+            experiment_id = self._experiment_id()
+            link_evaluation(self.client, experiment_id, self._run.run_id, checkpoint, metrics, step)
+            self._best = update_best(self.client, experiment_id, self._run.run_id, self._best_metric) or self._best
 
-            mlflow.set_tracking_uri(self.uri)
-            with mlflow.start_run(run_id=self._run.run_id):
-                mlflow.pytorch.log_model(
-                    model, name="model", serialization_format="pickle",
-                    registered_model_name=cfg.TRACKING.REGISTERED_MODEL or None,
-                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                      f"torchvision=={torchvision.__version__.split('+')[0]}"])
+        self._uploader.submit(f"log the evaluation of {checkpoint}", link)
 
-        self._uploader.submit("log the final model", log_it)
+    def _experiment_id(self) -> str:
+        if self._run.experiment_id is None:
+            self._run.experiment_id = self.client.get_run(self._run.run_id).info.experiment_id
+        return self._run.experiment_id
+
+    def log_model(self, folder: Path, cfg: Config) -> None:
+        from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
+
+        registered = cfg.TRACKING.REGISTERED_MODEL
+
+        def log_final():
+            info = log_detector(self.uri, self._run.run_id, folder, registered_model_name=registered)
+            if registered:
+                set_alias(self.client, registered, "final", info.registered_model_version)
+
+        def register_best():
+            if self._best is None:  # nothing evaluated: no best to name
+                return
+            name = checkpoint_file(self._best)
+            if name == FINAL:
+                version = self.client.get_model_version_by_alias(registered, "final").version
+            else:
+                with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
+                    best = self._detector_folder(name, Path(tmp))
+                    version = log_detector(self.uri, self._run.run_id, best, name=f"best-{name.removesuffix('.pth')}",
+                                           registered_model_name=registered).registered_model_version
+            set_alias(self.client, registered, "best", version)
+
+        self._uploader.submit("log the final model", log_final)
+        if registered:
+            self._uploader.submit("register the best checkpoint", register_best)
+
+    def _detector_folder(self, name: str, tmp: Path) -> Path:
+        """A model folder of checkpoint `name`: the local file, else the run's copy (safely loaded)."""
+        from trainer.checkpoint.state import load as load_checkpoint
+        from trainer.inference import save as save_model
+        from trainer.tracking.logged_model import ARTIFACT
+
+        path = self._output_dir / name
+        if not path.is_file():
+            path = Path(self.client.download_artifacts(self._run.run_id, f"checkpoints/{name}", str(tmp)))
+        state = load_checkpoint(path)
+        return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
+                          state["categories"]["categories"], state["categories"]["keypoint_names"])
 
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)

@@ -312,22 +312,11 @@ def download_uri(cfg: Config, uri: str, dest: str) -> Path:
     import mlflow
 
     where = tracking_uri(cfg)
+    mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
     try:
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
         raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
-
-
-def load_logged_model(cfg: Config, uri: str):
-    """The torch module of a logged MLflow model (a `models:/` URI or a downloaded model folder)."""
-    import mlflow
-
-    where = tracking_uri(cfg)
-    mlflow.set_tracking_uri(where)
-    try:
-        return mlflow.pytorch.load_model(uri, map_location="cpu")
-    except Exception as e:  # unknown name or version, unreachable server
-        raise UserError(f"cannot load {uri} from {where}: {first_line(e)}") from None
 
 
 def retryable(e: BaseException) -> bool:

@@ -1,0 +1,184 @@
+"""The model is the product: checkpoints ranked by their AP in MLflow, the best and the final model
+registered, served over HTTP by `mlflow models serve`, and loaded back without unpickling code.
+
+One short job against a real `mlflow server` with moto's S3 (module fixture), then what a user
+does with what it left.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.conftest import demo_overrides, run_trainer
+from tests.servers import BIN, free_port, wait_http
+from trainer.checkpoint.state import load as load_checkpoint
+
+MAX_ITER, EVAL_PERIOD = 6, 2  # evaluations of model_iter1, model_iter3 and model_final
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, data_dir, mlflow_server, s3_server):
+    """A finished job whose checkpoints were evaluated every EVAL_PERIOD iterations."""
+    tmp = tmp_path_factory.mktemp("job")
+    name = f"det-{uuid.uuid4().hex[:6]}"
+    args = demo_overrides(tmp, data_dir, **{
+        "TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": name, "TRACKING.REGISTERED_MODEL": name,
+        "TRACKING.FLUSH_TIMEOUT_S": 120, "SOLVER.MAX_ITER": MAX_ITER, "TEST.EVAL_PERIOD": EVAL_PERIOD,
+        "TRAIN.SNAPSHOT_ITERS": 100, "TRAIN.CHECKPOINTS_KEEP": 1})
+    result = run_trainer(args, cwd=tmp, env=s3_server.env)
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name(name)
+    (run,) = client.search_runs([exp.experiment_id])
+    env = {**os.environ, **s3_server.env, "MLFLOW_TRACKING_URI": mlflow_server.url,
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # as in an activated venv: serve runs uvicorn
+    return {"name": name, "client": client, "run": run, "experiment_id": exp.experiment_id, "tmp": tmp,
+            "args": args, "env": env, "server": mlflow_server}
+
+
+def checkpoint_models(job, order_by=None):
+    order = [{"field_name": f"metrics.{order_by}", "ascending": False}] if order_by else None
+    return job["client"].search_logged_models(
+        [job["experiment_id"]], filter_string=f"source_run_id = '{job['run'].info.run_id}' AND "
+                                              "model_type = 'tracktron-checkpoint'", order_by=order)
+
+
+def test_each_evaluated_checkpoint_is_a_logged_model_with_its_metrics(job):
+    client, run_id = job["client"], job["run"].info.run_id
+    models = {m.name: m for m in checkpoint_models(job)}
+    assert set(models) == {"model_iter1", "model_iter3", "model_final"}
+    on_server = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    for name, step in (("model_iter1", 1), ("model_iter3", 3), ("model_final", MAX_ITER - 1)):
+        m = models[name]
+        ap = [x for x in m.metrics if x.key == "bbox/AP"]
+        assert len(ap) == 1 and ap[0].step == step and 0.0 <= ap[0].value <= 1.0
+        assert {x.key for x in m.metrics} >= {"bbox/AP", "bbox/AP50", "bbox/AP75"}
+        # Linked to the checkpoint already uploaded (the model holds no second copy of the weights)...
+        assert m.tags["tracktron.checkpoint"] == f"runs:/{run_id}/checkpoints/{name}.pth"
+        assert f"checkpoints/{name}.pth" in on_server
+        assert client.list_logged_model_artifacts(m.model_id) == []
+    # ... and the run's own bbox/AP curve has one point per evaluation.
+    assert sorted(p.step for p in client.get_metric_history(run_id, "bbox/AP")) == [1, 3, MAX_ITER - 1]
+
+
+def test_the_best_checkpoint_is_found_through_mlflow_and_registered_as_best(job):
+    from trainer.config import load_config
+    from trainer.tracking.logged_model import load_detector
+
+    client, run = job["client"], job["run"]
+    ranked = checkpoint_models(job, order_by="bbox/AP")
+    aps = [next(x.value for x in m.metrics if x.key == "bbox/AP") for m in ranked]
+    assert aps == sorted(aps, reverse=True)
+    best = ranked[0]
+    assert run.data.tags["tracktron.best_model_id"] == best.model_id
+    assert run.data.tags["tracktron.best_checkpoint"] == f"{best.name}.pth"
+    assert run.data.tags["tracktron.best_metric"] == f"bbox/AP={aps[0]:.6g}"
+
+    name = job["name"]
+    final, best_version = (client.get_model_version_by_alias(name, a) for a in ("final", "best"))
+    assert final.run_id == run.info.run_id == best_version.run_id
+    # The version called best holds exactly the weights of the best checkpoint.
+    os.environ.update(job["env"])
+    cfg = load_config(None, ["TRACKING.URI", job["server"].url])
+    served = load_detector(cfg, f"models:/{name}@best").model.state_dict()
+    checkpoint = client.download_artifacts(run.info.run_id, f"checkpoints/{best.name}.pth", str(job["tmp"]))
+    expected = load_checkpoint(Path(checkpoint))["model"]
+    assert served.keys() == expected.keys()
+    assert all(torch.equal(served[k], expected[k]) for k in expected)
+    if best.name == "model_final":
+        assert best_version.version == final.version
+
+
+def test_the_logged_model_holds_weights_not_pickles(job, tmp_path):
+    import mlflow
+
+    os.environ.update(job["env"])
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{job['name']}@final", dst_path=str(tmp_path)))
+    files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    assert "artifacts/detector/weights.pt" in files and "artifacts/detector/categories.json" in files
+    assert not [f for f in files if f.endswith((".pkl", ".pickle"))], files
+    mlmodel = (folder / "MLmodel").read_text()
+    assert "python_function" in mlmodel and "model_code_path" in mlmodel  # a model from code
+    assert "signature" in mlmodel and (folder / "serving_input_example.json").is_file()
+    # The weights file is a state dict: it loads with weights_only (no code runs).
+    state = torch.load(folder / "artifacts/detector/weights.pt", weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+
+
+def _image_ids(data_dir: Path) -> dict:
+    ann = json.loads((data_dir / "synth_shapes" / "val" / "annotations.json").read_text())
+    return {im["file_name"]: im["id"] for im in ann["images"]}
+
+
+def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, data_dir, tmp_path):
+    """`mlflow models serve -m models:/<name>@final` on 127.0.0.1, a PNG of the synthetic set POSTed
+    as a base64 image column, against `tracktron eval` of the same model (one image per batch, as
+    served, so that no batch padding differs)."""
+    name, env = job["name"], job["env"]
+    image = sorted((data_dir / "synth_shapes" / "val" / "images").glob("*.png"))[3]
+    out = tmp_path / "eval"
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "trainer", "eval", "--config", str(Path(__file__).parents[1] / "configs/demo.yaml"),
+         "--weights", f"models:/{name}@final", "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(out),
+         "TRACKING.URI", job["server"].url, "TEST.IMS_PER_BATCH", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    image_id = _image_ids(data_dir)[image.name]
+    expected = [d for d in json.loads((out / "eval/synth_shapes_val/detections.json").read_text())
+                if d["image_id"] == image_id]
+
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{name}@final", "--env-manager",
+                               "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"], stdout=log, stderr=subprocess.STDOUT,
+                              env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", timeout=240, proc=server)
+        body = {"dataframe_split": {"columns": ["image"],
+                                    "data": [[base64.b64encode(image.read_bytes()).decode("ascii")]]}}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            (served,) = json.loads(response.read())["predictions"]
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert len(served["boxes"]) == len(expected) > 0
+    categories = json.loads((data_dir / "synth_shapes" / "val" / "annotations.json").read_text())["categories"]
+    names = {c["id"]: c["name"] for c in categories}
+    assert [names[c] for c in served["category_ids"]] == served["category_names"]
+    got = np.array([[*b[:2], b[2] - b[0], b[3] - b[1], s, c]  # as COCO results: x, y, w, h, score, category
+                    for b, s, c in zip(served["boxes"], served["scores"], served["category_ids"])])
+    want = np.array([[*d["bbox"], d["score"], d["category_id"]] for d in expected])
+    order = lambda a: a[np.lexsort(a.T[::-1])]  # noqa: E731
+    np.testing.assert_allclose(order(got), order(want), atol=1e-3)
+
+
+def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir):
+    """An MLflow pytorch model logged as a pickle (as tracktron once did): loading it would run code."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    os.chdir(tmp_path)
+    with mlflow.start_run():
+        mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", serialization_format="pickle",
+                                 pip_requirements=["torch"], registered_model_name="pickled")
+    result = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config",
+                             str(Path(__file__).parents[1] / "configs/demo.yaml"), "--weights", "models:/pickled/1",
+                             "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "out"), "TRACKING.URI", uri],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: --weights models:/pickled/1: a pickled PyTorch model")
+    assert "Traceback" not in result.stderr

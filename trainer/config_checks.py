@@ -1,0 +1,99 @@
+"""The config's meaning checks: every value in range and consistent with the others, before
+anything is built (config.load_config calls `validate`). One (ok, message) pair per rule."""
+from __future__ import annotations
+
+import re
+
+from trainer.errors import ConfigError
+
+LR_POLICIES = ("step", "steps_with_decay", "steps_with_lrs", "cosine_decay", "exp_decay")
+WARM_UP_METHODS = ("constant", "linear")
+
+
+def _best_metric_ok(cfg) -> bool:
+    """`<iou type>/<stat>` of what evaluation logs for this model (`<dataset>/...` for the other test sets)."""
+    found = re.fullmatch(r"(?:[\w.-]+/)?(bbox|segm|keypoints)/(AP|AP50|AP75|APs|APm|APl)", cfg.TEST.BEST_METRIC)
+    if not found:
+        return False
+    kind, stat = found[1], found[2]
+    needs = {"bbox": "", "segm": "maskrcnn", "keypoints": "keypointrcnn"}[kind]
+    return needs in cfg.MODEL.TYPE and not (kind == "keypoints" and stat == "APs")
+
+
+def _model_name_ok(name: str) -> bool:
+    """MLflow's registry rules, checked now rather than when the model is registered after training."""
+    return not name or (bool(name.strip()) and not set("/:") & set(name) and name.isprintable()
+                        and name not in (".", ".."))
+
+
+DAY_S = 86_400  # the longest timeout or grace period (more overflows the clocks it is added to)
+MAX_SIDE = 10_000  # pixels: an image side past this does not fit a batch in any GPU's memory
+_POSITIVE_MODEL_KEYS = ("FPN_CHANNELS", "REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN",
+                        "RPN_PRE_NMS_TOP_N_TEST", "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE",
+                        "ROI_BATCH_SIZE_PER_IMAGE", "DETECTIONS_PER_IMAGE")
+
+
+def _model_and_size_checks(cfg) -> list:
+    m, t = cfg.MODEL, cfg.TRAIN
+    sides = {"TRAIN.SCALES": max(t.SCALES, default=0), "TRAIN.MAX_SIZE": t.MAX_SIZE,
+             "TEST.SCALE": cfg.TEST.SCALE, "TEST.MAX_SIZE": cfg.TEST.MAX_SIZE}
+    return [
+        (m.NUM_CLASSES == -1 or m.NUM_CLASSES >= 2,
+         f"MODEL.NUM_CLASSES must be -1 (from the dataset) or >= 2, got {m.NUM_CLASSES}"),
+        (m.BACKBONE_WIDTH > 0, f"MODEL.BACKBONE_WIDTH must be > 0, got {m.BACKBONE_WIDTH}"),
+        (-1 <= m.TRAINABLE_BACKBONE_LAYERS <= 5,
+         f"MODEL.TRAINABLE_BACKBONE_LAYERS must be -1 (the default) or 0 to 5, got {m.TRAINABLE_BACKBONE_LAYERS}"),
+        (all(a > 0 for a in m.ANCHOR_SIZES), f"MODEL.ANCHOR_SIZES must be positive, got {m.ANCHOR_SIZES}"),
+        *((m[k] > 0, f"MODEL.{k} must be > 0, got {m[k]}") for k in _POSITIVE_MODEL_KEYS),
+        *((v <= MAX_SIDE, f"{k} must be at most {MAX_SIDE} pixels, got {v}") for k, v in sides.items()),
+    ]
+
+
+def validate(cfg) -> None:
+    s, t = cfg.SOLVER, cfg.TRAIN
+    checks = [
+        (s.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {s.BASE_LR}"),
+        (s.MAX_ITER > 0, f"SOLVER.MAX_ITER must be > 0, got {s.MAX_ITER}"),
+        (s.LR_POLICY in LR_POLICIES, f"SOLVER.LR_POLICY must be one of {', '.join(LR_POLICIES)}; got {s.LR_POLICY!r}"),
+        (s.WARM_UP_METHOD in WARM_UP_METHODS, f"SOLVER.WARM_UP_METHOD must be constant or linear; got {s.WARM_UP_METHOD!r}"),
+        (s.WARM_UP_ITERS >= 0, f"SOLVER.WARM_UP_ITERS must be >= 0, got {s.WARM_UP_ITERS}"),
+        (s.GAMMA > 0, f"SOLVER.GAMMA must be > 0, got {s.GAMMA}"),
+        (s.STEP_SIZE > 0, f"SOLVER.STEP_SIZE must be > 0, got {s.STEP_SIZE}"),
+        (all(a < b for a, b in zip(s.STEPS, s.STEPS[1:])), f"SOLVER.STEPS must be increasing, got {s.STEPS}"),
+        (all(x >= 0 for x in s.STEPS), f"SOLVER.STEPS must be >= 0, got {s.STEPS}"),
+        (s.WEIGHT_DECAY >= 0 and s.MOMENTUM >= 0, "SOLVER.WEIGHT_DECAY and SOLVER.MOMENTUM must be >= 0"),
+        (s.CLIP_GRAD_NORM >= 0, f"SOLVER.CLIP_GRAD_NORM must be >= 0, got {s.CLIP_GRAD_NORM}"),
+        (t.SNAPSHOT_ITERS > 0, f"TRAIN.SNAPSHOT_ITERS must be > 0, got {t.SNAPSHOT_ITERS}"),
+        (t.IMS_PER_BATCH > 0, f"TRAIN.IMS_PER_BATCH must be > 0, got {t.IMS_PER_BATCH}"),
+        (t.SCALES and all(x > 0 for x in t.SCALES), f"TRAIN.SCALES must be positive sizes, got {t.SCALES}"),
+        (t.MAX_SIZE > 0, f"TRAIN.MAX_SIZE must be > 0, got {t.MAX_SIZE}"),
+        (t.CHECKPOINTS_KEEP >= 1, f"TRAIN.CHECKPOINTS_KEEP must be >= 1, got {t.CHECKPOINTS_KEEP}"),
+        (0 < t.PREEMPT_GRACE_S <= DAY_S, f"TRAIN.PREEMPT_GRACE_S must be > 0 and <= {DAY_S}, got {t.PREEMPT_GRACE_S}"),
+        (0 <= cfg.RNG_SEED < 2**32, f"RNG_SEED must be in [0, 2**32), got {cfg.RNG_SEED}"),
+        (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
+        (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
+        (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
+        (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
+        (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),
+        (_best_metric_ok(cfg), f"TEST.BEST_METRIC {cfg.TEST.BEST_METRIC!r} is no metric this model's evaluation "
+                               f"gives (e.g. bbox/AP, bbox/AP50{', segm/AP' if 'mask' in cfg.MODEL.TYPE else ''})"),
+        (0 <= cfg.TEST.VIS_IMAGES <= 100, f"TEST.VIS_IMAGES must be 0 to 100, got {cfg.TEST.VIS_IMAGES}"),
+        (cfg.TEST.SCALE > 0 and cfg.TEST.MAX_SIZE > 0,
+         f"TEST.SCALE and TEST.MAX_SIZE must be > 0, got {cfg.TEST.SCALE} and {cfg.TEST.MAX_SIZE}"),
+        (all(lr > 0 for lr in s.LRS), f"SOLVER.LRS must all be > 0, got {s.LRS}"),
+        (s.WARM_UP_FACTOR >= 0, f"SOLVER.WARM_UP_FACTOR must be >= 0, got {s.WARM_UP_FACTOR}"),
+        (0 <= cfg.TRACKING.FLUSH_TIMEOUT_S <= DAY_S,
+         f"TRACKING.FLUSH_TIMEOUT_S must be 0 to {DAY_S} seconds, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
+        (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
+         f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
+         "(MLflow's names are not blank and have no '/' or ':')"),
+        (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
+         f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
+    ] + _model_and_size_checks(cfg)
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
+        raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
+    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):
+        raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")

@@ -1,0 +1,145 @@
+"""From images to detections outside training: what the served model, `tracktron predict` and the
+images drawn at each evaluation share.
+
+    decode(image)              encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array -> CHW float in [0, 1]
+    detections_of(output, ...) one torchvision output -> boxes (x1, y1, x2, y2 pixels), scores, category
+                               ids and names, masks (COCO RLE) and keypoints where the model has them
+    Detector                   a model rebuilt from a state dict, the resolved config and the categories
+
+A model folder (`save` / `Detector.load`) holds weights.pt (a state dict: tensors only, loaded with
+weights_only=True, never a pickle of code), config.yaml and categories.json.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from pycocotools import mask as mask_utils
+
+from trainer.atomic_write import write_atomic
+from trainer.config import Config, config_from_dict, load_config, write_config
+from trainer.data.checks import MAX_IMAGE_SIDE
+from trainer.errors import UserError, first_line
+from trainer.models import build_model, set_test_size
+
+WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
+
+
+def decode(image) -> torch.Tensor:
+    """An image as the test loader gives it: RGB, float CHW in [0, 1] (16-bit PNGs by 65535)."""
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"an image array must be HxWx3 uint8 (RGB), got {image.shape} {image.dtype}")
+        _check_size(image.shape[1], image.shape[0])
+        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).float().div_(255)  # a copy: arrays may be read-only
+    if isinstance(image, bytearray):
+        image = bytes(image)
+    if not isinstance(image, bytes) or not image:
+        raise ValueError(f"an image must be encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array, "
+                         f"got {type(image).__name__}")
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        with Image.open(io.BytesIO(image)) as probe:  # the header only: refuse a decompression bomb
+            _check_size(*probe.size)
+        decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+    if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
+        decoded = decoded[0]
+    return decoded.float().div_(torch.iinfo(decoded.dtype).max)
+
+
+def _check_size(width: int, height: int) -> None:
+    if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
+        raise ValueError(f"an image of {width}x{height} pixels: each side must be 1 to {MAX_IMAGE_SIDE}")
+
+
+def encode_masks(masks: torch.Tensor) -> list[dict]:
+    """[N, 1, H, W] probabilities -> COCO RLEs of mask > 0.5, counts as str so they serialise to json."""
+    binary = (masks[:, 0] > 0.5).cpu().numpy().astype(np.uint8)
+    rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
+    for rle in rles:
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rles
+
+
+def detections_of(output: dict, categories: list[dict]) -> dict:
+    """One torchvision output (labels 1..K = categories[0..K-1]) as plain lists, ready for json."""
+    out = {k: v.detach().cpu() for k, v in output.items()}
+    labels = out["labels"].tolist()
+    found = {"boxes": out["boxes"].tolist(), "scores": out["scores"].tolist(),
+             "category_ids": [categories[i - 1]["id"] for i in labels],
+             "category_names": [categories[i - 1].get("name", str(categories[i - 1]["id"])) for i in labels]}
+    if "masks" in out:
+        found["masks"] = encode_masks(out["masks"])
+    if "keypoints" in out:
+        found["keypoints"] = out["keypoints"].tolist()  # [N][K][x, y, visibility]
+    return found
+
+
+def save(folder: Path, cfg: Config, state_dict: dict, categories: list[dict], keypoint_names: list) -> Path:
+    """The model folder a Detector loads: weights, resolved (redacted) config, categories."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, folder / WEIGHTS)
+    write_config(cfg, folder / CONFIG)
+    cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in categories]
+    write_atomic(folder / CATEGORIES, json.dumps({"categories": cats, "keypoint_names": list(keypoint_names)}))
+    return folder
+
+
+class Detector:
+    """A trained detector for images one at a time, as the test loader feeds evaluation."""
+
+    def __init__(self, cfg: Config, state_dict: dict, categories: list[dict], keypoint_names=(),
+                 device: str | torch.device = "cpu"):
+        self.cfg, self.categories, self.device = cfg, list(categories), torch.device(device)
+        self.model = build_model(cfg, len(self.categories) + 1, len(keypoint_names))
+        result = self.model.load_state_dict(state_dict, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            bad = (result.missing_keys + result.unexpected_keys)[:3]
+            raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories "
+                            f"({len(result.missing_keys)} missing, {len(result.unexpected_keys)} unexpected, "
+                            f"e.g. {', '.join(bad)})")
+        set_test_size(self.model, cfg)
+        self.model.eval().to(self.device)
+
+    @classmethod
+    def load(cls, folder: Path, device: str | torch.device = "cpu") -> Detector:
+        folder = Path(folder)
+        try:
+            cfg = load_config(folder / CONFIG)
+            meta = json.loads((folder / CATEGORIES).read_text())
+            state = torch.load(folder / WEIGHTS, map_location="cpu", weights_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise UserError(f"{folder} is not a tracktron model folder ({first_line(e)})") from None
+        return cls(cfg, state, meta["categories"], meta.get("keypoint_names", []), device)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu") -> Detector:
+        """A training checkpoint (model_iter*.pth, model_final.pth): it carries its config and categories."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # not a zip, a tampered pickle, a truncated file
+            raise UserError(f"{path} is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
+            raise UserError(f"{path} is not a tracktron checkpoint (no model and config in it)")
+        if "categories" not in state:
+            raise UserError(f"{path} names no categories (written by an older tracktron): evaluate it with "
+                            "`tracktron eval --config FILE --weights PATH`, whose dataset names them")
+        meta = state["categories"]
+        return cls(config_from_dict(state["config"]), state["model"], meta["categories"],
+                   meta.get("keypoint_names", []), device)
+
+    @torch.inference_mode()
+    def predict(self, images) -> list[dict]:
+        """Detections for each image (bytes or HxWx3 uint8 arrays), in the images' own pixels."""
+        results = []
+        for image in images:
+            output = self.model([decode(image).to(self.device)])[0]
+            results.append(detections_of(output, self.categories))
+        return results

@@ -1,0 +1,77 @@
+"""Checkpoints as MLflow 3 LoggedModels, so that MLflow can answer "which checkpoint was best".
+
+Each evaluation during training (and of model_final) becomes a LoggedModel of the run, named after
+the checkpoint it evaluated, with model_type `tracktron-checkpoint`, its step, and a tag pointing
+at the checkpoint artifact already uploaded (no second copy of the weights); the evaluation's
+metrics are logged with that model's id. The best is the one with the highest TEST.BEST_METRIC
+(`search_logged_models` ordered by it); the run's tags name it. With TRACKING.REGISTERED_MODEL the
+servable final model's version gets the alias `final`, and the best checkpoint's version `best`.
+Functions of an MlflowClient, called on the tracker's uploader thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPE = "tracktron-checkpoint"
+CHECKPOINT_TAG = "tracktron.checkpoint"  # on a LoggedModel: runs:/<run>/checkpoints/<file>
+BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.best_metric")
+
+
+def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | None = None) -> list:
+    """The run's checkpoint models, the best first when `order_by` names a metric."""
+    order = [{"field_name": f"metrics.{order_by}", "ascending": False}] if order_by else None
+    found = client.search_logged_models(
+        [experiment_id], filter_string=f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'",
+        order_by=order, max_results=1000)
+    return list(found)
+
+
+def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, metrics: dict, step: int) -> str:
+    """The LoggedModel of `checkpoint` (made once: a retried or resumed call finds it), with the
+    evaluation's metrics logged into the run under its id. Returns the model id."""
+    from mlflow.entities import Metric
+
+    model = next((m for m in checkpoint_models(client, experiment_id, run_id) if m.name == _name(checkpoint)), None)
+    if model is None:
+        model = client.create_logged_model(
+            experiment_id, name=_name(checkpoint), source_run_id=run_id, model_type=MODEL_TYPE,
+            tags={CHECKPOINT_TAG: f"runs:/{run_id}/checkpoints/{checkpoint}", "tracktron.iteration": str(step)})
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, step, model_id=model.model_id) for k, v in metrics.items()],
+                     synchronous=True)
+    client.finalize_logged_model(model.model_id, "READY")
+    return model.model_id
+
+
+def update_best(client, experiment_id: str, run_id: str, metric: str):
+    """Tag the run with its best checkpoint so far; returns that LoggedModel (None: none has `metric`)."""
+    from mlflow.entities import RunTag
+
+    ranked = [m for m in checkpoint_models(client, experiment_id, run_id, metric)
+              if any(x.key == metric for x in m.metrics or [])]
+    if not ranked:
+        return None
+    best = ranked[0]
+    value = max(x.value for x in best.metrics if x.key == metric)
+    checkpoint = best.tags.get(CHECKPOINT_TAG, "").rsplit("/", 1)[-1]
+    client.log_batch(run_id, tags=[RunTag(BEST_TAGS[0], checkpoint), RunTag(BEST_TAGS[1], best.model_id),
+                                   RunTag(BEST_TAGS[2], f"{metric}={value:.6g}")])
+    return best
+
+
+def checkpoint_file(model) -> str:
+    """model_iter{N}.pth or model_final.pth, from a checkpoint LoggedModel's tag."""
+    return model.tags.get(CHECKPOINT_TAG, "").rsplit("/", 1)[-1]
+
+
+def set_alias(client, name: str, alias: str, version: str) -> None:
+    client.set_registered_model_alias(name, alias, version)
+    log.info("registered model %s version %s is now @%s", name, version, alias)
+
+
+def _name(checkpoint: str) -> str:
+    return checkpoint.removesuffix(".pth")
+

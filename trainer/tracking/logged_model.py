@@ -1,0 +1,98 @@
+"""The product: a trained detector as an MLflow model that `mlflow models serve` can serve, and
+every way tracktron loads one back (checkpoint files, `runs:/`, `models:/name@alias`), none of
+which unpickles code.
+
+log_detector   a pyfunc model from code (detector_code.py) with the detector folder as its
+               artifact, tracktron's package as its code, a signature and an input example
+load_detector  a Detector from a checkpoint file, a model folder, a logged model or a registry URI
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from trainer.errors import UserError, first_line
+from trainer.inference import CONFIG, WEIGHTS, Detector
+from trainer.tracking.runs import download_uri
+
+CODE = Path(__file__).with_name("detector_code.py")
+PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it
+ARTIFACT = "detector"
+
+
+def signature():
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    inputs = Schema([ColSpec("binary", "image")])
+    outputs = Schema([ColSpec(Array(Array("double")), "boxes"), ColSpec(Array("double"), "scores"),
+                      ColSpec(Array("long"), "category_ids"), ColSpec(Array("string"), "category_names")])
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def example_image() -> bytes:
+    """A small PNG for the model's input example (what a request to the served model carries)."""
+    import torch
+    from torchvision.io import encode_png
+
+    ramp = torch.linspace(0, 255, 64).to(torch.uint8)
+    image = torch.stack([ramp.expand(48, 64), ramp.flip(0).expand(48, 64), torch.full((48, 64), 128, dtype=torch.uint8)])
+    return bytes(encode_png(image).numpy())
+
+
+def requirements() -> list[str]:
+    from importlib.metadata import version
+
+    pins = {"torch": "torch", "torchvision": "torchvision", "pycocotools": "pycocotools", "pyyaml": "PyYAML",
+            "numpy": "numpy", "pillow": "pillow", "pandas": "pandas"}
+    return [f"{name}=={version(dist).split('+')[0]}" for name, dist in pins.items()]
+
+
+def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", registered_model_name: str | None = None):
+    """Log the detector folder as a servable pyfunc model of run `run_id`; returns MLflow's ModelInfo."""
+    import mlflow
+    import pandas as pd
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        return mlflow.pyfunc.log_model(
+            name=name, python_model=str(CODE), artifacts={ARTIFACT: str(folder)}, code_paths=[str(PACKAGE)],
+            signature=signature(), input_example=pd.DataFrame({"image": [example_image()]}),
+            pip_requirements=requirements(), registered_model_name=registered_model_name or None)
+
+
+def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
+    """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
+    if spec.startswith(("runs:/", "models:/")):
+        with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
+            return load_local(download_uri(cfg, spec, tmp), spec, option, device)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")
+    return load_local(path, spec, option, device)
+
+
+def load_local(path: Path, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
+    """A Detector from a local file or folder; messages name `spec`, what the user gave."""
+    if path.is_file():
+        return Detector.from_checkpoint(path, device)
+    if (path / "MLmodel").is_file():
+        return Detector.load(_detector_folder(path, spec, option), device)
+    if (path / WEIGHTS).is_file() and (path / CONFIG).is_file():
+        return Detector.load(path, device)
+    raise UserError(f"{option} {spec}: neither a checkpoint nor a tracktron model")
+
+
+def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
+    try:
+        flavors = yaml.safe_load((model_dir / "MLmodel").read_text()).get("flavors", {})
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise UserError(f"{option} {spec}: unreadable MLmodel ({first_line(e)})") from None
+    folder = model_dir / "artifacts" / ARTIFACT
+    if not (folder / WEIGHTS).is_file():
+        kind = "a pickled PyTorch model" if "pytorch" in flavors else "not a tracktron model"
+        raise UserError(f"{option} {spec}: {kind}; tracktron loads only models it logged as weights "
+                        "(unpickling would run code from the file)")
+    return folder
