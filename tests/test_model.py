@@ -182,3 +182,55 @@ def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir):
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: --weights models:/pickled/1: a pickled PyTorch model")
     assert "Traceback" not in result.stderr
+
+
+def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_parent(job, data_dir, tmp_path):
+    """TRAIN.WEIGHTS models:/<name>@best on a dataset with one category less: the class head is
+    new, everything else starts as the parent's; the new run names its parent and its datasets."""
+    from trainer.checkpoint.files import sha256_of
+
+    val = data_dir / "synth_shapes" / "val"
+    ann = json.loads((val / "annotations.json").read_text())
+    dropped = ann["categories"][-1]["id"]
+    ann["categories"] = ann["categories"][:-1]
+    ann["annotations"] = [a for a in ann["annotations"] if a["category_id"] != dropped]
+    subset = tmp_path / "two_shapes"
+    subset.mkdir()
+    (subset / "images").symlink_to(val / "images")
+    (subset / "annotations.json").write_text(json.dumps(ann))
+
+    name, client = job["name"], job["client"]
+    child = f"{name}-ft"
+    args = demo_overrides(tmp_path, data_dir, **{
+        "TRACKING.URI": job["server"].url, "TRACKING.EXPERIMENT": child, "TRAIN.DATASETS": f"('{subset}',)",
+        "TEST.DATASETS": "()", "TRAIN.WEIGHTS": f"models:/{name}@best", "SOLVER.MAX_ITER": 1,
+        "SOLVER.BASE_LR": 1e-9, "TRACKING.FLUSH_TIMEOUT_S": 60})
+    result = run_trainer(args, cwd=tmp_path, env=job["env"])
+    assert result.returncode == 0, result.stderr
+    assert "skipped" in result.stderr and "cls_score" in result.stderr  # the log says which tensors are new
+
+    (found,) = client.search_runs([client.get_experiment_by_name(child).experiment_id])
+    run = client.get_run(found.info.run_id)
+    best = client.get_model_version_by_alias(name, "best")
+    tags = run.data.tags
+    assert tags["tracktron.parent.weights"] == f"models:/{name}@best"
+    assert tags["tracktron.parent.run_id"] == job["run"].info.run_id
+    assert tags["tracktron.parent.model_id"] == best.source.removeprefix("models:/")
+    assert [m.model_id for m in run.inputs.model_inputs] == [tags["tracktron.parent.model_id"]]
+    (dataset,) = run.inputs.dataset_inputs
+    assert dataset.dataset.digest == sha256_of(subset / "annotations.json")[:36]
+    assert json.loads(dataset.dataset.profile)["sha256"] == sha256_of(subset / "annotations.json")
+    assert {(t.key, t.value) for t in dataset.tags} >= {("mlflow.data.context", "training")}
+
+    import mlflow
+
+    os.environ.update(job["env"])
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@best", dst_path=str(tmp_path / "parent")))
+    parent = torch.load(folder / "artifacts" / "detector" / "weights.pt", weights_only=True)
+    trained = load_checkpoint(tmp_path / "output" / "model_final.pth")["model"]
+    head = "roi_heads.box_predictor.cls_score.weight"
+    assert trained[head].shape[0] == parent[head].shape[0] - 1  # background + one class less
+    same = [k for k in parent if k in trained and parent[k].shape == trained[k].shape and parent[k].is_floating_point()]
+    assert len(same) > 100
+    for k in same:  # a step of 1e-9 from the parent's weights
+        torch.testing.assert_close(trained[k], parent[k], atol=1e-5, rtol=0)

@@ -303,6 +303,14 @@ def test_redacted_config_keeps_what_a_rerun_needs():
     assert cfg.DATASET_CATALOG["d"]["API_KEY"] == "k-123"  # the job itself still has it
 
 
+def test_an_mlflow_model_alias_is_no_password():
+    """models:/name@alias names an alias, not a user: it is kept (a fine-tune records it as its parent)."""
+    from trainer.redaction import redact_urls
+
+    assert redact_urls("TRAIN.WEIGHTS models:/det-01@best") == "TRAIN.WEIGHTS models:/det-01@best"
+    assert redact_urls("models:/a@b, http://u:pw@h, s3:/k:s@b") == "models:/a@b, http://***@h, s3:/***@b"
+
+
 FAILING = {  # inputs whose job fails, each with a secret in it; the error paths print the most
     "database URI password": ({"TRACKING.URI": "postgresql://trainer:{secret}@127.0.0.1:1/mlflow"}, {}),
     "weights URL password": ({"TRAIN.WEIGHTS": "https://user:{secret}@127.0.0.1:9/w.pth",

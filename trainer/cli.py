@@ -187,7 +187,8 @@ def _stopped(tracker, e: Preempted | StopRequested):
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True)
 @click.option("--weights", required=True,
-              help="A checkpoint path, runs:/<run_id>/checkpoints/model_final.pth or models:/<name>/<version>.")
+              help="A checkpoint path, a model folder, runs:/<run_id>/checkpoints/model_final.pth, "
+                   "models:/<name>/<version> or models:/<name>@<alias>.")
 @click.argument("opts", nargs=-1, type=click.UNPROCESSED)
 def eval_(config_file, weights, opts):
     """COCO evaluation (pycocotools) of a checkpoint on TEST.DATASETS; a runs:/ URI gets the metrics."""
@@ -205,6 +206,29 @@ def eval_(config_file, weights, opts):
         eval_command(cfg, weights, ctx)
     finally:
         distributed.teardown(ctx)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--weights", required=True,
+              help="A checkpoint (model_final.pth), a model folder, runs:/<run_id>/..., models:/<name>/<version> "
+                   "or models:/<name>@<alias>.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="YAML config; only its tracking URI is used, for runs:/ and models:/ weights.")
+@click.option("--score-threshold", default=0.5, show_default=True, type=float,
+              help="Draw the detections scoring at least this (the json has them all).")
+@click.option("--out", "out_dir", required=True, help="Folder for <image>.png and <image>.json.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="IMAGE... [KEY VALUE]...")
+def predict(weights, config_file, score_threshold, out_dir, args):
+    """Detect objects in image files: a drawing and a json of the detections per image.
+
+    \b
+    tracktron predict --weights output/demo/model_final.pth --out preds a.jpg b.png [KEY VALUE ...]
+    """
+    from trainer.predict import predict_command, split_args
+
+    _setup_logging()
+    images, opts = split_args(args)
+    predict_command(weights, images, out_dir, config_file, score_threshold, tuple(opts))
 
 
 @cli.command()

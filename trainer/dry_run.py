@@ -8,6 +8,7 @@ from pathlib import Path
 from trainer.checkpoint.files import FINAL, iteration_of, local_checkpoints
 from trainer.config import Config, job_hash
 from trainer.data import build_train_dataset, check_test_datasets
+from trainer.lineage import initial_weights
 from trainer.data.coco import CocoDetection, check_batch_size, resolve_dataset
 from trainer.models import build_model, load_weights
 from trainer.output_lock import OutputLock
@@ -23,7 +24,8 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     check_test_datasets(cfg)
     check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
-    load_weights(model, cfg.TRAIN.WEIGHTS)
+    with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
+        load_weights(model, weights)
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
              f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "

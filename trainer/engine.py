@@ -36,7 +36,8 @@ from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
-from trainer.inference import save as save_model
+from trainer.inference import categories_of, save as save_model
+from trainer.lineage import dataset_inputs, initial_weights
 from trainer.models import build_model, describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
@@ -236,13 +237,14 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
 def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     cfg, ctx, start = job.cfg, job.ctx, created.start
     loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
-    model = created.model.to(ctx.device)
-    if ctx.is_main:
-        write_run_files(job, model)
+    model, parent = created.model.to(ctx.device), {}
     if start.state is None:
-        load_weights(model, cfg.TRAIN.WEIGHTS)
+        with initial_weights(cfg) as (weights, parent):  # a file, a torchvision name, or from MLflow
+            load_weights(model, weights)
     else:
         model.load_state_dict(start.state["model"])
+    if ctx.is_main:
+        write_run_files(job, model, parent)
     model.train()
     if ctx.distributed:
         model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -258,18 +260,15 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
                      categories_of(created.dataset))
 
 
-def categories_of(dataset) -> dict:
-    """Saved with every checkpoint and model, so that a detection can be named without the dataset."""
-    cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.categories]
-    return {"categories": cats, "keypoint_names": list(getattr(dataset, "keypoint_names", []))}
 
-
-def write_run_files(job: Job, model: torch.nn.Module) -> None:
-    """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run."""
+def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> None:
+    """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run; the
+    run's inputs: its datasets and the model its weights came from."""
     write_config(job.cfg, job.output_dir / "config.yaml")
     write_atomic(job.output_dir / "model.txt", describe_model(model))
     for name in ("config.yaml", "model.txt"):
         job.tracker.log_artifact(job.output_dir / name)
+    job.tracker.log_inputs(dataset_inputs(job.cfg), parent)
 
 
 def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:

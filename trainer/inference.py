@@ -26,6 +26,7 @@ from trainer.errors import UserError, first_line
 from trainer.models import build_model, set_test_size
 
 WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
+MAX_PIXELS = 100_000_000
 
 
 def decode(image) -> torch.Tensor:
@@ -37,17 +38,21 @@ def decode(image) -> torch.Tensor:
         return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).float().div_(255)  # a copy: arrays may be read-only
     if isinstance(image, bytearray):
         image = bytes(image)
-    if not isinstance(image, bytes) or not image:
+    if not isinstance(image, bytes):
         raise ValueError(f"an image must be encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array, "
                          f"got {type(image).__name__}")
-    from PIL import Image
+    if not image:
+        raise ValueError("an image is empty (0 bytes)")
+    from PIL import Image, UnidentifiedImageError
     from torchvision.io import ImageReadMode, decode_image
 
     try:
         with Image.open(io.BytesIO(image)) as probe:  # the header only: refuse a decompression bomb
             _check_size(*probe.size)
         decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (OSError, RuntimeError, ValueError) as e:
+    except UnidentifiedImageError:
+        raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
+    except (OSError, RuntimeError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image ({first_line(e)})") from None
     if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
         decoded = decoded[0]
@@ -57,6 +62,8 @@ def decode(image) -> torch.Tensor:
 def _check_size(width: int, height: int) -> None:
     if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
         raise ValueError(f"an image of {width}x{height} pixels: each side must be 1 to {MAX_IMAGE_SIDE}")
+    if width * height > MAX_PIXELS:  # 4 bytes a value, 3 channels: past this, gigabytes per image
+        raise ValueError(f"an image of {width}x{height} pixels: at most {MAX_PIXELS:,} pixels (tile larger images)")
 
 
 def encode_masks(masks: torch.Tensor) -> list[dict]:
@@ -71,10 +78,10 @@ def encode_masks(masks: torch.Tensor) -> list[dict]:
 def detections_of(output: dict, categories: list[dict]) -> dict:
     """One torchvision output (labels 1..K = categories[0..K-1]) as plain lists, ready for json."""
     out = {k: v.detach().cpu() for k, v in output.items()}
-    labels = out["labels"].tolist()
+    # A label past the categories (MODEL.NUM_CLASSES set larger than the dataset's) keeps its number.
+    cats = [categories[i - 1] if 0 < i <= len(categories) else {"id": i} for i in out["labels"].tolist()]
     found = {"boxes": out["boxes"].tolist(), "scores": out["scores"].tolist(),
-             "category_ids": [categories[i - 1]["id"] for i in labels],
-             "category_names": [categories[i - 1].get("name", str(categories[i - 1]["id"])) for i in labels]}
+             "category_ids": [c["id"] for c in cats], "category_names": [c.get("name", str(c["id"])) for c in cats]}
     if "masks" in out:
         found["masks"] = encode_masks(out["masks"])
     if "keypoints" in out:
@@ -82,10 +89,18 @@ def detections_of(output: dict, categories: list[dict]) -> dict:
     return found
 
 
+def categories_of(dataset) -> dict:
+    """What a dataset's labels mean, kept with every checkpoint and model so that detections can be
+    named without the dataset: {"categories": [{"id", "name"}], "keypoint_names": [...]}."""
+    cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.categories]
+    return {"categories": cats, "keypoint_names": list(getattr(dataset, "keypoint_names", []))}
+
+
 def save(folder: Path, cfg: Config, state_dict: dict, categories: list[dict], keypoint_names: list) -> Path:
     """The model folder a Detector loads: weights, resolved (redacted) config, categories."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, folder / WEIGHTS)
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, buffer)
+    write_atomic(folder / WEIGHTS, buffer.getvalue())
     write_config(cfg, folder / CONFIG)
     cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in categories]
     write_atomic(folder / CATEGORIES, json.dumps({"categories": cats, "keypoint_names": list(keypoint_names)}))
@@ -99,7 +114,11 @@ class Detector:
                  device: str | torch.device = "cpu"):
         self.cfg, self.categories, self.device = cfg, list(categories), torch.device(device)
         self.model = build_model(cfg, len(self.categories) + 1, len(keypoint_names))
-        result = self.model.load_state_dict(state_dict, strict=False)
+        try:
+            result = self.model.load_state_dict(state_dict, strict=False)
+        except RuntimeError as e:  # a tensor of another shape: weights for other categories or another model
+            raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories "
+                            f"({first_line(e, 300)})") from None
         if result.missing_keys or result.unexpected_keys:
             bad = (result.missing_keys + result.unexpected_keys)[:3]
             raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories "
@@ -114,10 +133,13 @@ class Detector:
         try:
             cfg = load_config(folder / CONFIG)
             meta = json.loads((folder / CATEGORIES).read_text())
+            categories, keypoint_names = meta["categories"], meta.get("keypoint_names", [])
+            if not all(isinstance(c, dict) and "id" in c for c in categories):
+                raise ValueError(f"{CATEGORIES} lists no categories")
             state = torch.load(folder / WEIGHTS, map_location="cpu", weights_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise UserError(f"{folder} is not a tracktron model folder ({first_line(e)})") from None
-        return cls(cfg, state, meta["categories"], meta.get("keypoint_names", []), device)
+        except Exception as e:  # missing files, bad json, a tampered or truncated weights file
+            raise UserError(f"{folder} is not a usable tracktron model ({type(e).__name__}: {first_line(e)})") from None
+        return cls(cfg, state, categories, keypoint_names, device)
 
     @classmethod
     def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu") -> Detector:

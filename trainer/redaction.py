@@ -19,7 +19,8 @@ import traceback
 SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
                 "CREDENTIAL")
 REDACTED = "***"
-_URL_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+)[^/@\s]+@")  # `:/` too: Path() collapses `//`
+# `:/` too: Path() collapses `//`. Not MLflow's models:/name@alias, whose `@` names an alias.
+_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^/@\s]+@")
 _MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
 _values: set[str] = set()
 

@@ -44,6 +44,9 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         pass
 
+    def log_inputs(self, datasets: list[dict], parent: dict) -> None:
+        """The run's datasets (lineage.dataset_inputs) and the model its weights came from, if any."""
+
     def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
         """An evaluation of the run's checkpoint file `checkpoint`: metrics linked to it as a model."""
         self.log_metrics(metrics, step)

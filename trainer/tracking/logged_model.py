@@ -5,9 +5,11 @@ which unpickles code.
 log_detector   a pyfunc model from code (detector_code.py) with the detector folder as its
                artifact, tracktron's package as its code, a signature and an input example
 load_detector  a Detector from a checkpoint file, a model folder, a logged model or a registry URI
+fetch_weights  TRAIN.WEIGHTS from MLflow, for a fine-tune, and the parent it names
 """
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,9 @@ import yaml
 
 from trainer.errors import UserError, first_line
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.tracking.runs import download_uri
+from trainer.tracking.runs import download_uri, tracking_uri
+
+log = logging.getLogger(__name__)
 
 CODE = Path(__file__).with_name("detector_code.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it
@@ -96,3 +100,43 @@ def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
         raise UserError(f"{option} {spec}: {kind}; tracktron loads only models it logged as weights "
                         "(unpickling would run code from the file)")
     return folder
+
+
+def fetch_weights(cfg, spec: str, dest: Path) -> tuple[Path, dict]:
+    """TRAIN.WEIGHTS from MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`, `models:/...`):
+    the weights file, downloaded into `dest`, and what the new run records of its parent."""
+    path = download_uri(cfg, spec, str(dest))
+    if path.is_dir():
+        folder = _detector_folder(path, spec, "TRAIN.WEIGHTS") if (path / "MLmodel").is_file() else path
+        path = folder / WEIGHTS
+        if not path.is_file():
+            raise UserError(f"TRAIN.WEIGHTS {spec}: neither a checkpoint nor a tracktron model")
+    return path, parent_of(cfg, spec)
+
+
+def parent_of(cfg, spec: str) -> dict:
+    """{"weights": spec, "run_id": ..., "model_id": ...}: the run and the MLflow model the weights came from."""
+    from mlflow import MlflowClient
+
+    found = {"weights": spec}
+    where = tracking_uri(cfg)
+    if spec.startswith("runs:/"):
+        found["run_id"] = spec[len("runs:/"):].split("/")[0]
+        return found
+    target = spec[len("models:/"):].strip("/")
+    if target.startswith("m-"):  # models:/<model id>: a LoggedModel itself
+        found["model_id"] = target.split("/")[0]
+        return found
+    client = MlflowClient(tracking_uri=where, registry_uri=where)
+    name, _, version = target.partition("/")
+    try:
+        if "@" in name:
+            mv = client.get_model_version_by_alias(*name.split("@", 1))
+        else:
+            mv = client.get_model_version(name, version)
+    except Exception as e:  # the download just worked: a registry that fails now is a fault, not bad input
+        log.warning("cannot record the parent of %s: %s", spec, first_line(e))
+        return found
+    model_id = getattr(mv, "model_id", None) or (mv.source[len("models:/"):] if mv.source.startswith("models:/m-") else None)
+    found |= {"run_id": mv.run_id, "model_id": model_id, "version": f"{mv.name}/{mv.version}"}
+    return {k: v for k, v in found.items() if v}

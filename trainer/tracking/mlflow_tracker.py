@@ -220,6 +220,21 @@ class MlflowTracker(Tracker):
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
 
+    def log_inputs(self, datasets: list[dict], parent: dict) -> None:
+        from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, RunTag
+
+        inputs = [DatasetInput(Dataset(d["name"], d["digest"], "local", d["source"], profile=d["profile"]),
+                               [InputTag("mlflow.data.context", d["context"])]) for d in datasets]
+        models = [LoggedModelInput(parent["model_id"])] if parent.get("model_id") else None
+        tags = [RunTag(f"tracktron.parent.{k}", redact_text(v)) for k, v in parent.items()]
+
+        def log():
+            self.client.log_inputs(self._run.run_id, datasets=inputs, models=models)
+            if tags:
+                self.client.log_batch(self._run.run_id, tags=tags)
+
+        self._uploader.submit("log the inputs", log)
+
     def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
         self._evaluated.add(checkpoint)
 

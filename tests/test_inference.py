@@ -1,0 +1,70 @@
+"""trainer.inference: what the served model and `tracktron predict` accept, and what they refuse."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT
+from trainer.errors import UserError
+from trainer.inference import Detector, decode, detections_of, save
+
+
+def _png(width: int, height: int, mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height), 128).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_bytes_and_arrays_decode_alike():
+    array = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    from_bytes, from_array = decode(buffer.getvalue()), decode(array)
+    assert from_bytes.shape == (3, 20, 30) and torch.equal(from_bytes, from_array)
+    assert decode(_png(5, 4, "L")).shape == (3, 4, 5)  # grey becomes RGB, as the loader reads it
+
+
+@pytest.mark.parametrize("image, message", [
+    (b"", "empty"),
+    (b"hello, not an image", "no image format"),
+    (_png(20_001, 1), "each side must be 1 to 20000"),
+    (_png(12_000, 9_000, "1"), "at most 100,000,000 pixels"),  # 1-bit: small file, 108 M pixels decoded
+    (_png(40, 30)[:60], "cannot decode"),  # truncated
+    (np.zeros((4, 4), np.uint8), "HxWx3 uint8"),
+    (np.zeros((4, 4, 3), np.float32), "HxWx3 uint8"),
+    ("a path, not bytes", "encoded bytes"),
+])
+def test_what_is_not_an_image_is_one_clear_value_error(image, message):
+    with pytest.raises(ValueError, match=message):
+        decode(image)
+
+
+def test_a_label_past_the_categories_keeps_its_number():
+    output = {"boxes": torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 2), "scores": torch.tensor([0.9, 0.8]),
+              "labels": torch.tensor([1, 5])}
+    found = detections_of(output, [{"id": 7, "name": "cat"}])
+    assert found["category_ids"] == [7, 5] and found["category_names"] == ["cat", "5"]
+
+
+def test_a_damaged_model_folder_is_a_user_error(tmp_path):
+    from trainer.config import load_config
+    from trainer.models import build_model
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    model = build_model(cfg, 3)
+    folder = save(tmp_path / "detector", cfg, model.state_dict(), [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}], [])
+    assert Detector.load(folder).categories[1]["name"] == "b"
+    (folder / "categories.json").write_text(json.dumps({"categories": [{"id": 1}]}))  # one class too few
+    with pytest.raises(UserError, match="do not fit"):
+        Detector.load(folder)
+    (folder / "categories.json").write_text(json.dumps({"categories": "two"}))
+    with pytest.raises(UserError, match="not a usable tracktron model"):
+        Detector.load(folder)
+    (folder / "weights.pt").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(UserError, match="not a usable tracktron model"):
+        Detector.load(folder)

@@ -1,0 +1,301 @@
+"""`tracktron predict` as a user runs it, and the drawing it writes (trainer/visualize.py).
+
+Real files throughout: a randomly initialised demo model saved as a model folder (cheap, and its
+scores spread around 0.25, so thresholds matter), and the model_final.pth of a 3-iteration
+training. Bad input runs in this process (`trainer.cli.main`, as tests/test_bad_input.py does: it
+is found before any prediction, at a fraction of a subprocess's cost); a few of the same cases run
+as real processes to pin what the shell sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from tests.conftest import DEMO, demo_overrides, run_trainer
+from trainer import cli
+from trainer.config import load_config
+from trainer.data import CocoDetection, resolve_dataset
+from trainer.inference import decode, save
+from trainer.models import build_model
+from trainer.predict import output_names, split_args
+from trainer.visualize import GROUND_TRUTH, draw, to_png
+
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools
+              pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]  # torchvision.io, 0.29
+
+KEYS = {"boxes", "scores", "category_ids", "category_names", "image", "width", "height"}
+
+
+def predict_cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", "predict", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def categories(data_dir) -> list[dict]:
+    cfg = load_config(DEMO, ["DATA_DIR", str(data_dir)])
+    return CocoDetection(*resolve_dataset(cfg, "synth_shapes_val"), train=False).categories
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, data_dir, categories) -> Path:
+    cfg = load_config(DEMO, ["DATA_DIR", str(data_dir)])
+    torch.manual_seed(0)
+    model = build_model(cfg, len(categories) + 1)
+    return save(tmp_path_factory.mktemp("model") / "detector", cfg, model.state_dict(), categories, [])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("train")
+    keys = {"SOLVER.MAX_ITER": 3, "TRACKING.ENABLED": False, "TEST.DATASETS": "()"}
+    result = run_trainer(demo_overrides(tmp, data_dir, **keys), cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    return tmp / "output" / "model_final.pth"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory, data_dir) -> dict[str, Path]:
+    """A validation PNG, a landscape JPEG of another size, and a PNG of the same stem in another folder."""
+    cfg = load_config(DEMO, ["DATA_DIR", str(data_dir)])
+    first, second = sorted(resolve_dataset(cfg, "synth_shapes_val")[0].glob("*.png"))[:2]
+    root = tmp_path_factory.mktemp("images")
+    (root / "other").mkdir()
+    with Image.open(second) as im:
+        im.convert("RGB").resize((90, 60)).save(root / "photo.jpg", quality=90)
+    return {"png": Path(shutil.copy(first, root)), "jpg": root / "photo.jpg",
+            "same_stem": Path(shutil.copy(second, root / "other" / first.name))}
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    with Image.open(path) as im:
+        return im.size
+
+
+# ------------------------------------------------------------------------------------- the command
+
+def check_outputs(out: Path, name: str, source: Path, categories: list[dict]) -> dict:
+    """What a user checks: the drawing opens at the image's size; the json is whole and in the image."""
+    w, h = image_size(source)
+    with Image.open(out / f"{name}.png") as drawn:
+        assert (drawn.size, drawn.mode) == ((w, h), "RGB")
+    found = json.loads((out / f"{name}.json").read_text())
+    assert KEYS <= set(found) and found["image"] == str(source) and (found["width"], found["height"]) == (w, h)
+    n = len(found["scores"])
+    assert n > 0 and len(found["boxes"]) == len(found["category_ids"]) == len(found["category_names"]) == n
+    assert all(0 <= x1 <= x2 <= w and 0 <= y1 <= y2 <= h for x1, y1, x2, y2 in found["boxes"])
+    assert set(found["category_names"]) <= {c["name"] for c in categories}
+    return found
+
+
+def test_predict_writes_a_drawing_and_the_detections_of_each_image(tmp_path, model_dir, images, categories):
+    inputs = [images["png"], images["jpg"], images["same_stem"]]
+    result = predict_cli("--weights", model_dir, "--out", tmp_path / "out", *inputs, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out, names = tmp_path / "out", ["000000", "photo", "000000-2"]  # the same stem twice: nothing overwritten
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.{e}" for n in names for e in ("png", "json"))
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(inputs)
+    for source, name, line in zip(inputs, names, lines):
+        found = check_outputs(out, name, source, categories)
+        above = sum(s >= 0.5 for s in found["scores"])
+        assert line == f"{source}: {len(found['scores'])} detections ({above} above 0.5) -> {out / name}.png"
+
+
+def test_the_threshold_changes_the_drawing_only(tmp_path, model_dir, images):
+    source = images["png"]
+    runs = {t: predict_cli("--weights", model_dir, "--score-threshold", t, "--out", tmp_path / t, source, cwd=tmp_path)
+            for t in ("1", "0")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    assert (tmp_path / "1" / "000000.json").read_bytes() == (tmp_path / "0" / "000000.json").read_bytes()
+    found = json.loads((tmp_path / "0" / "000000.json").read_text())
+    assert max(found["scores"]) < 1.0
+    original = np.asarray(Image.open(source).convert("RGB"))
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "1" / "000000.png")), original)  # nothing drawn
+    assert not np.array_equal(np.asarray(Image.open(tmp_path / "0" / "000000.png")), original)
+
+    # A lower threshold never draws fewer boxes: more pixels differ from the image, never fewer.
+    pixels = decode(source.read_bytes())
+    thresholds = [1.0, *np.quantile(found["scores"], [0.9, 0.5, 0.1]).tolist(), 0.0]
+    changed = [int((draw(pixels, found, score_threshold=t) != original).any(2).sum()) for t in thresholds]
+    assert changed == sorted(changed) and changed[0] == 0 < changed[-1], changed
+
+
+def test_predict_from_a_training_checkpoint(tmp_path, checkpoint, images, categories):
+    result = predict_cli("--weights", checkpoint, "--out", tmp_path / "out", images["jpg"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    check_outputs(tmp_path / "out", "photo", images["jpg"], categories)
+    assert result.stdout.startswith(f"{images['jpg']}: ")
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+@pytest.fixture
+def bad(tmp_path, images, model_dir):
+    """Files to get wrong, in tmp_path (the working directory), and the argv builder."""
+    good = Path(shutil.copy(images["png"], tmp_path / "good.png"))
+    (tmp_path / "notes.txt").write_text("not an image\n")
+    (tmp_path / "empty.png").write_bytes(b"")
+    data = good.read_bytes()
+    (tmp_path / "truncated.png").write_bytes(data[: len(data) // 2])
+    (tmp_path / "shots").mkdir()
+    (tmp_path / "preds" / "good.png").mkdir(parents=True)  # where good.png's drawing would go
+    (tmp_path / "taken").write_text("a file where OUT should go\n")
+    return lambda *args, out="out", weights=str(model_dir): ["predict", "--weights", weights, "--out", out, *args]
+
+
+BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
+    ("missing image", lambda a: a("good.png", "missing.png"), "IMAGE missing.png: no such file"),
+    ("folder as image", lambda a: a("shots"), "IMAGE shots is a folder"),
+    ("not an image", lambda a: a("good.png", "notes.txt"), "IMAGE notes.txt: the bytes are no image format"),
+    ("empty file", lambda a: a("empty.png"), "IMAGE empty.png: the file is empty"),
+    ("truncated image", lambda a: a("truncated.png"), "IMAGE truncated.png: cannot decode the image"),
+    ("no image", lambda a: a(), "no IMAGE given"),
+    ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),
+    ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
+    ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
+    ("folder where a result goes", lambda a: a("good.png", out="preds"), "--out preds: good.png is a folder there"),
+    ("threshold above 1", lambda a: a("good.png", "--score-threshold", "1.5"), "--score-threshold 1.5: must be between 0"),
+    ("threshold below 0", lambda a: a("good.png", "--score-threshold", "-0.1"), "must be between 0 and 1"),
+    ("threshold nan", lambda a: a("good.png", "--score-threshold", "nan"), "must be between 0 and 1"),
+    ("threshold not a number", lambda a: a("good.png", "--score-threshold", "high"), "'high' is not a valid float"),
+    ("misspelt override", lambda a: a("good.png", "TEST.SCAL", "64"), "TEST.SCAL: no such file, nor a config key"),
+    ("override without value", lambda a: a("good.png", "TEST.SCALE"), "KEY VALUE pairs"),
+    ("missing config", lambda a: a("good.png", "--config", "nope.yaml"), "nope.yaml"),
+    ("missing weights", lambda a: a("good.png", weights="nope.pth"), "--weights nope.pth: no such file"),
+    ("weights not a checkpoint", lambda a: a("good.png", weights="notes.txt"), "notes.txt is not a valid torch checkpoint"),
+    ("weights folder not a model", lambda a: a("good.png", weights="shots"), "neither a checkpoint nor a tracktron model"),
+]
+SHELL = ["missing image", "not an image", "out is a file"]  # also as real processes
+
+
+def tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def run_in_process(argv: list[str]) -> tuple[int | None, str]:
+    """`tracktron <argv>` here: its exit status and stderr; anything but SystemExit fails the test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            cli.main(argv)
+    except SystemExit as e:
+        return e.code, err.getvalue()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return None, err.getvalue()
+
+
+def assert_one_error_line(code, stderr: str, expected: str) -> None:
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(bad, tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    before = tree(tmp_path)
+    assert_one_error_line(*run_in_process(argv(bad)), expected)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in BAD if c[0] in SHELL], ids=SHELL)
+def test_bad_input_as_the_shell_sees_it(bad, tmp_path, argv, expected):
+    before = tree(tmp_path)
+    result = predict_cli(*argv(bad)[1:], cwd=tmp_path)
+    assert_one_error_line(result.returncode, result.stderr, expected)
+    assert result.stdout == "" and tree(tmp_path) == before
+
+
+def test_arguments_split_at_the_first_config_key_and_stems_stay_unique():
+    assert split_args(["a.jpg", "IMG_0001.JPG", "TEST.SCALE", "64", "MODEL.TYPE", "x"]) == (
+        ["a.jpg", "IMG_0001.JPG"], ["TEST.SCALE", "64", "MODEL.TYPE", "x"])
+    assert split_args(["a.jpg", "DATASET_CATALOG.mine.IM_DIR", "d"]) == (["a.jpg"], ["DATASET_CATALOG.mine.IM_DIR", "d"])
+    assert output_names(["a/x.png", "b/x.jpg", "X.png", "x-2.png"]) == ["x", "x-2", "X-3", "x-2-2"]
+
+
+# ------------------------------------------------------------------------------------------ drawing
+
+def canvas(h: int = 100, w: int = 120) -> tuple[torch.Tensor, np.ndarray]:
+    """A float image as decode gives it, and its exact uint8 pixels (HxWx3)."""
+    pixels = torch.randint(0, 256, (3, h, w), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    return pixels.float() / 255, pixels.permute(1, 2, 0).numpy()
+
+
+def detections(boxes, scores=None, **extra) -> dict:
+    n = len(boxes)
+    return {"boxes": boxes, "scores": scores or [0.9] * n, "category_ids": [1] * n,
+            "category_names": ["square"] * n, **extra}
+
+
+def rles(masks: np.ndarray) -> list[dict]:
+    """N HxW masks as json keeps them: COCO RLE with str counts."""
+    out = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0).astype(np.uint8)))
+    return [{**r, "counts": r["counts"].decode("ascii")} for r in out]
+
+
+def test_draw_zero_detections_returns_the_image_unchanged_without_warnings():
+    image, pixels = canvas()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torchvision warns when handed no boxes
+        drawn = draw(image, detections([]), ground_truth={"boxes": [], "category_names": []})
+    assert drawn.dtype == np.uint8 and drawn.shape == (100, 120, 3) and np.array_equal(drawn, pixels)
+    assert np.array_equal(draw(image, detections([[10, 10, 50, 50]], [0.4])), pixels)  # below the threshold
+
+
+def test_draw_boxes_outside_the_image_and_a_one_pixel_image():
+    image, pixels = canvas()
+    outside = [[-50, -50, -10, -10], [200, 10, 300, 40], [float("nan"), 0, 5, 5]]
+    assert np.array_equal(draw(image, detections(outside)), pixels)
+    changed = (draw(image, detections([[60, 30, 500, 500]])) != pixels).any(2)
+    assert changed[30:, 118:].any() and changed[99, 60:].any()  # clipped to the right and bottom edges
+    assert not changed[:29].any() and not changed[:, :59].any()
+    tiny = draw(canvas(1, 1)[0], detections([[-5, -5, 5, 5]]), ground_truth={"boxes": [[0, 0, 3, 3]],
+                                                                              "category_names": ["x"]})
+    assert tiny.shape == (1, 1, 3)
+
+
+def test_draw_masks_keypoints_and_ground_truth():
+    image, pixels = canvas()
+    masks = np.zeros((2, 100, 120), bool)
+    masks[0, 40:60, 40:80] = True
+    found = detections([[40, 40, 80, 60], [0, 0, 5, 5]], masks=rles(masks),
+                       keypoints=[[[100, 90, 1], [10, 90, 0]], [[0, 0, 0], [0, 0, 0]]])
+    changed = (draw(image, found) != pixels).any(2)
+    assert changed[45:55, 50:70].all()  # the mask, inside its box
+    assert changed[90, 100] and not changed[90, 10]  # a visible keypoint drawn, an invisible one not
+    assert not changed[70:85, 20:90].any()  # clear of every box, mask and keypoint
+
+    wrong_size = detections([[40, 40, 80, 60]], masks=rles(np.ones((1, 10, 10), bool)))
+    assert draw(image, wrong_size).shape == (100, 120, 3)  # a mask of another size is skipped
+
+    truth = draw(image, detections([]), ground_truth={"boxes": [[20, 20, 80, 80]], "category_names": ["circle"],
+                                                      "masks": rles(masks[:1])})
+    assert tuple(truth[50, 20]) == GROUND_TRUTH  # the box's left edge
+    assert not np.array_equal(truth[45:55, 50:70], pixels[45:55, 50:70])
+
+
+def test_to_png_round_trips():
+    _, pixels = canvas(7, 5)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(to_png(pixels)))), pixels)
+    with pytest.raises(ValueError, match="HxWx3 uint8"):
+        to_png(pixels[..., 0])

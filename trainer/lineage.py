@@ -1,0 +1,44 @@
+"""Where a job's inputs come from, recorded on its run.
+
+Datasets: each TRAIN.DATASETS and TEST.DATASETS entry as an MLflow dataset input (name, the
+annotation file as source, context `training` or `evaluation`; the digest is the file's sha256,
+cut to the 36 characters MLflow's store keeps, the whole of it in the profile). Weights:
+TRAIN.WEIGHTS may name a model in MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`,
+`models:/name/version`, `models:/name@alias`); it is downloaded, loaded like a file, and the new run
+gets `tracktron.parent.*` tags and the parent LoggedModel as a model input.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+from trainer.checkpoint.files import sha256_of
+from trainer.data import resolve_dataset
+from trainer.tracking.logged_model import fetch_weights
+
+MLFLOW_URIS = ("runs:/", "models:/")
+
+
+def dataset_inputs(cfg) -> list[dict]:
+    found = []
+    for context, names in (("training", cfg.TRAIN.DATASETS), ("evaluation", cfg.TEST.DATASETS)):
+        for name in names:
+            _, annotations = resolve_dataset(cfg, name)
+            digest = sha256_of(annotations)
+            found.append({"name": name, "source": str(Path(annotations).resolve()), "digest": digest[:36],
+                          "context": context, "profile": json.dumps({"sha256": digest})})
+    return found
+
+
+@contextlib.contextmanager
+def initial_weights(cfg):
+    """(what load_weights reads, the parent to record): TRAIN.WEIGHTS as it is, or downloaded."""
+    spec = cfg.TRAIN.WEIGHTS
+    if not spec.startswith(MLFLOW_URIS):
+        yield spec, {}
+        return
+    with tempfile.TemporaryDirectory(prefix="tracktron-weights-") as tmp:
+        path, parent = fetch_weights(cfg, spec, Path(tmp))
+        yield str(path), parent

@@ -1,0 +1,128 @@
+"""`tracktron predict`: a trained detector on image files, without a dataset or a tracking run.
+
+For each IMAGE it writes OUT/<stem>.png (the detections at or above the score threshold, drawn)
+and OUT/<stem>.json (every detection, as the served model returns them, with the image's path and
+size). Two images with the same stem get <stem>-2, <stem>-3, ... in the order given.
+
+Every input (threshold, images, OUT, config, weights) is checked before anything is predicted or
+written: a bad one ends as a UserError, one line, and OUT is left as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from trainer.atomic_write import write_atomic
+from trainer.config import defaults, flatten, load_config
+from trainer.errors import UserError, first_line
+from trainer.inference import decode
+from trainer.tracking.logged_model import load_detector
+from trainer.visualize import draw, to_png
+
+
+def split_args(args) -> tuple[list[str], list[str]]:
+    """IMAGE... [KEY VALUE ...]: the overrides start at the first argument that names a config key
+    (an image file is not called TEST.SCALE; DSC_0001.JPG names no key)."""
+    keys = set(flatten(defaults()))
+    for i, arg in enumerate(args):
+        if arg in keys or arg.startswith("DATASET_CATALOG."):
+            return list(args[:i]), list(args[i:])
+    return list(args), []
+
+
+def predict_command(weights: str, images: list[str], out_dir: str, config_file: str | None,
+                    score_threshold: float, opts: tuple) -> None:
+    """Check every input, load the detector, then predict, draw and write each image in turn."""
+    if not 0.0 <= score_threshold <= 1.0:  # NaN fails this too
+        raise UserError(f"--score-threshold {score_threshold}: must be between 0 and 1")
+    if not images:
+        raise UserError("no IMAGE given: tracktron predict --weights PATH --out DIR IMAGE... [KEY VALUE ...]")
+    out = check_out_dir(out_dir)
+    cfg = load_config(config_file, list(opts))  # only runs:/ and models:/ weights use it: the tracking URI
+    for image in images:
+        check_image(image)
+    names = output_names(images)
+    if clash := [f"{n}.{e}" for n in names for e in ("png", "json") if (out / f"{n}.{e}").is_dir()]:
+        raise UserError(f"--out {out_dir}: {clash[0]} is a folder there, where a result would go")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    detector = load_detector(cfg, weights, option="--weights", device=device)
+    for image, name in zip(images, names):
+        predict_one(detector, image, out, name, score_threshold)
+
+
+def predict_one(detector, image: str, out: Path, name: str, score_threshold: float) -> None:
+    """OUT/<name>.png and OUT/<name>.json for one image, and its line on stdout."""
+    data = read_image(image)
+    found = detector.predict([data])[0]
+    pixels = decode(data)
+    drawing = out / f"{name}.png"
+    write_atomic(drawing, to_png(draw(pixels, found, score_threshold=score_threshold)))
+    record = {"image": image, "width": pixels.shape[2], "height": pixels.shape[1], **found}
+    write_atomic(out / f"{name}.json", json.dumps(record))
+    shown = sum(s >= score_threshold for s in found["scores"])
+    print(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}")
+
+
+def check_out_dir(out_dir: str) -> Path:
+    """OUT is a folder, or can be made as one, and can be written: checked without writing anything."""
+    out = Path(out_dir).expanduser()
+    try:
+        existing = next(p for p in (out, *out.parents) if p.exists())
+    except (OSError, ValueError) as e:  # a NUL in the name, a name too long
+        raise UserError(f"--out {out_dir}: {first_line(e)}") from None
+    if not existing.is_dir():
+        where = "is a file" if existing == out else f"cannot be made: {existing} is a file"
+        raise UserError(f"--out {out_dir} {where}; name a folder (it is made if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out_dir}: permission denied on {existing}")
+    return out
+
+
+def check_image(image: str) -> None:
+    """The file exists, is readable and decodes as an image (the whole of it, not only its header)."""
+    data = read_image(image)
+    if not data:
+        raise UserError(f"IMAGE {image}: the file is empty")
+    try:
+        decode(data)
+    # Not an image, a truncated one, one too large (PIL's bomb check, over ~179M pixels, is no ValueError).
+    except (ValueError, Image.DecompressionBombError) as e:
+        raise UserError(f"IMAGE {image}: {first_line(e)}") from None
+
+
+def read_image(image: str) -> bytes:
+    path = Path(image).expanduser()
+    try:
+        if path.is_dir():
+            raise UserError(f"IMAGE {image} is a folder; name image files (e.g. {image.rstrip('/')}/*.jpg)")
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"IMAGE {image}: no such file{_key_hint(image)}") from None
+    except (OSError, ValueError) as e:  # permission denied, a NUL in the name
+        raise UserError(f"IMAGE {image}: cannot read it ({getattr(e, 'strerror', None) or first_line(e)})") from None
+
+
+def _key_hint(arg: str) -> str:
+    """A misspelt override (TEST.SCAL 256) reads as two more images: say why."""
+    top = {k.split(".")[0] for k in flatten(defaults())}
+    if arg.split(".")[0] in top:
+        return ", nor a config key (KEY VALUE overrides follow the images)"
+    return ""
+
+
+def output_names(images: list[str]) -> list[str]:
+    """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
+    Windows folders would write a.png and A.png to one file)."""
+    taken, names = set(), []
+    for image in images:
+        stem = Path(image).stem or "image"
+        name, n = stem, 2
+        while name.casefold() in taken:
+            name, n = f"{stem}-{n}", n + 1
+        taken.add(name.casefold())
+        names.append(name)
+    return names
