@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow import MlflowClient
+from PIL import Image
 
 from tests.conftest import demo_overrides, run_trainer
 from tests.servers import BIN, free_port, wait_http
@@ -70,6 +71,27 @@ def test_each_evaluated_checkpoint_is_a_logged_model_with_its_metrics(job):
         assert client.list_logged_model_artifacts(m.model_id) == []
     # ... and the run's own bbox/AP curve has one point per evaluation.
     assert sorted(p.step for p in client.get_metric_history(run_id, "bbox/AP")) == [1, 3, MAX_ITER - 1]
+
+
+def test_each_evaluation_logs_what_the_detector_sees_and_its_per_category_table(job, tmp_path):
+    """TEST.VIS_IMAGES (4) drawings per evaluation, the same images at every step, with the ground
+    truth in green; and the per-category AP as an MLflow table."""
+    from trainer.visualize import GROUND_TRUTH
+
+    client, run_id = job["client"], job["run"].info.run_id
+    names = [a.path.split("/")[-1] for a in client.list_artifacts(run_id, "images")]
+    pngs = [n for n in names if n.endswith(".png")]
+    keyed = {}  # (key, step) from MLflow's time-stepped names: <key>+step+<step>+timestamp+...
+    for n in pngs:
+        key, _, step, *_ = n.split("+")
+        keyed.setdefault(key, set()).add(int(step))
+    assert len(keyed) == 4 and all(steps == {1, 3, MAX_ITER - 1} for steps in keyed.values()), keyed
+    picture = np.asarray(Image.open(client.download_artifacts(run_id, f"images/{pngs[0]}", str(tmp_path))))
+    assert (picture[..., :3] == GROUND_TRUTH).all(-1).sum() > 20  # boxes drawn in the ground truth's colour
+    for step in (1, 3, MAX_ITER - 1):
+        table = json.loads(Path(client.download_artifacts(
+            run_id, f"eval/synth_shapes_val/per_category_ap_iter{step}.json", str(tmp_path))).read_text())
+        assert table["columns"] == ["category", "AP", "AP50", "instances"] and len(table["data"]) == 3
 
 
 def test_the_best_checkpoint_is_found_through_mlflow_and_registered_as_best(job):

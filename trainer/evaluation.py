@@ -30,6 +30,7 @@ from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.errors import UserError
+from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
@@ -157,20 +158,14 @@ def coco_evaluate(coco_gt: COCO, results: list[dict], iou_types) -> dict[str, fl
 
 def per_category_table(ev: COCOeval) -> str:
     """Markdown: AP and AP50 per category (area all, 100 detections), with its ground-truth count."""
-    precision = ev.eval["precision"]  # [iou thresholds, recall, category, area, max dets]
-    gt = ev.cocoGt
     lines = ["| category | AP | AP50 | instances |", "|---|---:|---:|---:|"]
-    for k, cat_id in enumerate(ev.params.catIds):
-        p = precision[:, :, k, 0, -1]
-        ap, ap50 = (_mean_defined(x) for x in (p, p[0]))
-        name = gt.cats[cat_id].get("name", str(cat_id))
-        count = len(gt.getAnnIds(catIds=[cat_id], iscrowd=False))
-        lines.append(f"| {name} | {ap} | {ap50} | {count} |")
+    for name, ap, ap50, count in zip(*per_category_rows(ev).values()):
+        lines.append(f"| {name} | {_number(ap)} | {_number(ap50)} | {count} |")
     return "\n".join(lines) + "\n"
 
 
-def _mean_defined(p: np.ndarray) -> str:
-    return f"{p[p > -1].mean():.4f}" if (p > -1).any() else "n/a"  # -1: no such ground truth
+def _number(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 # --------------------------------------------------------------------------------------- evaluate
@@ -182,7 +177,7 @@ def evaluate(cfg, model, ctx: Context | None = None, output_dir=None, tracker: T
     ctx, tracker, output_dir, metrics = ctx or Context(), tracker or Tracker(), Path(output_dir or cfg.OUTPUT_DIR), {}
     for i, name in enumerate(cfg.TEST.DATASETS):
         prefix = "" if i == 0 else f"{dataset_dirname(name)}/"
-        found = evaluate_dataset(cfg, model, ctx, name, output_dir, tracker)
+        found = evaluate_dataset(cfg, model, ctx, name, output_dir, tracker, step)
         metrics |= {prefix + k: v for k, v in found.items()}
     if ctx.is_main and metrics:
         if checkpoint:
@@ -192,7 +187,8 @@ def evaluate(cfg, model, ctx: Context | None = None, output_dir=None, tracker: T
     return broadcast_object(ctx, metrics)
 
 
-def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, tracker: Tracker) -> dict:
+def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, tracker: Tracker,
+                     step: int | None = None) -> dict:
     loader, dataset = build_test_loader(cfg, name, ctx.rank, ctx.world_size)
     start = time.perf_counter()
     with _eval_mode(model):
@@ -202,16 +198,21 @@ def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, trac
     if not ctx.is_main:
         return {}
     log.info("%s: %d images inferred in %.1fs, %d detections", name, len(dataset), seconds, len(results))
-    out = output_dir / "eval" / dataset_dirname(name)
-    metrics, table = {}, ""
+    tag = dataset_dirname(name)
+    out = output_dir / "eval" / tag
+    metrics, box_ev = {}, None
     for iou_type in iou_types_for(cfg.MODEL.TYPE):
         ev = run_cocoeval(dataset.coco, results, iou_type)
         metrics |= metrics_of(ev, iou_type)
-        table = table or per_category_table(ev)  # bbox comes first
+        box_ev = box_ev or ev  # bbox comes first
     files = [write_atomic(out / "detections.json", json.dumps(results)),
-             write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{table}")]
+             write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{per_category_table(box_ev)}")]
     for path in files:
-        tracker.log_artifact(path, f"eval/{dataset_dirname(name)}")
+        tracker.log_artifact(path, f"eval/{tag}")
+    step = 0 if step is None else step
+    tracker.log_table(per_category_rows(box_ev), f"eval/{tag}/per_category_ap_iter{step}.json")
+    for key, picture in drawings(dataset, results, cfg.TEST.VIS_IMAGES):
+        tracker.log_image(picture, f"{tag}/{key}", step)
     return metrics
 
 

@@ -132,6 +132,9 @@ class CocoDetection(Dataset):
     def image_ids(self) -> list:
         return [r["id"] for r in self._records]
 
+    def file_name(self, index: int) -> str:
+        return self._records[index]["file_name"]
+
     def __getstate__(self):
         return {**self.__dict__, "_coco": None}
 

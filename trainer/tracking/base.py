@@ -47,6 +47,12 @@ class Tracker:
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
         """The run's datasets (lineage.dataset_inputs) and the model its weights came from, if any."""
 
+    def log_image(self, image, key: str, step: int) -> None:
+        """An HxWx3 uint8 picture at `step` (the UI shows them with a step slider)."""
+
+    def log_table(self, table: dict, artifact_file: str) -> None:
+        """Columns (name -> list of values) as an MLflow table artifact."""
+
     def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
         """An evaluation of the run's checkpoint file `checkpoint`: metrics linked to it as a model."""
         self.log_metrics(metrics, step)

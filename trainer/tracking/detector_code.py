@@ -6,8 +6,6 @@ categories.json), rebuilt with tracktron's own builder.
 """
 from __future__ import annotations
 
-import warnings
-
 import mlflow
 import pandas as pd
 import torch
@@ -15,25 +13,23 @@ import torch
 from trainer.inference import Detector
 
 
-with warnings.catch_warnings():  # MLflow asks for type hints; the signature is given explicitly instead
-    warnings.simplefilter("ignore", UserWarning)
+class DetectorModel(mlflow.pyfunc.PythonModel):
+    """predict: a DataFrame whose `image` column holds encoded images (bytes; base64 in a served
+    request) or HxWx3 uint8 arrays -> one dict of detections per image."""
 
-    class DetectorModel(mlflow.pyfunc.PythonModel):
-        """predict: a DataFrame whose `image` column holds encoded images (bytes; base64 in a served
-        request) or HxWx3 uint8 arrays -> one dict of detections per image."""
+    def load_context(self, context):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.detector = Detector.load(context.artifacts["detector"], device=device)
 
-        def load_context(self, context):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.detector = Detector.load(context.artifacts["detector"], device=device)
-
-        def predict(self, context, model_input, params=None):
-            if isinstance(model_input, pd.DataFrame):
-                if "image" not in model_input.columns:
-                    raise ValueError(f"expected a column 'image', got {list(model_input.columns)}")
-                images = model_input["image"].tolist()
-            else:
-                images = list(model_input)
-            return self.detector.predict(images)
+    # The DataFrame hint tells MLflow not to infer a schema from hints: the model's signature says it.
+    def predict(self, context, model_input: pd.DataFrame, params=None):
+        if isinstance(model_input, pd.DataFrame):
+            if "image" not in model_input.columns:
+                raise ValueError(f"expected a column 'image', got {list(model_input.columns)}")
+            images = model_input["image"].tolist()
+        else:
+            images = list(model_input)
+        return self.detector.predict(images)
 
 
 mlflow.models.set_model(DetectorModel())

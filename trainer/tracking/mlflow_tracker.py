@@ -220,6 +220,13 @@ class MlflowTracker(Tracker):
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
 
+    def log_image(self, image, key: str, step: int) -> None:
+        self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))
+
+    def log_table(self, table: dict, artifact_file: str) -> None:
+        self._uploader.submit(f"table {artifact_file}",
+                              lambda: self.client.log_table(self.run.run_id, table, artifact_file))
+
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
         from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, RunTag
 
