@@ -127,3 +127,71 @@ def test_run_page_shows_loss_and_lr_curves(tmp_path, data_dir, mlflow_server, s3
         finally:
             browser.close()
     assert all(shot.stat().st_size > 10_000 for shot in shots)
+
+
+def _browser_page(pw, chromium, width: int, height: int):
+    browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS, headless=True)
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.add_init_script("localStorage.setItem('mlflow.workflowType_v1', '\"machine_learning\"');"
+                            "localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');")
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    return browser, page
+
+
+def test_models_tab_ranks_the_checkpoints_and_the_run_shows_what_the_detector_sees(
+        tmp_path, data_dir, mlflow_server, s3_server, chromium):
+    """The experiment's Models tab lists each evaluated checkpoint with its bbox/AP as MLflow has it,
+    and an evaluation drawing opens in the run's artifact viewer. Screenshots of both go to docs/."""
+    from playwright.sync_api import expect, sync_playwright
+
+    exp = f"ui-models-{uuid.uuid4().hex[:6]}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp,
+                                                 "TRACKING.FLUSH_TIMEOUT_S": 60, "SOLVER.MAX_ITER": 6,
+                                                 "TEST.EVAL_PERIOD": 2, "TRACKING.REGISTERED_MODEL": exp})
+    result = run_trainer(args, cwd=tmp_path, env=s3_server.env)
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.get_experiment_by_name(exp)
+    (run,) = client.search_runs([experiment.experiment_id])
+    models = [m for m in client.search_logged_models([experiment.experiment_id])
+              if m.model_type == "tracktron-checkpoint"]
+    checkpoints = {m.name: next(x.value for x in m.metrics if x.key == "bbox/AP") for m in models}
+    ids = {m.name: m.model_id for m in models}
+    assert set(checkpoints) == {"model_iter1", "model_iter3", "model_final"}
+    image = sorted(a.path for a in client.list_artifacts(run.info.run_id, "images")
+                   if "+step+5+" in a.path and a.path.endswith(".png"))[0]
+
+    models_shot, image_shot = ROOT / "test-artifacts" / "ui-models.png", ROOT / "test-artifacts" / "ui-eval-images.png"
+    models_shot.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser, page = _browser_page(pw, chromium, 2200, 400)  # wide: the metric columns come after six others
+        try:
+            page.goto(f"{mlflow_server.url}/#/experiments/{experiment.experiment_id}/models")
+            for name in checkpoints:
+                expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
+            expect(page.get_by_text("bbox/AP", exact=True).first).to_be_visible()
+            # Each checkpoint's row (the grid splits it into a pinned and a scrolling part) shows the AP
+            # MLflow's API reports for it.
+            for name, ap in checkpoints.items():
+                cells = page.locator(f'[role="row"][row-id="{ids[name]}"]')
+                expect(cells.first).to_be_visible()
+                numbers = [float(x) for x in re.findall(r"\d+\.\d+(?:e-?\d+)?|\b0\b", " ".join(cells.all_inner_texts()))]
+                assert any(x == pytest.approx(ap, rel=1e-6, abs=1e-12) for x in numbers), (name, ap, numbers)
+            page.mouse.move(0, 0)
+            page.screenshot(path=str(models_shot))
+        finally:
+            browser.close()
+        browser, page = _browser_page(pw, chromium, 1100, 560)
+        try:
+            page.goto(f"{mlflow_server.url}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/artifacts/"
+                      f"{image}")
+            picture = page.locator("img[src^='blob:']").first
+            expect(picture).to_be_visible()
+            assert picture.evaluate("img => img.complete && img.naturalWidth") > 0  # the PNG decoded in the browser
+            page.screenshot(path=str(image_shot))
+        finally:
+            browser.close()
+    for shot in (models_shot, image_shot):
+        assert shot.stat().st_size > 10_000
+        shutil.copyfile(shot, ROOT / "docs" / shot.name)
