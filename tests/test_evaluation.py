@@ -220,7 +220,8 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     (logged,) = client.get_metric_history(run_id, "bbox/AP")
     assert logged.step == 19 and logged.value == pytest.approx(metrics["bbox/AP"])
     assert {f.path for f in client.list_artifacts(run_id, "eval/synth_shapes_val")} == {
-        "eval/synth_shapes_val/detections.json", "eval/synth_shapes_val/per_category_ap.md"}
+        "eval/synth_shapes_val/detections.json", "eval/synth_shapes_val/per_category_ap.md",
+        "eval/synth_shapes_val/per_category_ap_iter19.json"}
 
     # The registered model and the local checkpoint give the same numbers.
     assert eval_command(cfg, "models:/demo_eval/1") == pytest.approx(metrics)

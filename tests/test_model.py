@@ -256,3 +256,31 @@ def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_
     assert len(same) > 100
     for k in same:  # a step of 1e-9 from the parent's weights
         torch.testing.assert_close(trained[k], parent[k], atol=1e-5, rtol=0)
+
+
+def test_a_run_checkpoint_as_weights_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):
+    """TRAIN.WEIGHTS runs:/<run>/checkpoints/<file>: an upload without its tag (unfinished) or with
+    bytes that do not match it is refused in one line; with the right tag the job can start."""
+    from trainer.checkpoint.files import sha256_of
+
+    client = job["client"]
+    holder = client.create_run(client.create_experiment(f"{job['name']}-holder")).info.run_id
+    final = job["tmp"] / "output" / "model_final.pth"
+    client.log_artifact(holder, str(final), "checkpoints")
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": job["server"].url, "TRACKING.EXPERIMENT": "holder-ft",
+                                                 "TRAIN.WEIGHTS": f"runs:/{holder}/checkpoints/model_final.pth"})
+
+    def dry_run():
+        return run_trainer(["--dry-run", *args], cwd=tmp_path, env=job["env"])
+
+    for tag, message in ((None, "not a complete checkpoint of that run"),
+                         ("0" * 64, "do not match the run's sha256 tag")):
+        if tag:
+            client.set_tag(holder, "tracktron.ckpt.model_final.pth.sha256", tag)
+        result = dry_run()
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
+    client.set_tag(holder, "tracktron.ckpt.model_final.pth.sha256", sha256_of(final))
+    result = dry_run()
+    assert result.returncode == 0, result.stderr
+    assert f"from runs:/{holder}/checkpoints/model_final.pth" in result.stdout
