@@ -49,7 +49,7 @@ def demo_overrides(tmp: Path, data_dir: Path, **keys) -> list[str]:
     """The demo config, shrunk for tests: a few iterations, frequent logs and checkpoints."""
     base = {"OUTPUT_DIR": str(tmp / "output"), "DATA_DIR": str(data_dir), "SOLVER.MAX_ITER": 8,
             "TRAIN.SNAPSHOT_ITERS": 3, "LOG_PERIOD": 4, "DATA_LOADER.NUM_THREADS": 0,
-            "TRAIN.IMS_PER_BATCH": 2, "TEST.EVAL_PERIOD": 0, "TRACKING.REGISTERED_MODEL": ""}
+            "TRAIN.IMS_PER_BATCH": 2, "TEST.EVAL_PERIOD": 0, "TRACKING.REGISTERED_MODEL": "''"}  # '' survives MLproject's quoting
     base.update(keys)
     return [str(x) for kv in base.items() for x in kv]
 

@@ -93,7 +93,7 @@ def test_malicious_train_weights_are_refused_in_one_line(train, trap):
     evil, marker = trap
     result = train("TRAIN.WEIGHTS", str(evil))
     assert result.code == 2, result.stderr[-2000:]
-    assert result.last_line.startswith(f"error: TRAIN.WEIGHTS {evil} is not a valid torch checkpoint (UnpicklingError")
+    assert result.last_line.startswith(f"error: TRAIN.WEIGHTS {evil} is not a weights file tracktron loads: it holds pickled")
     assert "Traceback" not in result.stderr
     assert not marker.exists()
 
@@ -104,7 +104,7 @@ def test_malicious_eval_weights_are_refused_in_one_line(tmp_path, monkeypatch, d
     result = run_cli(["eval", "--config", str(DEMO), "--weights", str(evil), "DATA_DIR", str(data_dir),
                       "TRACKING.ENABLED", "false", "DATA_LOADER.NUM_THREADS", "0"])
     assert result.code == 2, result.stderr[-2000:]
-    assert result.last_line.startswith(f"error: --weights {evil} is not a valid torch checkpoint (UnpicklingError")
+    assert result.last_line.startswith(f"error: --weights {evil} is not a weights file tracktron loads: it holds pickled")
     assert not marker.exists()
 
 

@@ -90,7 +90,8 @@ def test_run_page_shows_loss_and_lr_curves(tmp_path, data_dir, mlflow_server, s3
     exp = f"ui-{uuid.uuid4().hex[:6]}"
     args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp,
                                                  "TRACKING.FLUSH_TIMEOUT_S": 60, "SOLVER.MAX_ITER": MAX_ITER,
-                                                 "LOG_PERIOD": 10, "TRAIN.SNAPSHOT_ITERS": 1000})
+                                                 "LOG_PERIOD": 10, "TRAIN.SNAPSHOT_ITERS": 1000,
+                                                 "TEST.VIS_IMAGES": 0})  # MLflow puts image cards first
     result = run_trainer(args, cwd=tmp_path, env=s3_server.env)
     assert result.returncode == 0, result.stderr
     client = MlflowClient(mlflow_server.url)
@@ -169,13 +170,13 @@ def test_models_tab_ranks_the_checkpoints_and_the_run_shows_what_the_detector_se
         try:
             page.goto(f"{mlflow_server.url}/#/experiments/{experiment.experiment_id}/models")
             for name in checkpoints:
-                expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
-            expect(page.get_by_text("bbox/AP", exact=True).first).to_be_visible()
+                expect(page.get_by_role("link", name=name, exact=True)).to_be_visible(timeout=TIMEOUT_MS)
+            expect(page.get_by_text("bbox/AP", exact=True).first).to_be_visible(timeout=TIMEOUT_MS)
             # Each checkpoint's row (the grid splits it into a pinned and a scrolling part) shows the AP
             # MLflow's API reports for it.
             for name, ap in checkpoints.items():
                 cells = page.locator(f'[role="row"][row-id="{ids[name]}"]')
-                expect(cells.first).to_be_visible()
+                expect(cells.first).to_be_visible(timeout=TIMEOUT_MS)
                 numbers = [float(x) for x in re.findall(r"\d+\.\d+(?:e-?\d+)?|\b0\b", " ".join(cells.all_inner_texts()))]
                 assert any(x == pytest.approx(ap, rel=1e-6, abs=1e-12) for x in numbers), (name, ap, numbers)
             page.mouse.move(0, 0)
@@ -187,7 +188,7 @@ def test_models_tab_ranks_the_checkpoints_and_the_run_shows_what_the_detector_se
             page.goto(f"{mlflow_server.url}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/artifacts/"
                       f"{image}")
             picture = page.locator("img[src^='blob:']").first
-            expect(picture).to_be_visible()
+            expect(picture).to_be_visible(timeout=TIMEOUT_MS)
             assert picture.evaluate("img => img.complete && img.naturalWidth") > 0  # the PNG decoded in the browser
             page.screenshot(path=str(image_shot))
         finally:

@@ -2,7 +2,9 @@
 anything is built (config.load_config calls `validate`). One (ok, message) pair per rule."""
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 from trainer.errors import ConfigError
 
@@ -10,19 +12,29 @@ LR_POLICIES = ("step", "steps_with_decay", "steps_with_lrs", "cosine_decay", "ex
 WARM_UP_METHODS = ("constant", "linear")
 
 
+def dataset_dirname(name: str) -> str:
+    """A catalog name as it is; a dataset folder by its last component; safe for paths and metrics."""
+    if "/" in name or os.sep in name or name.startswith((".", "~")):
+        name = Path(name).expanduser().resolve().name
+    return re.sub(r"[^\w.-]+", "_", name) or "dataset"
+
+
 def _best_metric_ok(cfg) -> bool:
-    """`<iou type>/<stat>` of what evaluation logs for this model (`<dataset>/...` for the other test sets)."""
-    found = re.fullmatch(r"(?:[\w.-]+/)?(bbox|segm|keypoints)/(AP|AP50|AP75|APs|APm|APl)", cfg.TEST.BEST_METRIC)
+    """`<iou type>/<stat>` of what evaluation logs for this model: the first test set's unprefixed,
+    the others' as `<dataset>/<iou type>/<stat>`."""
+    found = re.fullmatch(r"(?:([\w.-]+)/)?(bbox|segm|keypoints)/(AP|AP50|AP75|APs|APm|APl)", cfg.TEST.BEST_METRIC)
     if not found:
         return False
-    kind, stat = found[1], found[2]
+    prefix, kind, stat = found.groups()
+    if prefix is not None and prefix not in {dataset_dirname(d) for d in cfg.TEST.DATASETS[1:]}:
+        return False
     needs = {"bbox": "", "segm": "maskrcnn", "keypoints": "keypointrcnn"}[kind]
     return needs in cfg.MODEL.TYPE and not (kind == "keypoints" and stat == "APs")
 
 
 def _model_name_ok(name: str) -> bool:
     """MLflow's registry rules, checked now rather than when the model is registered after training."""
-    return not name or (bool(name.strip()) and not set("/:") & set(name) and name.isprintable()
+    return not name or (bool(name.strip()) and not set("/:@#?") & set(name) and name.isprintable()
                         and name not in (".", ".."))
 
 
@@ -76,7 +88,8 @@ def validate(cfg) -> None:
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
         (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),
         (_best_metric_ok(cfg), f"TEST.BEST_METRIC {cfg.TEST.BEST_METRIC!r} is no metric this model's evaluation "
-                               f"gives (e.g. bbox/AP, bbox/AP50{', segm/AP' if 'mask' in cfg.MODEL.TYPE else ''})"),
+                               f"gives (e.g. bbox/AP, bbox/AP50{', segm/AP' if 'mask' in cfg.MODEL.TYPE else ''}; "
+                               "<dataset>/bbox/AP for a test set after the first)"),
         (0 <= cfg.TEST.VIS_IMAGES <= 100, f"TEST.VIS_IMAGES must be 0 to 100, got {cfg.TEST.VIS_IMAGES}"),
         (cfg.TEST.SCALE > 0 and cfg.TEST.MAX_SIZE > 0,
          f"TEST.SCALE and TEST.MAX_SIZE must be > 0, got {cfg.TEST.SCALE} and {cfg.TEST.MAX_SIZE}"),
@@ -86,7 +99,7 @@ def validate(cfg) -> None:
          f"TRACKING.FLUSH_TIMEOUT_S must be 0 to {DAY_S} seconds, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
         (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
          f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
-         "(MLflow's names are not blank and have no '/' or ':')"),
+         "(not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ] + _model_and_size_checks(cfg)

@@ -25,7 +25,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
     with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
-        load_weights(model, weights)
+        load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
              f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "

@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune, sha256_of
+from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import CheckpointError, capture_rng, load, newest_valid, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, job_keys, redacted, write_config
@@ -36,10 +36,11 @@ from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
-from trainer.inference import categories_of, save as save_model
+from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
 from trainer.models import build_model, describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
+from trainer.publish import complete_finished_run, log_final_model
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
 from trainer.stats import TrainingStats
 from trainer.tracking import Tracker
@@ -100,7 +101,7 @@ def train_model(job: Job) -> StartPoint | None:
     if created.start.final:
         log.info("model_final already exists (%s): nothing to do", created.start.source)
         if job.ctx.is_main:
-            upload_final_if_missing(job)
+            complete_finished_run(job.cfg, job.tracker, job.output_dir)
         return created.start
     s = setup_model_for_training(job, created)
     start_iter = created.start.iteration
@@ -124,7 +125,8 @@ def train_model(job: Job) -> StartPoint | None:
                 s.writer.close()
             if cfg.TEST.DATASETS:
                 evaluate_checkpoint(job, s, None)
-            log_final_model(job, s)
+            if job.ctx.is_main:
+                log_final_model(cfg, job.tracker, job.output_dir, unwrap(s.model).state_dict(), s.categories)
     except Preempted as e:
         saved = is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period) or eval_due(cfg, cur_iter)
         save_preemption_snapshot(job, s, cur_iter, saved, e.deadline)
@@ -213,18 +215,6 @@ def find_start_point(job: Job) -> StartPoint:
     return StartPoint()
 
 
-def upload_final_if_missing(job: Job) -> None:
-    """A job whose model_final never reached its run (the artifact store was down to the end):
-    running it again sends the local one, so the run is complete without training anything."""
-    final, run = job.output_dir / FINAL, job.tracker.run
-    if run.run_id is None or FINAL in run.checkpoints or not final.exists():
-        return
-    log.info("the run lacks %s: uploading the local one", FINAL)
-    job.tracker.log_checkpoint(final, sha256_of(final))
-    if (job.output_dir / "json_stats.log").exists():
-        job.tracker.log_artifact(job.output_dir / "json_stats.log")
-
-
 def check_same_job(cfg: Config, path: Path, state: dict) -> None:
     """Never resume (or call finished) another job's checkpoints left in OUTPUT_DIR."""
     ours, theirs = job_keys(cfg), job_keys(state.get("config", {}))
@@ -240,7 +230,7 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     model, parent = created.model.to(ctx.device), {}
     if start.state is None:
         with initial_weights(cfg) as (weights, parent):  # a file, a torchvision name, or from MLflow
-            load_weights(model, weights)
+            load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     else:
         model.load_state_dict(start.state["model"])
     if ctx.is_main:
@@ -389,11 +379,3 @@ def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loo
     s.writer.close()
     job.tracker.log_artifact(job.output_dir / "json_stats.log")  # the resumed job continues it
     job.tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit
-
-
-def log_final_model(job: Job, s: LoopState) -> None:
-    """The final weights as a servable model (output/model/detector: weights, config, categories)."""
-    if job.ctx.is_main and job.cfg.TRACKING.LOG_MODEL:
-        folder = save_model(job.output_dir / "model" / "detector", job.cfg, unwrap(s.model).state_dict(),
-                            s.categories["categories"], s.categories["keypoint_names"])
-        job.tracker.log_model(folder, job.cfg)

@@ -14,8 +14,6 @@ import contextlib
 import io
 import json
 import logging
-import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
 from trainer.distributed import Context, broadcast_object, gather_object
+from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError
 from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import encode_masks
@@ -216,13 +215,6 @@ def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, trac
     return metrics
 
 
-def dataset_dirname(name: str) -> str:
-    """A catalog name as it is; a dataset folder by its last component; safe for paths and metrics."""
-    if "/" in name or os.sep in name or name.startswith((".", "~")):
-        name = Path(name).expanduser().resolve().name
-    return re.sub(r"[^\w.-]+", "_", name) or "dataset"
-
-
 def eval_due(cfg, cur_iter: int) -> bool:
     """Every TEST.EVAL_PERIOD iterations during training (the last one: model_final is evaluated)."""
     period = cfg.TEST.EVAL_PERIOD
@@ -238,6 +230,8 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
 
 
 def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # (model, iteration)
+    if not weights.strip():
+        raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if Path(weights).expanduser().is_dir():  # a model folder tracktron wrote (output/model/detector)
         return load_detector(cfg, weights).model, None
     if not weights.startswith(("runs:/", "models:/")):
@@ -246,17 +240,17 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # 
         path = download_uri(cfg, weights, tmp)
         if path.is_dir():  # a logged model (models:/name@alias, runs:/<id>/model): weights, never a pickle
             return load_local(path, weights).model, None
-        return _load_file(cfg, str(path), num_classes, num_keypoints)
+        return _load_file(cfg, str(path), num_classes, num_keypoints, shown=weights)
 
 
-def _load_file(cfg, path: str, num_classes: int, num_keypoints: int):
+def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, shown: str | None = None):
     model = build_model(cfg, num_classes, num_keypoints)
-    report = load_weights(model, path, option="--weights")
+    report = load_weights(model, path, option="--weights", shown=shown)
     if report is None:
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if report.skipped or report.missing:  # an evaluation of random heads would be meaningless
         bad = (report.skipped + report.missing)[:3]
-        raise UserError(f"weights {path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
+        raise UserError(f"weights {shown or path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
                         f"{len(report.skipped)} tensors differ in shape, {len(report.missing)} missing "
                         f"(e.g. {', '.join(bad)})")
     return model, _iteration_in(path)
@@ -279,10 +273,13 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     probe = CocoDetection(*resolve_dataset(cfg, cfg.TEST.DATASETS[0]), train=False)
     model, iteration = _load_for_eval(cfg, weights, probe.num_classes, probe.num_keypoints)
     model.to(ctx.device)
-    run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") else None
+    # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;
+    # a logged model names no iteration: its metrics are printed, not logged at a made-up step.
+    run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") and iteration is not None else None
+    checkpoint = Path(weights).name if run_id and "/checkpoints/" in weights else None
     tracker = attach(cfg, run_id) if run_id and ctx.is_main else Tracker()
     try:
-        metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0)
+        metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0, checkpoint=checkpoint)
     finally:
         failed = tracker.finish(None)
     if ctx.is_main:

@@ -2,6 +2,7 @@
 images drawn at each evaluation share.
 
     decode(image)              encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array -> CHW float in [0, 1]
+                               (trainer.data.images: the loader's decoder too)
     detections_of(output, ...) one torchvision output -> boxes (x1, y1, x2, y2 pixels), scores, category
                                ids and names, masks (COCO RLE) and keypoints where the model has them
     Detector                   a model rebuilt from a state dict, the resolved config and the categories
@@ -21,49 +22,11 @@ from pycocotools import mask as mask_utils
 
 from trainer.atomic_write import write_atomic
 from trainer.config import Config, config_from_dict, load_config, write_config
-from trainer.data.checks import MAX_IMAGE_SIDE
+from trainer.data.images import decode
 from trainer.errors import UserError, first_line
-from trainer.models import build_model, set_test_size
+from trainer.models import build_model, load_error, set_test_size
 
 WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
-MAX_PIXELS = 100_000_000
-
-
-def decode(image) -> torch.Tensor:
-    """An image as the test loader gives it: RGB, float CHW in [0, 1] (16-bit PNGs by 65535)."""
-    if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise ValueError(f"an image array must be HxWx3 uint8 (RGB), got {image.shape} {image.dtype}")
-        _check_size(image.shape[1], image.shape[0])
-        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).float().div_(255)  # a copy: arrays may be read-only
-    if isinstance(image, bytearray):
-        image = bytes(image)
-    if not isinstance(image, bytes):
-        raise ValueError(f"an image must be encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array, "
-                         f"got {type(image).__name__}")
-    if not image:
-        raise ValueError("an image is empty (0 bytes)")
-    from PIL import Image, UnidentifiedImageError
-    from torchvision.io import ImageReadMode, decode_image
-
-    try:
-        with Image.open(io.BytesIO(image)) as probe:  # the header only: refuse a decompression bomb
-            _check_size(*probe.size)
-        decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except UnidentifiedImageError:
-        raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
-    except (OSError, RuntimeError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
-    if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
-        decoded = decoded[0]
-    return decoded.float().div_(torch.iinfo(decoded.dtype).max)
-
-
-def _check_size(width: int, height: int) -> None:
-    if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
-        raise ValueError(f"an image of {width}x{height} pixels: each side must be 1 to {MAX_IMAGE_SIDE}")
-    if width * height > MAX_PIXELS:  # 4 bytes a value, 3 channels: past this, gigabytes per image
-        raise ValueError(f"an image of {width}x{height} pixels: at most {MAX_PIXELS:,} pixels (tile larger images)")
 
 
 def encode_masks(masks: torch.Tensor) -> list[dict]:
@@ -114,11 +77,14 @@ class Detector:
                  device: str | torch.device = "cpu"):
         self.cfg, self.categories, self.device = cfg, list(categories), torch.device(device)
         self.model = build_model(cfg, len(self.categories) + 1, len(keypoint_names))
+        if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+            raise UserError("the weights are not a state dict (tensors by name)")
         try:
             result = self.model.load_state_dict(state_dict, strict=False)
         except RuntimeError as e:  # a tensor of another shape: weights for other categories or another model
-            raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories "
-                            f"({first_line(e, 300)})") from None
+            detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), first_line(e))
+            raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories: the "
+                            f"config or categories disagree with them ({detail[:300]})") from None
         if result.missing_keys or result.unexpected_keys:
             bad = (result.missing_keys + result.unexpected_keys)[:3]
             raise UserError(f"the weights do not fit {cfg.MODEL.TYPE} with {len(self.categories)} categories "
@@ -147,7 +113,7 @@ class Detector:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # not a zip, a tampered pickle, a truncated file
-            raise UserError(f"{path} is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})") from None
+            raise UserError(f"{path} {load_error(e)}") from None
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
             raise UserError(f"{path} is not a tracktron checkpoint (no model and config in it)")
         if "categories" not in state:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import pickle
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -286,26 +287,27 @@ class LoadReport:
     unexpected: list = field(default_factory=list)  # the weights' tensors the model does not have
 
 
-def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS") -> LoadReport | None:
+def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", shown: str | None = None) -> LoadReport | None:
     """Initialise from TRAIN.WEIGHTS: a checkpoint file or a torchvision weight name; '' = nothing.
+    `shown` names the weights in messages (the URI a downloaded file came from).
 
     Loads whatever fits: tensors of another shape are skipped, so COCO weights seed a model with
     other classes. Weights that fit the backbone body better than the model (ImageNet) go there.
     """
     if not spec:
         return None
-    model = unwrap(model)
-    state, weight = _read_weights(spec, option)
+    model, shown = unwrap(model), shown or spec
+    state, weight = _read_weights(spec, option, shown)
     target, module, state = _pick_target(model, state)
     own = module.state_dict()
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     kept = {k: v for k, v in state.items() if k not in skipped}
     if not any(k in own for k in kept):
-        raise UserError(f"{option} {spec} has no tensor that fits {type(model).__name__} "
+        raise UserError(f"{option} {shown} has no tensor that fits {type(model).__name__} "
                         f"(skipped for shape: {len(skipped)})")
     result = module.load_state_dict(kept, strict=False)
     missing = [k for k in result.missing_keys if k not in skipped]
-    report = LoadReport(spec, target, [k for k in own if k not in result.missing_keys], skipped, missing,
+    report = LoadReport(shown, target, [k for k in own if k not in result.missing_keys], skipped, missing,
                         list(result.unexpected_keys))
     if weight is not None and weight in _zero_eps_weights():
         overwrite_eps(model, 0.0)  # these legacy COCO weights were trained with eps 0, as torchvision does
@@ -313,10 +315,10 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS") -> 
     return report
 
 
-def _read_weights(spec: str, option: str):
+def _read_weights(spec: str, option: str, shown: str):
     path = Path(spec).expanduser()
     if path.is_file():
-        return _read_file(path, option), None
+        return _read_file(path, option, shown), None
     if not _WEIGHT_NAME.fullmatch(spec):
         raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
@@ -331,17 +333,25 @@ def _read_weights(spec: str, option: str):
                         f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
 
 
-def _read_file(path: Path, option: str) -> dict:
+def load_error(e: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in words for the user. torch's own message
+    for a pickle of objects suggests weights_only=False, which would run the pickle's code."""
+    if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+        return ("is not a weights file tracktron loads: it holds pickled objects other than tensors "
+                "(unpickling them would run code)")
+    return f"is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})"
+
+
+def _read_file(path: Path, option: str, shown: str) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle, zip and format errors of every kind
-        raise UserError(f"{option} {path} is not a valid torch checkpoint "
-                        f"({type(e).__name__}: {first_line(e)})") from None
+        raise UserError(f"{option} {shown} {load_error(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # our checkpoints: {'model': state_dict, 'optimizer': ..., ...}
     state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
     if not state:
-        raise UserError(f"{option} {path} holds no model weights (a state_dict or {{'model': state_dict}})")
+        raise UserError(f"{option} {shown} holds no model weights (a state_dict or {{'model': state_dict}})")
     if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
         state = {k[len("module."):]: v for k, v in state.items()}
     return state

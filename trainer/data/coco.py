@@ -24,9 +24,9 @@ import torch
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
-from torchvision.io import ImageReadMode, decode_image
 
 from trainer.data.checks import check, read_json
+from trainer.data.images import decode
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.errors import UserError
@@ -200,15 +200,13 @@ class CocoDetection(Dataset):
     def _load_image(self, record: dict) -> torch.Tensor:
         path = self.image_dir / record["file_name"]
         try:
-            image = decode_image(str(path), mode=ImageReadMode.RGB)
-        except (RuntimeError, OSError, ValueError) as e:
-            raise UserError(f"cannot decode image {path}: {e}") from None
-        if image.ndim == 4:  # an animated GIF or WebP: its first frame, as a still image viewer shows it
-            image = image[0]
+            image = decode(path.read_bytes())  # 8-bit images by 255, 16-bit PNGs by 65535
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot decode image {path}: {getattr(e, 'strerror', None) or e}") from None
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
             raise UserError(f"{path} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
                             f"{record['width']}x{record['height']}")
-        return image.float().div_(torch.iinfo(image.dtype).max)  # 255 for 8-bit images, 65535 for 16-bit PNGs
+        return image
 
 
 def _index(data: dict) -> COCO:

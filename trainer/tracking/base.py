@@ -16,6 +16,7 @@ class RunInfo:
     resumed: bool = False  # an existing run of this job is continued
     checkpoints: list[str] = field(default_factory=list)  # complete checkpoints, newest first
     experiment_id: str | None = None
+    model_logged: bool = False  # the servable model is in the run (and registered, if asked)
 
 
 class Tracker:

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPE = "tracktron-checkpoint"
 CHECKPOINT_TAG = "tracktron.checkpoint"  # on a LoggedModel: runs:/<run>/checkpoints/<file>
+MODEL_TAG = "tracktron.model_id"  # on the run: its servable model is logged (and registered, if asked)
 BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.best_metric")
 
 

@@ -7,6 +7,8 @@ categories.json), rebuilt with tracktron's own builder.
 from __future__ import annotations
 
 import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 import pandas as pd
 import torch
 
@@ -29,7 +31,13 @@ class DetectorModel(mlflow.pyfunc.PythonModel):
             images = model_input["image"].tolist()
         else:
             images = list(model_input)
-        return self.detector.predict(images)
+        results = []
+        for i, image in enumerate(images):  # a bad image: a 400 that says which and why, no traceback
+            try:
+                results.extend(self.detector.predict([image]))
+            except ValueError as e:
+                raise MlflowException(f"image {i}: {e}", error_code=INVALID_PARAMETER_VALUE) from None
+        return results
 
 
 mlflow.models.set_model(DetectorModel())

@@ -9,7 +9,6 @@ fetch_weights  TRAIN.WEIGHTS from MLflow, for a fine-tune, and the parent it nam
 """
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 
@@ -18,9 +17,8 @@ import yaml
 from trainer.errors import UserError, first_line
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.checkpoint.files import sha256_of
+from trainer.tracking.model_uris import parent_of
 from trainer.tracking.runs import download_uri, sha_tag, tracking_uri
-
-log = logging.getLogger(__name__)
 
 CODE = Path(__file__).with_name("detector_code.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it
@@ -72,7 +70,7 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
     if spec.startswith(("runs:/", "models:/")):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
-            return load_local(download_uri(cfg, spec, tmp), spec, option, device)
+            return load_local(download_uri(cfg, spec, tmp, option), spec, option, device)
     path = Path(spec).expanduser()
     if not path.exists():
         raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")
@@ -106,7 +104,7 @@ def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
 def fetch_weights(cfg, spec: str, dest: Path) -> tuple[Path, dict]:
     """TRAIN.WEIGHTS from MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`, `models:/...`):
     the weights file, downloaded into `dest`, and what the new run records of its parent."""
-    path = download_uri(cfg, spec, str(dest))
+    path = download_uri(cfg, spec, str(dest), "TRAIN.WEIGHTS")
     _check_run_checkpoint(cfg, spec, path)
     if path.is_dir():
         folder = _detector_folder(path, spec, "TRAIN.WEIGHTS") if (path / "MLmodel").is_file() else path
@@ -130,31 +128,3 @@ def _check_run_checkpoint(cfg, spec: str, path: Path) -> None:
                         "never finished)")
     if sha256_of(path) != expected:
         raise UserError(f"TRAIN.WEIGHTS {spec}: the downloaded bytes do not match the run's sha256 tag")
-
-
-def parent_of(cfg, spec: str) -> dict:
-    """{"weights": spec, "run_id": ..., "model_id": ...}: the run and the MLflow model the weights came from."""
-    from mlflow import MlflowClient
-
-    found = {"weights": spec}
-    where = tracking_uri(cfg)
-    if spec.startswith("runs:/"):
-        found["run_id"] = spec[len("runs:/"):].split("/")[0]
-        return found
-    target = spec[len("models:/"):].strip("/")
-    if target.startswith("m-"):  # models:/<model id>: a LoggedModel itself
-        found["model_id"] = target.split("/")[0]
-        return found
-    client = MlflowClient(tracking_uri=where, registry_uri=where)
-    name, _, version = target.partition("/")
-    try:
-        if "@" in name:
-            mv = client.get_model_version_by_alias(*name.split("@", 1))
-        else:
-            mv = client.get_model_version(name, version)
-    except Exception as e:  # the download just worked: a registry that fails now is a fault, not bad input
-        log.warning("cannot record the parent of %s: %s", spec, first_line(e))
-        return found
-    model_id = getattr(mv, "model_id", None) or (mv.source[len("models:/"):] if mv.source.startswith("models:/m-") else None)
-    found |= {"run_id": mv.run_id, "model_id": model_id, "version": f"{mv.name}/{mv.version}"}
-    return {k: v for k, v in found.items() if v}

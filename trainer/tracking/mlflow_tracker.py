@@ -8,7 +8,6 @@ after goes through two background threads with MLflow's own client: the MetricSe
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -22,7 +21,7 @@ from trainer.errors import UserError
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import checkpoint_file, link_evaluation, set_alias, update_best
+from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias, update_best
 from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
                                    safe_params, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard
@@ -34,10 +33,7 @@ METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that mu
 
 class MlflowTracker(Tracker):
     def __init__(self, cfg: Config, world_size: int = 1):
-        # MLflow's own HTTP retries can block for minutes; ours run in the background instead.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-        self.uri = tracking_uri(cfg)
+        self.uri = tracking_uri(cfg)  # with bounded HTTP retries: ours run in the background instead
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self.client = None  # MLflow's client, made by start() (MLflow is imported there)
@@ -51,6 +47,7 @@ class MlflowTracker(Tracker):
         self._newest_checkpoint = -1.0  # the newest checkpoint handed to log_checkpoint
         self._newest_uploaded = -1.0  # ... and the newest one tagged complete on the server
         self._uploaded: set[str] = set()  # checkpoint files this process put on the server
+        self._attached = False
         self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
         self._best_metric = cfg.TEST.BEST_METRIC
         self._best = None  # the run's best checkpoint model so far (checkpoint_models.update_best)
@@ -74,6 +71,7 @@ class MlflowTracker(Tracker):
     def attach(self, run_id: str) -> None:
         """Log into an existing run, as it is (no status change, no params)."""
         self._make_client()
+        self._attached = True  # tracktron eval of a checkpoint the run holds
         self._run = RunInfo(run_id)
         self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
 
@@ -94,7 +92,7 @@ class MlflowTracker(Tracker):
             run_id = found.run.info.run_id
             self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
-                                checkpoints_from(self._tags), found.experiment_id)
+                                checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
             self._log_params(cfg, set(found.run.data.params))
             download = self._prefetch_newest(Path(cfg.OUTPUT_DIR)) if found.resumed else None
@@ -246,7 +244,7 @@ class MlflowTracker(Tracker):
         self._evaluated.add(checkpoint)
 
         def link():
-            if checkpoint not in self._uploaded:  # its upload failed: the metrics, without a model
+            if checkpoint not in self._uploaded and not self._attached:  # its upload failed: no model to link
                 log.warning("%s is not on the server: its evaluation is logged without a model", checkpoint)
                 self._sender.put(metrics, step)
                 return
@@ -262,31 +260,46 @@ class MlflowTracker(Tracker):
         return self._run.experiment_id
 
     def log_model(self, folder: Path, cfg: Config) -> None:
+        """Three queued steps, each retried alone: the model (registered @final), the best checkpoint
+        registered @best, then the run's MODEL_TAG, which says that both are done."""
         from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
 
         registered = cfg.TRACKING.REGISTERED_MODEL
+        logged = {}
 
         def log_final():
-            info = log_detector(self.uri, self._run.run_id, folder, registered_model_name=registered)
+            logged["info"] = log_detector(self.uri, self._run.run_id, folder, registered_model_name=registered)
             if registered:
-                set_alias(self.client, registered, "final", info.registered_model_version)
+                set_alias(self.client, registered, "final", logged["info"].registered_model_version)
 
         def register_best():
-            if self._best is None:  # nothing evaluated: no best to name
-                return
-            name = checkpoint_file(self._best)
-            if name == FINAL:
-                version = self.client.get_model_version_by_alias(registered, "final").version
-            else:
-                with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-                    best = self._detector_folder(name, Path(tmp))
-                    version = log_detector(self.uri, self._run.run_id, best, name=f"best-{name.removesuffix('.pth')}",
-                                           registered_model_name=registered).registered_model_version
-            set_alias(self.client, registered, "best", version)
+            if "info" in logged:
+                set_alias(self.client, registered, "best", self._best_version(registered, logged["info"]))
+
+        def mark_logged():
+            if "info" in logged:
+                self.client.set_tag(self._run.run_id, MODEL_TAG, logged["info"].model_id)
 
         self._uploader.submit("log the final model", log_final)
         if registered:
             self._uploader.submit("register the best checkpoint", register_best)
+        self._uploader.submit("tag the logged model", mark_logged)
+
+    def _best_version(self, registered: str, final) -> str:
+        """The registry version of the run's best checkpoint: the final one's when it is best or when
+        nothing was evaluated (so that @best never names another job's model); else a new version."""
+        best = self._best or update_best(self.client, self._experiment_id(), self._run.run_id, self._best_metric)
+        name = checkpoint_file(best) if best is not None else FINAL
+        if name == FINAL:
+            if best is None:
+                log.info("nothing was evaluated: @best is the final model")
+            return final.registered_model_version
+        from trainer.tracking.logged_model import log_detector
+
+        with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
+            folder = self._detector_folder(name, Path(tmp))
+            return log_detector(self.uri, self._run.run_id, folder, name=f"best-{name.removesuffix('.pth')}",
+                                registered_model_name=registered).registered_model_version
 
     def _detector_folder(self, name: str, tmp: Path) -> Path:
         """A model folder of checkpoint `name`: the local file, else the run's copy (safely loaded)."""

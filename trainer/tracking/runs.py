@@ -29,6 +29,9 @@ def sha_tag(name: str) -> str:
 
 def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
+    # MLflow's own HTTP retries can block for minutes; a command that talks to a server gives up sooner.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     given = uri or (cfg.TRACKING.URI if cfg is not None else "")
     chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
     if chosen.startswith("sqlite:") and not chosen.startswith("sqlite:///"):  # sqlite:// is in memory
@@ -307,10 +310,20 @@ def download_verified(client, run_id: str, name: str, folder: Path, expected: st
     return path, None
 
 
-def download_uri(cfg: Config, uri: str, dest: str) -> Path:
+def check_shape(spec: str, option: str) -> None:
+    """No `..`, `?`, `#` or empty part: a URI reaches only what it names (not a file beside the run)."""
+    rest = spec.split(":/", 1)[1]
+    parts = rest.strip("/").split("/")
+    if not rest.strip("/") or any(p in ("", ".", "..") for p in parts) or set("?#\\") & set(rest):
+        raise UserError(f"{option} {spec}: not a valid MLflow URI (runs:/<run id>/<path>, models:/<name>/<version> "
+                        "or models:/<name>@<alias>)")
+
+
+def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") -> Path:
     """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be)."""
     import mlflow
 
+    check_shape(uri, option)
     where = tracking_uri(cfg)
     mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
     try:

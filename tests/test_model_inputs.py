@@ -1,0 +1,338 @@
+"""Adversarial inputs for the servable model, model folders, MLflow weight URIs and the new config
+keys (docs/FAULTS.md rows 54-68). Each test states what must hold; most were found broken by an
+adversarial pass (a segfault, FAILED runs left behind, misleading messages, split aliases) and fixed.
+One short training (module fixture) gives a run with checkpoint models and a registered model `rt`
+with aliases final and best; everything else reuses it.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import DEMO, ROOT, demo_overrides, run_trainer
+from trainer.config import load_config
+from trainer.errors import ConfigError, UserError
+from trainer.inference import Detector, decode
+
+TRACKTRON = [sys.executable, "-m", "trainer"]
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def _png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _raw_png(width: int, height: int, idat: bytes, depth: int = 8, colour: int = 2) -> bytes:
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(idat)) + chunk(b"IEND", b""))
+
+
+RGB = np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+OK_PNG = _png(RGB)
+
+
+def _corrupt_png() -> bytes:
+    """One byte of the IDAT payload changed: its CRC no longer matches (a flaky upload, a bad disk)."""
+    data = bytearray(OK_PNG)
+    idat = data.index(b"IDAT") + 4
+    data[idat + 20] ^= 0xFF
+    return bytes(data)
+
+
+def _runs(db: Path) -> dict[str, int]:
+    with sqlite3.connect(db) as c:
+        return dict(c.execute("select status, count(*) from runs group by status").fetchall())
+
+
+def _tracktron(*args, cwd, timeout=120, env=None):
+    return subprocess.run([*TRACKTRON, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    """A finished job: checkpoints evaluated at iterations 1 and 3 and final, model `rt` @final/@best."""
+    tmp = tmp_path_factory.mktemp("trained")
+    db = tmp / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    args = demo_overrides(tmp, data_dir, **{"SOLVER.MAX_ITER": 4, "TEST.EVAL_PERIOD": 2, "TRAIN.SNAPSHOT_ITERS": 2,
+                                            "TRACKING.URI": uri, "TRACKING.REGISTERED_MODEL": "rt"})
+    done = run_trainer(args, cwd=tmp, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    return {"tmp": tmp, "db": db, "uri": uri, "run_id": run.info.run_id, "client": client,
+            "folder": tmp / "output" / "model" / "detector", "data_dir": data_dir}
+
+
+# ----------------------------------------------------------------------- 1. decode(): odd images
+
+@pytest.mark.parametrize("image, expect", [
+    (b"", "empty"),
+    (b"not an image at all", "no image format"),
+    (_raw_png(100_000, 100_000, b"\x00" * 10), "cannot decode"),        # header says 10^10 pixels
+    (_raw_png(60_000, 1, b"\x00" + b"\x00" * 180_000), "60000x1"),       # a side past MAX_IMAGE_SIDE
+    (OK_PNG[: len(OK_PNG) // 2], "cannot decode"),                       # truncated
+    (np.zeros((0, 0, 3), np.uint8), "0x0"),
+    (RGB.astype(np.float32), "uint8"),
+    (np.ascontiguousarray(RGB.transpose(2, 0, 1)), "HxWx3"),             # CHW given for HWC
+    (None, "NoneType"),
+    ("iVBORw0KGgo=", "str"),                                            # base64 text, not bytes
+], ids=["empty", "text", "huge-header", "too-wide", "truncated", "0x0-array", "float-array", "chw-array",
+        "none", "base64-str"])
+def test_what_is_no_usable_image_is_one_value_error(image, expect):
+    with pytest.raises(ValueError, match=expect):
+        decode(image)
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "RGBA", "P", "1", "CMYK", "I;16"])
+def test_every_pixel_format_decodes_to_rgb_in_unit_range(mode):
+    img = Image.fromarray(RGB).convert(mode) if mode != "I;16" else Image.fromarray(RGB[..., 0].astype(np.uint16) * 257)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG" if mode == "CMYK" else "PNG")
+    x = decode(buf.getvalue())
+    assert x.shape == (3, 48, 64) and x.dtype == torch.float32 and 0.0 <= float(x.min()) <= float(x.max()) <= 1.0
+
+
+def test_a_png_with_one_bad_byte_is_a_value_error_not_a_crash():
+    """torchvision's decode_png segfaults (exit -11) on a PNG whose IDAT CRC is wrong: in the served
+    model that killed `mlflow models serve` for every client. PIL checks the PNG first."""
+    code = ("import sys; from trainer.inference import decode\n"
+            "try:\n    decode(sys.stdin.buffer.read())\nexcept ValueError as e:\n    print('VALUE_ERROR', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], input=_corrupt_png(), capture_output=True, cwd=ROOT,
+                          timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"decode crashed the process (exit {done.returncode}): {done.stderr[-300:]!r}"
+    assert b"VALUE_ERROR" in done.stdout
+
+
+# -------------------------------------------------------------- 2. the pyfunc model, as served
+
+def test_the_served_model_answers_a_bad_image_with_its_own_message(trained):
+    """A bad image is an MlflowException with INVALID_PARAMETER_VALUE (a 400 that says which image and
+    why), not MLflow's generic 'unexpected error' with a server-side stack trace."""
+    import mlflow
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(trained["uri"])
+    model = mlflow.pyfunc.load_model("models:/rt@final")
+    good = model.predict(pd.DataFrame({"image": [OK_PNG, RGB]}))
+    assert len(good) == 2 and set(good[0]) >= {"boxes", "scores", "category_ids", "category_names"}
+    with pytest.raises(MlflowException) as caught:
+        model.predict(pd.DataFrame({"image": [OK_PNG, b"junk"]}))
+    assert caught.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert "no image format" in caught.value.message
+
+
+# ------------------------------------------------------------------ 3. tampered model folders
+
+def _tamper(trained, tmp_path, how) -> Path:
+    folder = shutil.copytree(trained["folder"], tmp_path / "model")
+    how(folder)
+    return folder
+
+
+def _save_tensor(folder):
+    torch.save(torch.zeros(3), folder / "weights.pt")
+
+
+def _fewer_categories(folder):
+    (folder / "categories.json").write_text(json.dumps({"categories": [{"id": 1, "name": "square"}]}))
+
+
+def _truncate(folder):
+    data = (folder / "weights.pt").read_bytes()
+    (folder / "weights.pt").write_bytes(data[: len(data) // 2])
+
+
+def _pickle(folder):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {folder}/PWNED",))
+    torch.save({"x": Evil()}, folder / "weights.pt")
+
+
+@pytest.mark.parametrize("how, expect", [
+    (_save_tensor, "not a state dict"),      # was a TypeError traceback from load_state_dict
+    (_fewer_categories, "categories"),       # was '(Error(s) in loading state_dict for FasterRCNN:)'
+    (_truncate, "not a usable tracktron model"),
+    (_pickle, "not a usable tracktron model"),
+], ids=["tensor-not-dict", "fewer-categories", "truncated", "pickle"])
+def test_a_tampered_model_folder_is_one_clear_user_error(trained, tmp_path, how, expect):
+    folder = _tamper(trained, tmp_path, how)
+    with pytest.raises(UserError) as caught:
+        Detector.load(folder)
+    message = str(caught.value)
+    assert expect in message
+    assert "size mismatch" in message or how is not _fewer_categories, message  # say what does not fit
+    assert not (folder / "PWNED").exists()
+
+
+# --------------------------------------------------------------------- 4. MLflow weight URIs
+
+@pytest.mark.parametrize("weights, expect", [
+    ("models:/missing@best", "Registered Model with name=missing not found"),
+    ("runs:/{run}/config.yaml", "runs:/{run}/config.yaml"),  # the message names the URI, not a temp file
+], ids=["missing-model", "not-a-checkpoint"])
+def test_bad_train_weights_fail_before_a_run_is_made(trained, tmp_path, weights, expect):
+    """TRAIN.WEIGHTS from MLflow is checked before the job's run is made (each bad URI left a FAILED
+    run), and messages name the URI, not the temporary file it was downloaded to."""
+    weights, expect = (s.format(run=trained["run_id"]) for s in (weights, expect))
+    before = _runs(trained["db"])
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "TRAIN.WEIGHTS": weights,
+                                                            "SOLVER.MAX_ITER": 1, "TEST.EVAL_PERIOD": 0})
+    done = run_trainer(args, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = _error_lines(done.stderr)
+    assert len(errors) == 1 and expect in errors[0] and "Traceback" not in done.stderr
+    assert "/tmp/tracktron-" not in errors[0]
+    assert _runs(trained["db"]) == before, "a bad TRAIN.WEIGHTS left a run behind"
+
+
+def test_a_runs_uri_cannot_climb_out_of_its_run(trained, tmp_path):
+    """runs:/<id>/../../../../<file> downloaded a file outside the run's artifacts (local store), and
+    the new run recorded <id> as its parent."""
+    from trainer.tracking.logged_model import fetch_weights
+
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    outside = os.path.relpath(trained["tmp"] / "output" / "model_final.pth", trained["tmp"])
+    spec = f"runs:/{trained['run_id']}/../../../../{outside}"
+    with pytest.raises(UserError):
+        fetch_weights(cfg, spec, tmp_path)
+
+
+def test_models_latest_records_its_parent(trained, tmp_path):
+    """models:/rt/latest: the parent is the newest version's run and model."""
+    from trainer.tracking.logged_model import fetch_weights
+
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    _, parent = fetch_weights(cfg, "models:/rt/latest", tmp_path)
+    assert parent.get("run_id") == trained["run_id"] and parent.get("model_id")
+
+
+def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
+    """`tracktron eval --weights runs:/<id>/model` logged the final model's metrics into the run at
+    step 0, where a chart shows them as the untrained network's."""
+    args = ["eval", "--config", str(DEMO), "--weights", f"runs:/{trained['run_id']}/model",
+            "DATA_DIR", str(trained["data_dir"]), "OUTPUT_DIR", str(tmp_path / "eval"),
+            "DATA_LOADER.NUM_THREADS", "0", "TRACKING.URI", trained["uri"]]
+    done = _tracktron(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [m.step for m in trained["client"].get_metric_history(trained["run_id"], "bbox/AP")]
+    assert 0 not in steps and len(steps) == len(set(steps)), steps
+
+
+def test_unreachable_tracking_server_fails_fast_for_predict(tmp_path):
+    """predict with models:/ weights and a server that is down waited ~250 s in MLflow's default HTTP
+    retries; every command now bounds them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    image = tmp_path / "a.png"
+    image.write_bytes(OK_PNG)
+    start = time.monotonic()
+    try:
+        done = _tracktron("predict", "--weights", "models:/rt@final", "--out", str(tmp_path / "out"), str(image),
+                          "TRACKING.URI", f"http://127.0.0.1:{port}", cwd=tmp_path, timeout=45)
+    except subprocess.TimeoutExpired:
+        pytest.fail("predict against a tracking server that is down did not give up within 45 s")
+    assert done.returncode == 2 and ("cannot reach" in done.stderr or "cannot fetch" in done.stderr), done.stderr[-500:]
+    assert time.monotonic() - start < 45
+
+
+# ------------------------------------------------------------------- 5. the new config keys
+
+@pytest.mark.parametrize("key, value, ok", [
+    ("TEST.BEST_METRIC", "bbox/AP50", True),
+    ("TEST.BEST_METRIC", "bbox/ap", False),
+    ("TEST.BEST_METRIC", "segm/AP", False),          # a box model has no segm metrics
+    ("TEST.BEST_METRIC", "", False),
+    ("TEST.BEST_METRIC", "bbox/AP/extra", False),
+    # The first TEST.DATASETS entry logs bbox/AP without a prefix, and 'other_ds/' names no test set:
+    # such a metric never matches, and training would end with no best checkpoint, silently.
+    ("TEST.BEST_METRIC", "synth_shapes_val/bbox/AP", False),
+    ("TEST.BEST_METRIC", "other_ds/bbox/AP", False),
+    ("TEST.VIS_IMAGES", "-1", False),
+    ("TEST.VIS_IMAGES", "1000", False),
+    ("TEST.VIS_IMAGES", "1.5", False),
+    ("TEST.VIS_IMAGES", "x", False),
+    ("TRACKING.REGISTERED_MODEL", "rté 名前", True),
+    # MLflow registers these, but models:/a#b?c@final and models:/a@b/1 cannot address them
+    ("TRACKING.REGISTERED_MODEL", "a#b?c", False),
+    ("TRACKING.REGISTERED_MODEL", "a@b", False),
+])
+def test_config_values(key, value, ok):
+    if ok:
+        load_config(DEMO, [key, value])
+    else:
+        with pytest.raises(ConfigError):
+            load_config(DEMO, [key, value])
+
+
+def test_a_second_job_on_the_same_registered_model_does_not_split_its_aliases(trained, tmp_path):
+    """Job B (nothing evaluated) moved @final to its version and left @best on job A's:
+    `models:/rt@final` and `models:/rt@best` named two different trainings."""
+    client = trained["client"]
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "SOLVER.MAX_ITER": 1,
+                                                            "RNG_SEED": 7, "TEST.DATASETS": "[]",
+                                                            "TRACKING.REGISTERED_MODEL": "rt"})
+    done = run_trainer(args, cwd=tmp_path, timeout=120)
+    if done.returncode == 2:  # refusing to take over another job's registered model is fine too
+        assert len(_error_lines(done.stderr)) == 1
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = client.get_model_version_by_alias("rt", "final")
+    try:
+        best = client.get_model_version_by_alias("rt", "best")
+    except Exception:
+        return  # @best removed: it named another job
+    assert best.run_id == final.run_id, "@best and @final name different jobs' models"
+
+
+def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_dir):
+    """A job killed after model_final but before its model reached the run (here: trained with
+    TRACKING.LOG_MODEL false) said 'nothing to do' when run again and never logged or registered it.
+    The rerun trains nothing, and logs and registers the model from model_final."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]",
+                                                 "TRACKING.REGISTERED_MODEL": "rerun"})
+    first = run_trainer([*args, "TRACKING.LOG_MODEL", "false"], cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert "tracktron.model_id" not in run.data.tags and not client.search_registered_models()
+    again = run_trainer(args, cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "nothing to do" in again.stdout and "logging it from model_final.pth" in again.stderr
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    final = client.get_model_version_by_alias("rerun", "final")
+    assert final.run_id == run.info.run_id == client.get_model_version_by_alias("rerun", "best").run_id
+    assert run.data.tags["tracktron.model_id"] == final.source.removeprefix("models:/")

@@ -1,0 +1,68 @@
+"""The one image decoder: training, evaluation, the served model and `tracktron predict` read
+images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255).
+
+Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
+refused before anything is allocated, and a PNG is fully decoded by PIL too, because libpng inside
+torchvision kills the process (SIGSEGV) on a corrupt PNG instead of raising. Then torchvision
+decodes it (the pixels every earlier model was trained on).
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+
+from trainer.data.checks import MAX_IMAGE_SIDE
+from trainer.errors import first_line
+
+MAX_PIXELS = 40_000_000  # about 480 MB as float; more is a tiled aerial image, not a detection input
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def decode(image) -> torch.Tensor:
+    """Encoded bytes (PNG, JPEG, GIF, WebP, ...) or an HxWx3 uint8 RGB array -> float CHW in [0, 1];
+    ValueError with one line for anything else."""
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"an image array must be HxWx3 uint8 (RGB), got {image.shape} {image.dtype}")
+        check_size(image.shape[1], image.shape[0])
+        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).float().div_(255)  # arrays may be read-only
+    if isinstance(image, (bytearray, memoryview)):
+        image = bytes(image)
+    if not isinstance(image, bytes):
+        raise ValueError(f"an image must be encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array, "
+                         f"got {type(image).__name__}")
+    if not image:
+        raise ValueError("an image is empty (0 bytes)")
+    _check_with_pil(image)
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+    if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
+        decoded = decoded[0]
+    return decoded.float().div_(torch.iinfo(decoded.dtype).max)
+
+
+def _check_with_pil(data: bytes) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            check_size(*probe.size)
+            if data.startswith(_PNG):
+                probe.load()
+    except UnidentifiedImageError:
+        raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+
+
+def check_size(width: int, height: int) -> None:
+    if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
+        raise ValueError(f"an image of {width}x{height} pixels: each side must be 1 to {MAX_IMAGE_SIDE}")
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"an image of {width}x{height} pixels: at most {MAX_PIXELS:,} pixels (tile larger images)")

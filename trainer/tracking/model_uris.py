@@ -1,0 +1,100 @@
+"""MLflow URIs as TRAIN.WEIGHTS and --weights: `runs:/<run>/<path>`, `models:/<name>/<version>`,
+`models:/<name>/latest`, `models:/<name>@<alias>`, `models:/<model id>`.
+
+check_source   before a training job creates anything: the URI is well formed and names something
+               that exists (metadata only; the weights are downloaded when the model is built)
+parent_of      what a fine-tune records of the model its weights came from
+"""
+from __future__ import annotations
+
+import logging
+
+from trainer.errors import UserError, first_line
+from trainer.tracking.runs import check_shape, tracking_uri
+
+log = logging.getLogger(__name__)
+
+MLFLOW_URIS = ("runs:/", "models:/")
+WEIGHT_SUFFIXES = (".pth", ".pt")
+
+
+def _client(cfg):
+    from mlflow import MlflowClient
+
+    where = tracking_uri(cfg)
+    return MlflowClient(tracking_uri=where, registry_uri=where)
+
+
+def model_version(client, target: str):
+    """The ModelVersion `name/version`, `name/latest` or `name@alias` names."""
+    if "@" in target:
+        return client.get_model_version_by_alias(*target.split("@", 1))
+    name, _, version = target.partition("/")
+    if version == "latest":
+        versions = client.search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise UserError(f"registered model {name} has no version")
+        return max(versions, key=lambda v: int(v.version))
+    return client.get_model_version(name, version)
+
+
+def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
+    """That an MLflow URI names an existing run artifact, logged model or model version."""
+    if not spec.startswith(MLFLOW_URIS):
+        return
+    check_shape(spec, option)
+    client = _client(cfg)
+    target = spec.split(":/", 1)[1].strip("/")
+    try:
+        if spec.startswith("runs:/"):
+            _check_run_path(client, *target.partition("/")[::2])
+        elif target.startswith("m-"):
+            client.get_logged_model(target.split("/")[0])
+        else:
+            model_version(client, target)
+    except UserError as e:
+        raise UserError(f"{option} {spec}: {e}") from None
+    except Exception as e:  # unknown run, model or alias; a server that does not answer
+        raise UserError(f"{option} {spec}: {first_line(e)}") from None
+
+
+def _check_run_path(client, run_id: str, path: str) -> None:
+    client.get_run(run_id)
+    if not path:
+        raise UserError("names a whole run: add the checkpoint or model, e.g. /checkpoints/model_final.pth or /model")
+    parent, _, name = path.rpartition("/")
+    if any(a.path == path for a in client.list_artifacts(run_id, parent or None)):
+        if "." in name and not name.endswith(WEIGHT_SUFFIXES):
+            raise UserError(f"{path} is neither a weights file ({', '.join(WEIGHT_SUFFIXES)}) nor a model")
+        return
+    if not parent and _run_logged_model(client, run_id, name) is not None:  # runs:/<id>/model: a LoggedModel
+        return
+    raise UserError(f"run {run_id} has no artifact or model {path}")
+
+
+def _run_logged_model(client, run_id: str, name: str):
+    experiment_id = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'")
+    return found[0] if found else None
+
+
+def parent_of(cfg, spec: str) -> dict:
+    """{"weights", "run_id", "model_id", "version"}: the run and the MLflow model the weights came from."""
+    found = {"weights": spec}
+    target = spec.split(":/", 1)[1].strip("/")
+    try:
+        client = _client(cfg)
+        if spec.startswith("runs:/"):
+            run_id, _, path = target.partition("/")  # runs:/<id>/model, or a checkpoint's own LoggedModel
+            model = _run_logged_model(client, run_id, path.rsplit("/", 1)[-1].removesuffix(".pth"))
+            found |= {"run_id": run_id, "model_id": model.model_id if model else None}
+        elif target.startswith("m-"):
+            found["model_id"] = target.split("/")[0]
+        else:
+            mv = model_version(client, target)
+            source = mv.source if mv.source.startswith("models:/m-") else ""
+            found |= {"run_id": mv.run_id, "model_id": getattr(mv, "model_id", None) or source[len("models:/"):] or None,
+                      "version": f"{mv.name}/{mv.version}"}
+    except Exception as e:  # the download just worked: a registry that fails now is a fault, not bad input
+        log.warning("cannot record the parent of %s: %s", spec, first_line(e))
+    return {k: v for k, v in found.items() if v}
