@@ -461,6 +461,8 @@ def _dangling(tmp_path):
 
 @pytest.mark.parametrize("case, opts, env, message", [
     ("output-dir-dangling-symlink", lambda t: ["OUTPUT_DIR", _dangling(t)], {}, "cannot make OUTPUT_DIR"),
+    ("output-dir-dangling-symlink-dry-run", lambda t: ["--dry-run", "OUTPUT_DIR", _dangling(t)], {},
+     "which does not exist"),  # --dry-run said all was well
     ("output-dir-in-proc", lambda t: ["OUTPUT_DIR", "/proc/tracktron-out"], {}, "OUTPUT_DIR /proc/tracktron-out"),
     ("tracking-uri-broken-ipv6", lambda t: ["TRACKING.URI", "http://[::1"], {}, "is not a URL"),
     ("torchrun-superscript-digit", lambda t: [], {"RANK": "1\u00b2"}, "torchrun environment: RANK="),

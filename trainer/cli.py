@@ -139,8 +139,12 @@ def _check_output_dir(path: Path) -> None:
     be made or written is the user's to fix."""
     try:
         existing = next(p for p in (path, *path.parents) if p.exists())
+        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
     except (OSError, ValueError) as e:  # a NUL in the name, a name too long
         raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
+    if dangling is not None:  # mkdir would fail on it after the run was made
+        raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {os.readlink(dangling)}, "
+                        "which does not exist")
     if not existing.is_dir():
         raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -335,10 +335,12 @@ def _read_weights(spec: str, option: str, shown: str):
 
 def load_error(e: Exception) -> str:
     """Why torch.load(weights_only=True) refused a file, in words for the user. torch's own message
-    for a pickle of objects suggests weights_only=False, which would run the pickle's code."""
-    if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+    suggests weights_only=False, which would run the pickle's code."""
+    if isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e):  # a class or function to call
         return ("is not a weights file tracktron loads: it holds pickled objects other than tensors "
                 "(unpickling them would run code)")
+    if isinstance(e, pickle.UnpicklingError):
+        return "is not a valid torch checkpoint (not a pickle of tensors)"
     return f"is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})"
 
 

@@ -52,13 +52,14 @@ def _check_with_pil(data: bytes) -> None:
 
     try:
         with Image.open(io.BytesIO(data)) as probe:
-            check_size(*probe.size)
-            if data.startswith(_PNG):
+            size = probe.size
+            if max(size) <= MAX_IMAGE_SIDE and size[0] * size[1] <= MAX_PIXELS and data.startswith(_PNG):
                 probe.load()
     except UnidentifiedImageError:
         raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+    check_size(*size)
 
 
 def check_size(width: int, height: int) -> None:

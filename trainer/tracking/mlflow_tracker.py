@@ -22,7 +22,7 @@ from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias, update_best
-from trainer.tracking.runs import (LATEST_TAG, checkpoints_from, download_verified, open_run, retryable, run_url,
+from trainer.tracking.runs import (LATEST_TAG, bound_http, checkpoints_from, download_verified, open_run, retryable, run_url,
                                    safe_params, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard
 
@@ -33,7 +33,8 @@ METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that mu
 
 class MlflowTracker(Tracker):
     def __init__(self, cfg: Config, world_size: int = 1):
-        self.uri = tracking_uri(cfg)  # with bounded HTTP retries: ours run in the background instead
+        bound_http()  # MLflow's own retries could block for minutes; ours run in the background instead
+        self.uri = tracking_uri(cfg)
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self.client = None  # MLflow's client, made by start() (MLflow is imported there)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import check_shape, tracking_uri
+from trainer.tracking.runs import bound_http, check_shape, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ WEIGHT_SUFFIXES = (".pth", ".pt")
 def _client(cfg):
     from mlflow import MlflowClient
 
+    bound_http()
     where = tracking_uri(cfg)
     return MlflowClient(tracking_uri=where, registry_uri=where)
 

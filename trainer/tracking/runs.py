@@ -27,11 +27,19 @@ def sha_tag(name: str) -> str:
     return f"tracktron.ckpt.{name}.sha256"
 
 
+_HTTP_KEYS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+_SET_BY_USER = {k for k in _HTTP_KEYS if k in os.environ}
+
+
+def bound_http(timeout: int = 30, retries: int = 2) -> None:
+    """MLflow's own HTTP retries can block for minutes: bounded, unless the user set them."""
+    for key, value in zip(_HTTP_KEYS, (timeout, retries)):
+        if key not in _SET_BY_USER:
+            os.environ[key] = str(value)
+
+
 def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
-    # MLflow's own HTTP retries can block for minutes; a command that talks to a server gives up sooner.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     given = uri or (cfg.TRACKING.URI if cfg is not None else "")
     chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
     if chosen.startswith("sqlite:") and not chosen.startswith("sqlite:///"):  # sqlite:// is in memory
@@ -202,8 +210,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
         return f"a new store, experiment {name}, a new run"
     if uri.startswith("sqlite:///"):
         check_store(uri)
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    bound_http(timeout=10, retries=1)  # a read-only look: give up soon
     try:
         client = MlflowClient(uri)
         if resume_run_id:
@@ -282,8 +289,7 @@ def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
 def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
     from mlflow import MlflowClient
 
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    bound_http(timeout=10, retries=1)  # a read-only look: give up soon
     try:
         client = MlflowClient(uri)
         if experiment:
@@ -324,6 +330,7 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     import mlflow
 
     check_shape(uri, option)
+    bound_http()
     where = tracking_uri(cfg)
     mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
     try:
