@@ -1,4 +1,4 @@
-"""Command line: `tracktron train|eval|status|data synth`, also `python -m trainer`.
+"""Command line: `tracktron train|eval|predict|status|data synth`, also `python -m trainer`.
 
 Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a preempted job
 128 + the signal number (143 for SIGTERM), after its checkpoint is safe.
