@@ -250,7 +250,6 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
                      categories_of(created.dataset))
 
 
-
 def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> None:
     """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run; the
     run's inputs: its datasets and the model its weights came from."""
