@@ -276,9 +276,10 @@ class MlflowTracker(Tracker):
         def register_best():
             if "info" in logged:
                 set_alias(self.client, registered, "best", self._best_version(registered, logged["info"]))
+                logged["best"] = True
 
-        def mark_logged():
-            if "info" in logged:
+        def mark_logged():  # not when a step failed: a rerun of the job then does it again
+            if "info" in logged and (not registered or "best" in logged):
                 self.client.set_tag(self._run.run_id, MODEL_TAG, logged["info"].model_id)
 
         self._uploader.submit("log the final model", log_final)
