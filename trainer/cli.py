@@ -60,10 +60,9 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     _check_output_dir(Path(cfg.OUTPUT_DIR))
-    if cfg.TRAIN.WEIGHTS.startswith(("runs:/", "models:/")):  # before a run is made for the job
-        from trainer.tracking.model_uris import check_source
+    from trainer.tracking.model_uris import check_source
 
-        check_source(cfg, cfg.TRAIN.WEIGHTS)
+    check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
     if dry_run:
         from trainer.dry_run import plan
 

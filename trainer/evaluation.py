@@ -34,6 +34,7 @@ from trainer.inference import encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
 from trainer.tracking.logged_model import load_detector, load_local
+from trainer.tracking.model_uris import MLFLOW_URIS
 from trainer.tracking.runs import download_uri
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # 
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if Path(weights).expanduser().is_dir():  # a model folder tracktron wrote (output/model/detector)
         return load_detector(cfg, weights).model, None
-    if not weights.startswith(("runs:/", "models:/")):
+    if not weights.startswith(MLFLOW_URIS):
         return _load_file(cfg, weights, num_classes, num_keypoints)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
         path = download_uri(cfg, weights, tmp)

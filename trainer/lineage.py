@@ -17,8 +17,7 @@ from pathlib import Path
 from trainer.checkpoint.files import sha256_of
 from trainer.data import resolve_dataset
 from trainer.tracking.logged_model import fetch_weights
-
-MLFLOW_URIS = ("runs:/", "models:/")
+from trainer.tracking.model_uris import MLFLOW_URIS
 
 
 def dataset_inputs(cfg) -> list[dict]:

@@ -57,8 +57,7 @@ def update_best(client, experiment_id: str, run_id: str, metric: str):
         return None
     best = ranked[0]
     value = max(x.value for x in best.metrics if x.key == metric)
-    checkpoint = best.tags.get(CHECKPOINT_TAG, "").rsplit("/", 1)[-1]
-    client.log_batch(run_id, tags=[RunTag(BEST_TAGS[0], checkpoint), RunTag(BEST_TAGS[1], best.model_id),
+    client.log_batch(run_id, tags=[RunTag(BEST_TAGS[0], checkpoint_file(best)), RunTag(BEST_TAGS[1], best.model_id),
                                    RunTag(BEST_TAGS[2], f"{metric}={value:.6g}")])
     return best
 

@@ -17,7 +17,7 @@ import yaml
 from trainer.errors import UserError, first_line
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.checkpoint.files import sha256_of
-from trainer.tracking.model_uris import parent_of
+from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
 from trainer.tracking.runs import download_uri, sha_tag, tracking_uri
 
 CODE = Path(__file__).with_name("detector_code.py")
@@ -68,7 +68,7 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
 
 def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
-    if spec.startswith(("runs:/", "models:/")):
+    if spec.startswith(MLFLOW_URIS):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
             return load_local(download_uri(cfg, spec, tmp, option), spec, option, device)
     path = Path(spec).expanduser()
