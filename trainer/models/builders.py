@@ -23,18 +23,12 @@ from __future__ import annotations
 
 import difflib
 import logging
-import pickle
-import re
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
-import torch
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models import detection as tvd
-from torchvision.models.detection._utils import overwrite_eps
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -44,7 +38,7 @@ from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +51,6 @@ MODEL_TYPES = (
 BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large")
 _CLASSES = {"fasterrcnn": tvd.FasterRCNN, "maskrcnn": tvd.MaskRCNN, "keypointrcnn": tvd.KeypointRCNN,
             "retinanet": tvd.RetinaNet, "fcos": tvd.FCOS}
-_WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")
 
 
 def _family(model_type: str) -> str:
@@ -273,118 +266,6 @@ def set_train_size(model: nn.Module, cfg) -> None:
     t = _transform(model)
     if t.fixed_size is None:
         t.min_size, t.max_size = tuple(cfg.TRAIN.SCALES), cfg.TRAIN.MAX_SIZE
-
-
-# ----------------------------------------------------------------------------------------- weights
-
-@dataclass
-class LoadReport:
-    source: str
-    target: str  # "model" or "backbone.body"
-    loaded: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)  # shape differs from the model's (e.g. a class head)
-    missing: list = field(default_factory=list)  # the model's tensors the weights do not have
-    unexpected: list = field(default_factory=list)  # the weights' tensors the model does not have
-
-
-def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", shown: str | None = None) -> LoadReport | None:
-    """Initialise from TRAIN.WEIGHTS: a checkpoint file or a torchvision weight name; '' = nothing.
-    `shown` names the weights in messages (the URI a downloaded file came from).
-
-    Loads whatever fits: tensors of another shape are skipped, so COCO weights seed a model with
-    other classes. Weights that fit the backbone body better than the model (ImageNet) go there.
-    """
-    if not spec:
-        return None
-    model, shown = unwrap(model), shown or spec
-    state, weight = _read_weights(spec, option, shown)
-    target, module, state = _pick_target(model, state)
-    own = module.state_dict()
-    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    kept = {k: v for k, v in state.items() if k not in skipped}
-    if not any(k in own for k in kept):
-        raise UserError(f"{option} {shown} has no tensor that fits {type(model).__name__} "
-                        f"(skipped for shape: {len(skipped)})")
-    result = module.load_state_dict(kept, strict=False)
-    missing = [k for k in result.missing_keys if k not in skipped]
-    report = LoadReport(shown, target, [k for k in own if k not in result.missing_keys], skipped, missing,
-                        list(result.unexpected_keys))
-    if weight is not None and weight in _zero_eps_weights():
-        overwrite_eps(model, 0.0)  # these legacy COCO weights were trained with eps 0, as torchvision does
-    _log_report(report)
-    return report
-
-
-def _read_weights(spec: str, option: str, shown: str):
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return _read_file(path, option, shown), None
-    if not _WEIGHT_NAME.fullmatch(spec):
-        raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
-                        "ResNet50_Weights.IMAGENET1K_V1)")
-    try:
-        weight = torchvision.models.get_weight(spec)
-    except (ValueError, KeyError, AttributeError):
-        raise UserError(f"{option} {spec}: unknown torchvision weight name") from None
-    try:
-        return weight.get_state_dict(progress=False, check_hash=True), weight
-    except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
-        raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
-                        f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
-
-
-def load_error(e: Exception) -> str:
-    """Why torch.load(weights_only=True) refused a file, in words for the user. torch's own message
-    suggests weights_only=False, which would run the pickle's code."""
-    if isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e):  # a class or function to call
-        return ("is not a weights file tracktron loads: it holds pickled objects other than tensors "
-                "(unpickling them would run code)")
-    if isinstance(e, pickle.UnpicklingError):
-        return "is not a valid torch checkpoint (not a pickle of tensors)"
-    return f"is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})"
-
-
-def _read_file(path: Path, option: str, shown: str) -> dict:
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle, zip and format errors of every kind
-        raise UserError(f"{option} {shown} {load_error(e)}") from None
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]  # our checkpoints: {'model': state_dict, 'optimizer': ..., ...}
-    state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
-    if not state:
-        raise UserError(f"{option} {shown} holds no model weights (a state_dict or {{'model': state_dict}})")
-    if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
-
-
-def _pick_target(model: nn.Module, state: dict):
-    candidates = [("model", model, state)]
-    body = getattr(getattr(model, "backbone", None), "body", None)
-    if body is not None:  # classification weights: resnet keys as they are, mobilenet's without features.
-        candidates.append(("backbone.body", body, {k.removeprefix("features."): v for k, v in state.items()}))
-    return max(candidates, key=lambda c: len(c[1].state_dict().keys() & c[2].keys()))
-
-
-def _zero_eps_weights() -> set:
-    return {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
-            tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
-
-
-def _log_report(r: LoadReport) -> None:
-    log.info("weights %s: loaded %d tensors into %s", r.source, len(r.loaded), r.target)
-    if r.skipped:
-        log.warning("weights %s: skipped %d whose shape differs: %s", r.source, len(r.skipped), _short(r.skipped))
-    if r.missing:
-        log.info("weights %s: %d left initialised: %s", r.source, len(r.missing), _short(r.missing))
-    if r.unexpected:
-        log.info("weights %s: %d not in the model: %s", r.source, len(r.unexpected), _short(r.unexpected))
-
-
-def _short(keys: list, limit: int = 20) -> str:
-    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
 
 
 # ---------------------------------------------------------------------------------------- model.txt
