@@ -40,6 +40,32 @@ _DEFAULTS: dict = {
         "RPN_BATCH_SIZE_PER_IMAGE": 256,
         "ROI_BATCH_SIZE_PER_IMAGE": 512,
         "DETECTIONS_PER_IMAGE": 100,
+        # Detectron's architectures (docs/DETECTRON.md); all but PIXEL_* need MODEL.BACKBONE set.
+        "FEATURES": "fpn",  # or "c4": res2-res4 for the RPN, res5 as the box head (R-CNN types)
+        "STRIDE_IN_1X1": False,  # MSRA's ResNets (Detectron's weights) downsample in the 1x1 conv
+        "BACKBONE_NORM": "",  # "" = BatchNorm (frozen with TRAIN.WEIGHTS), "GN" = GroupNorm(32)
+        "FPN_NORM": "",  # "" or "GN"
+        "HEAD_NORM": "",  # "" or "GN": the conv box head's and the mask head's convs
+        "BOX_HEAD": "2fc",  # R-CNN box head: "2fc" (two REPRESENTATION_SIZE layers) or "4conv1fc"
+        "P6_FROM_C5": False,  # single-stage types: P6 from C5 (Detectron's RetinaNet) instead of P5
+        "BOX_POOL_SIZE": 7,  # RoIAlign output sizes (C4: 14) and sampling ratio (0 = adaptive)
+        "MASK_POOL_SIZE": 14,
+        "KEYPOINT_POOL_SIZE": 14,
+        "POOL_SAMPLING_RATIO": 2,
+        "ANCHOR_RATIOS": [],  # height/width; [] = 0.5, 1, 2
+        "PIXEL_MEAN": [],  # RGB, 0-255; [] = torchvision's ImageNet mean and std
+        "PIXEL_STD": [],
+        "RPN_NMS_THRESH": 0.7,
+        "RPN_FG_IOU": 0.7,
+        "RPN_BG_IOU": 0.3,
+        "RPN_POSITIVE_FRACTION": 0.5,
+        # The detector head's matcher, sampling and test-time filter: -1 = torchvision's for the type.
+        "FG_IOU": -1.0,
+        "BG_IOU": -1.0,
+        "POSITIVE_FRACTION": 0.25,  # R-CNN box sampling
+        "NMS_THRESH": -1.0,
+        "SCORE_THRESH": -1.0,
+        "TOPK_CANDIDATES": -1,  # single-stage types: candidates per level before NMS
     },
     "NUM_GPUS": 1,
     "RNG_SEED": 3,
@@ -103,6 +129,9 @@ _DEFAULTS: dict = {
 # Element types of list-valued keys (an empty default says nothing about them).
 _ITEM_TYPES = {
     "MODEL.ANCHOR_SIZES": int,
+    "MODEL.ANCHOR_RATIOS": float,
+    "MODEL.PIXEL_MEAN": float,
+    "MODEL.PIXEL_STD": float,
     "SOLVER.STEPS": int,
     "SOLVER.LRS": float,
     "TRAIN.DATASETS": str,
@@ -117,6 +146,14 @@ _OPEN_KEYS = {"DATASET_CATALOG"}  # mappings whose contents are the user's own
 _NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
                "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP",
                "TRAIN.PREEMPT_GRACE_S")
+# Keys added after jobs were first hashed: at their default they stay out of the hash, so a job
+# started before they existed is still found (and resumed) by a newer tracktron.
+_LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "MODEL.FPN_NORM", "MODEL.HEAD_NORM",
+               "MODEL.BOX_HEAD", "MODEL.P6_FROM_C5", "MODEL.BOX_POOL_SIZE", "MODEL.MASK_POOL_SIZE",
+               "MODEL.KEYPOINT_POOL_SIZE", "MODEL.POOL_SAMPLING_RATIO", "MODEL.ANCHOR_RATIOS", "MODEL.PIXEL_MEAN",
+               "MODEL.PIXEL_STD", "MODEL.RPN_NMS_THRESH", "MODEL.RPN_FG_IOU", "MODEL.RPN_BG_IOU",
+               "MODEL.RPN_POSITIVE_FRACTION", "MODEL.FG_IOU", "MODEL.BG_IOU", "MODEL.POSITIVE_FRACTION",
+               "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES")
 
 
 
@@ -304,8 +341,10 @@ def _remember_secrets(node: dict) -> None:
 
 def job_keys(cfg: dict) -> dict:
     """The flattened keys that change what is trained (a rotated secret is still the same job)."""
+    initial = flatten(_DEFAULTS)
     return {k: v for k, v in flatten(redacted(cfg)).items()
-            if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)}
+            if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)
+            and not (k in _LATER_KEYS and v == initial[k])}
 
 
 def job_hash(cfg: dict) -> str:

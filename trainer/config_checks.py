@@ -57,6 +57,7 @@ def _model_and_size_checks(cfg) -> list:
          f"MODEL.TRAINABLE_BACKBONE_LAYERS must be -1 (the default) or 0 to 5, got {m.TRAINABLE_BACKBONE_LAYERS}"),
         (all(a > 0 for a in m.ANCHOR_SIZES), f"MODEL.ANCHOR_SIZES must be positive, got {m.ANCHOR_SIZES}"),
         *((m[k] > 0, f"MODEL.{k} must be > 0, got {m[k]}") for k in _POSITIVE_MODEL_KEYS),
+        *_architecture_checks(m),
         *((v <= MAX_SIDE, f"{k} must be at most {MAX_SIDE} pixels, got {v}") for k, v in sides.items()),
     ]
 
@@ -110,3 +111,27 @@ def validate(cfg) -> None:
         raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
     if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
+
+
+_FRACTIONS = ("RPN_NMS_THRESH", "RPN_FG_IOU", "RPN_BG_IOU", "RPN_POSITIVE_FRACTION", "POSITIVE_FRACTION")
+_OR_DEFAULT = ("FG_IOU", "BG_IOU", "NMS_THRESH", "SCORE_THRESH")  # -1 = torchvision's for the type
+
+
+def _architecture_checks(m) -> list:
+    """Detectron's architecture keys (models/backbones.py builds them)."""
+    one_of = {"FEATURES": ("fpn", "c4"), "BACKBONE_NORM": ("", "GN"), "FPN_NORM": ("", "GN"),
+              "HEAD_NORM": ("", "GN"), "BOX_HEAD": ("2fc", "4conv1fc")}
+    return [
+        *((m[k] in v, f"MODEL.{k} must be one of {', '.join(map(repr, v))}; got {m[k]!r}") for k, v in one_of.items()),
+        *((m[k] > 0, f"MODEL.{k} must be > 0, got {m[k]}") for k in ("BOX_POOL_SIZE", "MASK_POOL_SIZE",
+                                                                        "KEYPOINT_POOL_SIZE")),
+        (m.POOL_SAMPLING_RATIO >= 0, f"MODEL.POOL_SAMPLING_RATIO must be >= 0, got {m.POOL_SAMPLING_RATIO}"),
+        (all(r > 0 for r in m.ANCHOR_RATIOS), f"MODEL.ANCHOR_RATIOS must be positive, got {m.ANCHOR_RATIOS}"),
+        (len(m.PIXEL_MEAN) in (0, 3) and len(m.PIXEL_STD) in (0, 3) and all(x > 0 for x in m.PIXEL_STD),
+         f"MODEL.PIXEL_MEAN and PIXEL_STD must be [] or three values (RGB, std > 0); got {m.PIXEL_MEAN}, {m.PIXEL_STD}"),
+        *((0 <= m[k] <= 1, f"MODEL.{k} must be 0 to 1, got {m[k]}") for k in _FRACTIONS),
+        *((m[k] == -1 or 0 <= m[k] <= 1, f"MODEL.{k} must be -1 (torchvision's) or 0 to 1, got {m[k]}")
+          for k in _OR_DEFAULT),
+        (m.TOPK_CANDIDATES == -1 or m.TOPK_CANDIDATES > 0,
+         f"MODEL.TOPK_CANDIDATES must be -1 (torchvision's) or > 0, got {m.TOPK_CANDIDATES}"),
+    ]

@@ -25,20 +25,19 @@ import difflib
 import logging
 from functools import partial
 
-import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models import detection as tvd
-from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
-from torchvision.models.detection.keypoint_rcnn import KeypointRCNNHeads, KeypointRCNNPredictor
-from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.retinanet import RetinaNetHead
 from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from trainer.errors import UserError
+from trainer.models.architectures import anchor_generator, build_c4, build_fpn, check_architecture
+from trainer.models.backbones import BACKBONES
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +47,6 @@ MODEL_TYPES = (
     "keypointrcnn_resnet50_fpn", "retinanet_resnet50_fpn", "retinanet_resnet50_fpn_v2", "fcos_resnet50_fpn",
     "ssdlite320_mobilenet_v3_large",
 )
-BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large")
-_CLASSES = {"fasterrcnn": tvd.FasterRCNN, "maskrcnn": tvd.MaskRCNN, "keypointrcnn": tvd.KeypointRCNN,
-            "retinanet": tvd.RetinaNet, "fcos": tvd.FCOS}
 
 
 def _family(model_type: str) -> str:
@@ -80,88 +76,87 @@ def build_model(cfg, num_classes: int, num_keypoints: int = 0) -> nn.Module:
     if family == "keypointrcnn" and num_keypoints <= 0:
         raise UserError(f"{m.TYPE} needs the dataset's number of keypoints, got {num_keypoints}")
     _check_keys(cfg, family)
-    if m.BACKBONE:
-        model = _build_custom(cfg, family, n, num_keypoints)
+    kw = _size_kwargs(cfg, family)
+    if m.BACKBONE and m.FEATURES == "c4":
+        model = build_c4(m, family, n, kw)
+    elif m.BACKBONE:
+        model = build_fpn(m, family, n, num_keypoints, kw)
     else:
         builder = getattr(tvd, m.TYPE)
         extra = {"num_keypoints": num_keypoints} if family == "keypointrcnn" else {}
-        model = builder(weights=None, weights_backbone=None, num_classes=n, **_size_kwargs(cfg, family), **extra)
-    if family != "ssdlite320":
+        model = builder(weights=None, weights_backbone=None, num_classes=n, **kw, **extra)
+    if family != "ssdlite320" and m.FEATURES == "fpn":
         _set_anchors(model, cfg, family)
+    if family != "ssdlite320":
         _prepare_backbone(model, cfg)
     if family.endswith("rcnn") and m.REPRESENTATION_SIZE != 1024 and not m.BACKBONE:
         _set_box_head(model, m.REPRESENTATION_SIZE, n)
+    if m.PIXEL_MEAN:  # 0-255 in the config (Detectron's convention), 0-1 in torchvision's transform
+        model.transform.image_mean = [v / 255 for v in m.PIXEL_MEAN]
+    if m.PIXEL_STD:
+        model.transform.image_std = [v / 255 for v in m.PIXEL_STD]
     return model
+
+
+_NEEDS_BACKBONE = {"FEATURES": "fpn", "STRIDE_IN_1X1": False, "BACKBONE_NORM": "", "FPN_NORM": "", "HEAD_NORM": "",
+                   "BOX_HEAD": "2fc", "P6_FROM_C5": False, "BOX_POOL_SIZE": 7, "MASK_POOL_SIZE": 14,
+                   "KEYPOINT_POOL_SIZE": 14, "POOL_SAMPLING_RATIO": 2}
 
 
 def _check_keys(cfg, family: str) -> None:
     m = cfg.MODEL
     if m.BACKBONE and m.BACKBONE not in BACKBONES:
         raise _choice_error("MODEL.BACKBONE", m.BACKBONE, BACKBONES)
-    if family == "ssdlite320" and (m.BACKBONE or m.ANCHOR_SIZES or m.TRAINABLE_BACKBONE_LAYERS != -1):
-        raise UserError("MODEL.BACKBONE, ANCHOR_SIZES and TRAINABLE_BACKBONE_LAYERS do not apply to ssdlite")
+    if family == "ssdlite320" and (m.BACKBONE or m.ANCHOR_SIZES or m.ANCHOR_RATIOS or m.TRAINABLE_BACKBONE_LAYERS != -1):
+        raise UserError("MODEL.BACKBONE, ANCHOR_SIZES, ANCHOR_RATIOS and TRAINABLE_BACKBONE_LAYERS do not apply to "
+                        "ssdlite")
     if not m.BACKBONE and m.FPN_CHANNELS != 256:
         raise UserError(f"MODEL.FPN_CHANNELS {m.FPN_CHANNELS} needs MODEL.BACKBONE set (torchvision's own "
                         "builders use 256)")
+    changed = [k for k, v in _NEEDS_BACKBONE.items() if m[k] != v]
+    if changed and not m.BACKBONE:
+        raise UserError(f"MODEL.{changed[0]} needs MODEL.BACKBONE set (torchvision's own builders fix it)")
     if m.BACKBONE_WIDTH != 1.0 and m.BACKBONE != "mobilenet_v3_large":
         raise UserError("MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only")
     if m.FPN_CHANNELS <= 0 or m.REPRESENTATION_SIZE <= 0 or any(s <= 0 for s in m.ANCHOR_SIZES):
         raise UserError("MODEL.FPN_CHANNELS, REPRESENTATION_SIZE and ANCHOR_SIZES must be positive")
     if family == "fcos" and m.FPN_CHANNELS % 32:  # its head normalises with GroupNorm(32 groups)
         raise UserError(f"fcos needs MODEL.FPN_CHANNELS a multiple of 32, got {m.FPN_CHANNELS}")
+    check_architecture(m, family)
 
 
 def _size_kwargs(cfg, family: str) -> dict:
     m = cfg.MODEL
+    chosen = {"nms_thresh": m.NMS_THRESH, "score_thresh": m.SCORE_THRESH, "topk_candidates": m.TOPK_CANDIDATES}
     if family == "ssdlite320":  # fixed 320x320 input: the scales do not apply
-        return {"detections_per_img": m.DETECTIONS_PER_IMAGE}
+        return {"detections_per_img": m.DETECTIONS_PER_IMAGE, **_given(chosen)}
     # A tuple of scales: GeneralizedRCNNTransform picks one at random per training batch, on the device.
     kw = {"min_size": tuple(cfg.TRAIN.SCALES), "max_size": cfg.TRAIN.MAX_SIZE}
-    if not family.endswith("rcnn"):
-        return {**kw, "detections_per_img": m.DETECTIONS_PER_IMAGE}
+    if family == "fcos":
+        return {**kw, "detections_per_img": m.DETECTIONS_PER_IMAGE, **_given(chosen)}
+    if family == "retinanet":
+        return {**kw, "detections_per_img": m.DETECTIONS_PER_IMAGE,
+                **_given({**chosen, "fg_iou_thresh": m.FG_IOU, "bg_iou_thresh": m.BG_IOU})}
     return {**kw,
             "rpn_pre_nms_top_n_train": m.RPN_PRE_NMS_TOP_N_TRAIN,
             "rpn_post_nms_top_n_train": m.RPN_POST_NMS_TOP_N_TRAIN,
             "rpn_pre_nms_top_n_test": m.RPN_PRE_NMS_TOP_N_TEST,
             "rpn_post_nms_top_n_test": m.RPN_POST_NMS_TOP_N_TEST,
             "rpn_batch_size_per_image": m.RPN_BATCH_SIZE_PER_IMAGE,
+            "rpn_nms_thresh": m.RPN_NMS_THRESH,
+            "rpn_fg_iou_thresh": m.RPN_FG_IOU,
+            "rpn_bg_iou_thresh": m.RPN_BG_IOU,
+            "rpn_positive_fraction": m.RPN_POSITIVE_FRACTION,
             "box_batch_size_per_image": m.ROI_BATCH_SIZE_PER_IMAGE,
-            "box_detections_per_img": m.DETECTIONS_PER_IMAGE}
+            "box_positive_fraction": m.POSITIVE_FRACTION,
+            "box_detections_per_img": m.DETECTIONS_PER_IMAGE,
+            **_given({"box_fg_iou_thresh": m.FG_IOU, "box_bg_iou_thresh": m.BG_IOU, "box_nms_thresh": m.NMS_THRESH,
+                      "box_score_thresh": m.SCORE_THRESH})}
 
 
-def _build_custom(cfg, family: str, n: int, num_keypoints: int) -> nn.Module:
-    ch = cfg.MODEL.FPN_CHANNELS
-    backbone = _fpn_backbone(cfg.MODEL.BACKBONE, ch, cfg.MODEL.BACKBONE_WIDTH, single_stage=not family.endswith("rcnn"))
-    if not family.endswith("rcnn"):
-        return _CLASSES[family](backbone, num_classes=n, **_size_kwargs(cfg, family))
-    # R-CNN: we give the predictors, so the classes travel with them (num_classes=None, as torchvision asks).
-    width = cfg.MODEL.REPRESENTATION_SIZE
-    heads = {"box_head": TwoMLPHead(ch * 7 * 7, width), "box_predictor": FastRCNNPredictor(width, n)}
-    if family == "maskrcnn":
-        heads |= {"mask_head": MaskRCNNHeads(ch, (ch,) * 4, 1), "mask_predictor": MaskRCNNPredictor(ch, ch, n)}
-    elif family == "keypointrcnn":
-        heads |= {"keypoint_head": KeypointRCNNHeads(ch, (2 * ch,) * 8),
-                  "keypoint_predictor": KeypointRCNNPredictor(2 * ch, num_keypoints)}
-    return _CLASSES[family](backbone, num_classes=None, **_size_kwargs(cfg, family), **heads)
-
-
-def _fpn_backbone(name: str, channels: int, width: float, single_stage: bool) -> BackboneWithFPN:
-    # RetinaNet/FCOS: P3-P7 with P6/P7 from P5; R-CNN: P2-P6 (mobilenet: its last two stages + pool).
-    extra = LastLevelP6P7(channels, channels) if single_stage else LastLevelMaxPool()
-    if name == "mobilenet_v3_large":
-        # torchvision's BN momentum 0.01 suits fine-tuning; from scratch the weights move fast and
-        # running statistics that slow lag far behind the batch ones (eval scores collapse).
-        norm = partial(nn.BatchNorm2d, eps=0.001, momentum=0.1)
-        features = torchvision.models.mobilenet_v3_large(weights=None, width_mult=width, norm_layer=norm).features
-        stages = [i for i, b in enumerate(features) if getattr(b, "_is_cn", False)] + [len(features) - 1]
-        used = stages[-2:]  # like torchvision's _mobilenet_extractor
-        return BackboneWithFPN(features, {str(i): str(k) for k, i in enumerate(used)},
-                               [features[i].out_channels for i in used], channels, extra_blocks=extra)
-    net = getattr(torchvision.models, name)(weights=None)
-    layers = [2, 3, 4] if single_stage else [1, 2, 3, 4]
-    in_channels = [net.inplanes // 8 * 2 ** (i - 1) for i in layers]
-    return BackboneWithFPN(net, {f"layer{i}": str(k) for k, i in enumerate(layers)}, in_channels, channels,
-                           extra_blocks=extra)
+def _given(values: dict) -> dict:
+    """The ones set (-1 leaves torchvision's default for the type)."""
+    return {k: v for k, v in values.items() if v != -1}
 
 
 def _num_levels(backbone: BackboneWithFPN) -> int:
@@ -169,33 +164,35 @@ def _num_levels(backbone: BackboneWithFPN) -> int:
     return len(backbone.body.return_layers) + extra
 
 
-def _anchor_generator(sizes, family: str) -> AnchorGenerator:
-    if family == "fcos":  # FCOS takes exactly one square anchor per location
-        return AnchorGenerator(tuple((s,) for s in sizes), ((1.0,),) * len(sizes))
-    if family == "retinanet":  # three octave scales per level, as torchvision's default
-        per_level = tuple((s, int(s * 2 ** (1 / 3)), int(s * 2 ** (2 / 3))) for s in sizes)
-    else:
-        per_level = tuple((s,) for s in sizes)
-    return AnchorGenerator(per_level, ((0.5, 1.0, 2.0),) * len(sizes))
-
-
 def _set_anchors(model: nn.Module, cfg, family: str) -> None:
-    sizes, levels = list(cfg.MODEL.ANCHOR_SIZES), _num_levels(model.backbone)
-    if not sizes and not cfg.MODEL.BACKBONE:
+    sizes, ratios, levels = list(cfg.MODEL.ANCHOR_SIZES), tuple(cfg.MODEL.ANCHOR_RATIOS), _num_levels(model.backbone)
+    if not sizes and not ratios and not cfg.MODEL.BACKBONE:
         return  # torchvision's own anchors already fit its own backbone
     if sizes and len(sizes) != levels:
         raise UserError(f"MODEL.ANCHOR_SIZES needs one size per feature map: {cfg.MODEL.TYPE} with "
                         f"{cfg.MODEL.BACKBONE or 'its backbone'} has {levels}, got {len(sizes)}")
-    sizes = sizes or [(8 if family == "fcos" else 32) * 2 ** i for i in range(levels)]
-    generator = _anchor_generator(sizes, family)
+    sizes = sizes or [(8 if family == "fcos" else 32) * 2 ** i for i in range(levels)]  # torchvision's too
+    generator = anchor_generator(sizes, ratios, family)
     if not family.endswith("rcnn"):
-        model.anchor_generator = generator  # anchors per location unchanged (9 / 1): heads still fit
+        model.anchor_generator = generator
+        count = generator.num_anchors_per_location()[0]
+        if family == "retinanet" and model.head.classification_head.num_anchors != count:
+            model.head = RetinaNetHead(model.backbone.out_channels, count, model.head.classification_head.num_classes,
+                                       norm_layer=_retinanet_norm(model))
+        elif family == "fcos" and count != 1:
+            raise UserError("fcos takes one square anchor per location: MODEL.ANCHOR_RATIOS does not apply")
         return
     rpn = model.rpn
     rpn.anchor_generator = generator
     count = generator.num_anchors_per_location()[0]
     if rpn.head.cls_logits.out_channels != count:  # e.g. the mobilenet types' 15 anchors per location
         rpn.head = RPNHead(model.backbone.out_channels, count, conv_depth=len(rpn.head.conv))
+
+
+def _retinanet_norm(model: nn.Module):
+    """The _v2 head's GroupNorm, kept when the head is rebuilt for another anchor count."""
+    norms = [mod for mod in model.head.classification_head.conv.modules() if isinstance(mod, nn.GroupNorm)]
+    return partial(nn.GroupNorm, 32) if norms else None
 
 
 def _set_box_head(model: nn.Module, width: int, n: int) -> None:
@@ -212,7 +209,7 @@ def _prepare_backbone(model: nn.Module, cfg) -> None:
     """Frozen BN and frozen early stages for pretrained weights, as torchvision's builders do."""
     body, pretrained = model.backbone.body, bool(cfg.TRAIN.WEIGHTS)
     if pretrained and not (cfg.MODEL.TYPE.endswith("_v2") and not cfg.MODEL.BACKBONE):
-        _freeze_batchnorm(body)
+        _freeze_batchnorm(model)  # the backbone's, and C4's res5 head's
     stages = _stages(body)
     wanted = cfg.MODEL.TRAINABLE_BACKBONE_LAYERS
     if wanted > len(stages):
@@ -227,7 +224,7 @@ def _prepare_backbone(model: nn.Module, cfg) -> None:
 
 def _stages(body: nn.Module) -> list[list[str]]:
     """The body's top-level children grouped into stages, earliest first (torchvision's numbering)."""
-    if hasattr(body, "layer1"):  # resnet: stem (conv1 + bn1), layer1..layer4
+    if hasattr(body, "layer1"):  # resnet: stem (conv1 + bn1), layer1..layer4 (C4: layer4 is the box head)
         return [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]]
     names = [name for name, _ in body.named_children()]
     starts = [0] + [i for i, b in enumerate(body.children()) if getattr(b, "_is_cn", False)] + [len(names) - 1]
