@@ -1,4 +1,4 @@
-"""Command line: `tracktron train|eval|predict|status|data synth`, also `python -m trainer`.
+"""Command line: `tracktron train|eval|predict|config|status|data synth`, also `python -m trainer`.
 
 Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a preempted job
 128 + the signal number (143 for SIGTERM), after its checkpoint is safe.
@@ -236,6 +236,21 @@ def predict(weights, config_file, score_threshold, out_dir, args):
     _setup_logging()
     images, opts = split_args(args)
     predict_command(weights, images, out_dir, config_file, score_threshold, tuple(opts))
+
+
+@cli.command("config", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True,
+              help="A tracktron or Detectron YAML config.")
+@click.argument("opts", nargs=-1, type=click.UNPROCESSED)
+def config_(config_file, opts):
+    """The resolved config, how a Detectron config's keys map, and the network it builds with its
+    parameter count (random init, on CPU; no data read, nothing written)."""
+    from trainer.config import load_config_explained
+    from trainer.explain import explain
+
+    _setup_logging()
+    cfg, translation = load_config_explained(config_file, list(opts))
+    click.echo(explain(cfg, translation, config_file))
 
 
 @cli.command()

@@ -10,6 +10,7 @@ import copy
 import difflib
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -17,9 +18,12 @@ import yaml
 
 from trainer.atomic_write import write_atomic
 from trainer.config_checks import validate
+from trainer.config_detectron import Translation, is_detectron, translate
 from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
 from trainer.errors import ConfigError
 from trainer.redaction import REDACTED, is_secret_key, redact_urls, remember
+
+log = logging.getLogger(__name__)
 
 _DEFAULTS: dict = {
     "NAME": "",  # the job's readable name; defaults to the config file's stem
@@ -66,6 +70,7 @@ _DEFAULTS: dict = {
         "NMS_THRESH": -1.0,
         "SCORE_THRESH": -1.0,
         "TOPK_CANDIDATES": -1,  # single-stage types: candidates per level before NMS
+        "CLS_AGNOSTIC_MASK": False,  # one mask per box whatever its class (Detectron's CLS_SPECIFIC_MASK False)
     },
     "NUM_GPUS": 1,
     "RNG_SEED": 3,
@@ -85,6 +90,7 @@ _DEFAULTS: dict = {
         "MOMENTUM": 0.9,
         "WEIGHT_DECAY": 0.0005,
         "NO_DECAY_NORM_AND_BIAS": False,
+        "BIAS_LR_FACTOR": 1.0,  # biases learn at this times the LR (Detectron: 2, its BIAS_DOUBLE_LR)
         "WARM_UP_ITERS": 500,
         "WARM_UP_FACTOR": 1.0 / 3.0,
         "WARM_UP_METHOD": "linear",
@@ -122,6 +128,7 @@ _DEFAULTS: dict = {
         "REGISTERED_MODEL": "",
         "LOG_MODEL": True,
         "FLUSH_TIMEOUT_S": 30.0,
+        "CHECKPOINTS_KEEP": 0,  # model_iter checkpoints kept in the run on the server: the newest N (0: all)
         "SYSTEM_METRICS": "auto",  # CPU/memory/GPU as system/ metrics: auto = on for GPU runs
     },
 }
@@ -153,7 +160,8 @@ _LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "
                "MODEL.KEYPOINT_POOL_SIZE", "MODEL.POOL_SAMPLING_RATIO", "MODEL.ANCHOR_RATIOS", "MODEL.PIXEL_MEAN",
                "MODEL.PIXEL_STD", "MODEL.RPN_NMS_THRESH", "MODEL.RPN_FG_IOU", "MODEL.RPN_BG_IOU",
                "MODEL.RPN_POSITIVE_FRACTION", "MODEL.FG_IOU", "MODEL.BG_IOU", "MODEL.POSITIVE_FRACTION",
-               "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES")
+               "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES", "MODEL.CLS_AGNOSTIC_MASK",
+               "SOLVER.BIAS_LR_FACTOR")
 
 
 
@@ -291,9 +299,18 @@ def merge(cfg: Config, data: dict, prefix: str = "") -> None:
 
 def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) -> Config:
     """Defaults, then the YAML file, then `KEY VALUE` pairs; validated."""
-    cfg = defaults()
+    return load_config_explained(path, opts)[0]
+
+
+def load_config_explained(path: str | Path | None = None, opts: list[str] | tuple = ()):
+    """(the config, and for a Detectron file how its keys were translated, else None)."""
+    cfg, translation = defaults(), None
     if path is not None:
-        merge(cfg, read_yaml(Path(path)))
+        data = read_yaml(Path(path))
+        if is_detectron(data):
+            translation = _from_detectron(cfg, data, Path(path))
+        else:
+            merge(cfg, data)
         cfg["NAME"] = cfg.NAME or Path(path).stem
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
@@ -303,7 +320,23 @@ def load_config(path: str | Path | None = None, opts: list[str] | tuple = ()) ->
         _set(cfg, key, parse_override(value))
     _remember_secrets(cfg)
     validate(cfg)
-    return cfg
+    return cfg, translation
+
+
+def _from_detectron(cfg: Config, data: dict, path: Path) -> Translation:
+    try:
+        translation = translate(data)
+        for key, value in translation.values.items():
+            _set(cfg, key, value)
+    except ConfigError as e:
+        raise ConfigError(f"{path} (a Detectron config): {e}") from None
+    if translation.ignored:
+        log.warning("%s is a Detectron config; %d of its keys mean nothing here and are ignored: %s", path,
+                    len(translation.ignored), ", ".join(translation.ignored))
+    if translation.renamed:
+        log.warning("%s uses keys Detectron renamed, read under their new names: %s", path,
+                    ", ".join(translation.renamed))
+    return translation
 
 
 def config_from_dict(data: dict) -> Config:

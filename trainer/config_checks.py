@@ -75,6 +75,7 @@ def validate(cfg) -> None:
         (all(a < b for a, b in zip(s.STEPS, s.STEPS[1:])), f"SOLVER.STEPS must be increasing, got {s.STEPS}"),
         (all(x >= 0 for x in s.STEPS), f"SOLVER.STEPS must be >= 0, got {s.STEPS}"),
         (s.WEIGHT_DECAY >= 0 and s.MOMENTUM >= 0, "SOLVER.WEIGHT_DECAY and SOLVER.MOMENTUM must be >= 0"),
+        (s.BIAS_LR_FACTOR > 0, f"SOLVER.BIAS_LR_FACTOR must be > 0, got {s.BIAS_LR_FACTOR}"),
         (s.CLIP_GRAD_NORM >= 0, f"SOLVER.CLIP_GRAD_NORM must be >= 0, got {s.CLIP_GRAD_NORM}"),
         (t.SNAPSHOT_ITERS > 0, f"TRAIN.SNAPSHOT_ITERS must be > 0, got {t.SNAPSHOT_ITERS}"),
         (t.IMS_PER_BATCH > 0, f"TRAIN.IMS_PER_BATCH must be > 0, got {t.IMS_PER_BATCH}"),
@@ -98,6 +99,8 @@ def validate(cfg) -> None:
         (s.WARM_UP_FACTOR >= 0, f"SOLVER.WARM_UP_FACTOR must be >= 0, got {s.WARM_UP_FACTOR}"),
         (0 <= cfg.TRACKING.FLUSH_TIMEOUT_S <= DAY_S,
          f"TRACKING.FLUSH_TIMEOUT_S must be 0 to {DAY_S} seconds, got {cfg.TRACKING.FLUSH_TIMEOUT_S}"),
+        (cfg.TRACKING.CHECKPOINTS_KEEP >= 0,
+         f"TRACKING.CHECKPOINTS_KEEP must be >= 0 (0 keeps every checkpoint), got {cfg.TRACKING.CHECKPOINTS_KEEP}"),
         (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
          f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
          "(not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),

@@ -94,29 +94,29 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
 
 
-def _split_decay(model: nn.Module) -> tuple[list, list]:
-    """Trainable parameters split into (decayed, not decayed: norm layers and biases)."""
-    decay, no_decay, seen = [], [], set()
+def _param_groups(model: nn.Module, s) -> list[dict]:
+    """Trainable parameters grouped by (weight decay, LR factor): with NO_DECAY_NORM_AND_BIAS norm layers
+    and biases get no decay, and biases learn at BIAS_LR_FACTOR x the LR (Detectron's BIAS_DOUBLE_LR)."""
+    groups: dict[tuple, list] = {(s.WEIGHT_DECAY, 1.0): [], (0.0, 1.0): [], (s.WEIGHT_DECAY, s.BIAS_LR_FACTOR): [],
+                                 (0.0, s.BIAS_LR_FACTOR): []}
+    seen = set()
     for module in model.modules():
         norm = _is_norm(module)
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:  # shared parameters go in one group only
                 continue
             seen.add(id(p))
-            (no_decay if norm or name.endswith("bias") else decay).append(p)
-    return decay, no_decay
+            bias = name.endswith("bias")
+            decay = 0.0 if s.NO_DECAY_NORM_AND_BIAS and (norm or bias) else s.WEIGHT_DECAY
+            groups[(decay, s.BIAS_LR_FACTOR if bias else 1.0)].append(p)
+    return [{"params": params, "weight_decay": decay, "lr_factor": factor}
+            for (decay, factor), params in groups.items() if params]
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.SGD:
     """Momentum SGD at SOLVER.BASE_LR (the scheduler's factors are relative to it)."""
     s = cfg.SOLVER
-    if s.NO_DECAY_NORM_AND_BIAS:
-        decay, no_decay = _split_decay(model)
-        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-    else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    return torch.optim.SGD(groups, lr=s.BASE_LR, momentum=s.MOMENTUM, weight_decay=s.WEIGHT_DECAY)
+    return torch.optim.SGD(_param_groups(model, s), lr=s.BASE_LR, momentum=s.MOMENTUM, weight_decay=s.WEIGHT_DECAY)
 
 
 def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -128,8 +128,7 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
     base_lr = cfg.SOLVER.BASE_LR
     lr_at_iter(cfg, 0)  # fail on a bad policy now, not at the first step
     for group in optimizer.param_groups:
-        group["lr"] = base_lr
-        group["initial_lr"] = base_lr  # LambdaLR multiplies its factor with this
+        group["lr"] = group["initial_lr"] = base_lr * group.get("lr_factor", 1.0)  # LambdaLR scales initial_lr
 
     def factor(it: int) -> float:
         return lr_at_iter(cfg, it) / base_lr

@@ -44,6 +44,9 @@ def _coco_catalog() -> dict:
             catalog[f"coco_{year}_{split}"] = (im_dir, f"coco/annotations/instances_{split}{year}.json")
             catalog[f"keypoints_coco_{year}_{split}"] = (
                 im_dir, f"coco/annotations/person_keypoints_{split}{year}.json")
+    for year, splits in {"2007": ("train", "val", "trainval", "test"), "2012": ("train", "val", "trainval")}.items():
+        for split in splits:  # Detectron's PASCAL VOC, as COCO json
+            catalog[f"voc_{year}_{split}"] = (f"VOC{year}/JPEGImages", f"VOC{year}/annotations/voc_{year}_{split}.json")
     return catalog
 
 

@@ -42,6 +42,8 @@ def check_architecture(m, family: str) -> None:
         raise UserError("MODEL.P6_FROM_C5 applies to the single-stage types (retinanet, fcos)")
     if m.BOX_HEAD != "2fc" and (not family.endswith("rcnn") or m.FEATURES == "c4"):
         raise UserError(f"MODEL.BOX_HEAD {m.BOX_HEAD} applies to R-CNN types on an FPN")
+    if m.CLS_AGNOSTIC_MASK and (family != "maskrcnn" or not m.BACKBONE):
+        raise UserError("MODEL.CLS_AGNOSTIC_MASK applies to maskrcnn types with MODEL.BACKBONE set")
     if m.HEAD_NORM and m.FEATURES == "c4":
         raise UserError("MODEL.HEAD_NORM applies to the FPN heads (C4's res5 head has the backbone's norm)")
     if family in ("fcos", "ssdlite320") and -1 not in (m.FG_IOU, m.BG_IOU):
@@ -79,7 +81,7 @@ def build_fpn(m, family: str, n: int, num_keypoints: int, kw: dict) -> nn.Module
     if family == "maskrcnn":
         heads |= {"mask_roi_pool": pool(m.MASK_POOL_SIZE),
                   "mask_head": MaskRCNNHeads(ch, (ch,) * 4, 1, norm_layer=norm_layer(m.HEAD_NORM)),
-                  "mask_predictor": MaskRCNNPredictor(ch, ch, n)}
+                  "mask_predictor": mask_predictor(m, ch, ch, n)}
     elif family == "keypointrcnn":
         heads |= {"keypoint_roi_pool": pool(m.KEYPOINT_POOL_SIZE),
                   "keypoint_head": KeypointRCNNHeads(ch, (2 * ch,) * 8),
@@ -96,5 +98,25 @@ def build_c4(m, family: str, n: int, kw: dict) -> nn.Module:
              "box_roi_pool": pool, "box_head": Res5BoxHead(res5), "box_predictor": FastRCNNPredictor(width, n)}
     if family == "maskrcnn":  # the box head's res5 module itself: one set of weights, as Detectron's
         heads |= {"mask_roi_pool": MultiScaleRoIAlign(["0"], m.MASK_POOL_SIZE, m.POOL_SAMPLING_RATIO),
-                  "mask_head": res5, "mask_predictor": MaskRCNNPredictor(width, 256, n)}
+                  "mask_head": res5, "mask_predictor": mask_predictor(m, width, 256, n)}
     return CLASSES[family](backbone, num_classes=None, **kw, **heads)
+
+
+class ClassAgnosticMaskPredictor(nn.Module):
+    """One mask per box, shown to torchvision's per-class mask loss and inference as every class's mask
+    (a broadcast view: no copy, and every class's gradient reaches the one channel)."""
+
+    def __init__(self, in_channels: int, dim: int, num_classes: int):
+        super().__init__()
+        self.predictor = MaskRCNNPredictor(in_channels, dim, 1)
+        self.num_classes = num_classes
+
+    def forward(self, x):
+        logits = self.predictor(x)
+        return logits.expand(-1, self.num_classes, -1, -1)
+
+
+def mask_predictor(m, in_channels: int, dim: int, n: int) -> nn.Module:
+    if m.CLS_AGNOSTIC_MASK:
+        return ClassAgnosticMaskPredictor(in_channels, dim, n)
+    return MaskRCNNPredictor(in_channels, dim, n)
