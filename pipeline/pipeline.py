@@ -1,6 +1,7 @@
 """Kubeflow Pipelines v2: prepare data -> train -> evaluate -> register, on the tracktron image.
 
     python pipeline/pipeline.py --out pipeline/tracktron_pipeline.yaml [--image REGISTRY/tracktron:TAG]
+    python pipeline/pipeline.py --trainjob ...    # + train_backend: pod | trainjob (multi-node, Trainer v2)
 
 Every step is a container component running the image built from the repository's Dockerfile
 (ENTRYPOINT tracktron; the components set their own command). The cluster provides:
@@ -15,18 +16,30 @@ The train step hands its MLflow run id to the next steps through an output param
 writes the id into the file named by TRACKTRON_RUN_ID_FILE (rank 0, right after it has found or
 created the run, also when there is nothing left to train). A preempted train pod is retried and
 the trainer resumes the same run from the tracking server (TRAIN.AUTO_RESUME).
+
+Compiled with `trainjob=True` (`--trainjob`), the pipeline has a `train_backend` parameter: `pod`
+trains as above, `trainjob` on `num_nodes` nodes as a Kubeflow Trainer v2 TrainJob made from
+pipeline/trainjob.yaml by a launcher step that waits for it (pipeline/trainjob.py).
 """
 
 import argparse
+import json
 import os
 import sys
 
 from kfp import compiler, dsl, kubernetes
 
+if __package__:
+    from . import trainjob as trainjob_step
+else:  # run as a script: python pipeline/pipeline.py
+    import trainjob as trainjob_step
+
 DEFAULT_IMAGE = os.environ.get("TRACKTRON_IMAGE", "ghcr.io/tracktron/tracktron:latest")
 GPU_RESOURCE = "nvidia.com/gpu"
 DATA_MOUNT = "/data"
 OUTPUT_MOUNT = "/output"
+# The TrainJob launcher's base image: any Python that pip can add the Kubernetes client to.
+LAUNCHER_IMAGE = os.environ.get("TRACKTRON_LAUNCHER_IMAGE", "python:3.12-slim")
 
 # Secret keys -> environment variables. The first is required; the others may be absent.
 REQUIRED_SECRET_KEYS = {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"}
@@ -72,6 +85,11 @@ fi
 exec tracktron train --config "$config" DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
 """
 
+BAD_BACKEND_SH = r"""
+echo "error: train_backend must be pod or trainjob, got '$1'" >&2
+exit 2
+"""
+
 # `--weights runs:/<id>/...`: tracktron eval logs the metrics (bbox/AP, ...) into that run.
 EVAL_SH = r"""
 set -euo pipefail
@@ -114,12 +132,14 @@ Path(out).write_text(str(version.version))
 """
 
 
-def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str = "32Gi"):
+def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str = "32Gi",
+          trainjob: bool = False, launcher_image: str = LAUNCHER_IMAGE):
     """The pipeline function for `image` and the train step's resources.
 
     These are compile-time settings: a component binds its image when it is defined, and KFP
     backends before 2.4 take resource requests only as constants. `gpus` > 1 runs torchrun with one
-    process per GPU on the train pod.
+    process per GPU on the train pod (on each node of a TrainJob). `trainjob` adds the run-time
+    choice between the single pod and a multi-node TrainJob.
     """
     if int(gpus) < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
@@ -164,9 +184,92 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
         kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
         return task
 
-    @dsl.pipeline(name="tracktron", description="prepare data -> train -> evaluate -> register, "
-                  "tracked in MLflow")
-    def tracktron_pipeline(
+    @dsl.container_component
+    def invalid_train_backend(train_backend: str):
+        """Fails the run: train_backend is neither pod nor trainjob."""
+        return dsl.ContainerSpec(image=image, command=["bash", "-c", BAD_BACKEND_SH, "check"], args=[train_backend])
+
+    launch_trainjob = dsl.component(base_image=launcher_image, packages_to_install=trainjob_step.LAUNCHER_PACKAGES)(
+        trainjob_step.launch_trainjob)
+    job_template = json.dumps(trainjob_step.template(image, gpus, cpu, memory))
+
+    def on_one_pod(p: dict, data_dir):
+        trn = train(config=p["config"], opts=p["opts"], data_dir=data_dir, experiment=p["experiment"], gpus=gpus)
+        trn.set_display_name("train").set_caching_options(False)
+        trn.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0)
+        on_gpu(trn, gpus, cpu, memory)
+        tracking_env(trn, p["mlflow_secret"])
+        kubernetes.mount_pvc(trn, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
+        kubernetes.empty_dir_mount(trn, volume_name="output", mount_path=OUTPUT_MOUNT)
+        return trn.outputs["run_id"]
+
+    def on_trainjob(p: dict, data_dir):
+        # The step only waits: its retries re-create a Failed TrainJob, which resumes from the checkpoint.
+        job = launch_trainjob(template=job_template, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, num_nodes=p["num_nodes"],
+                              config=p["config"], opts=p["opts"], data_dir=data_dir, experiment=p["experiment"],
+                              data_pvc=p["data_pvc"], mlflow_secret=p["mlflow_secret"],
+                              namespace=p["trainjob_namespace"], poll_s=30.0)
+        job.set_display_name("train (TrainJob)").set_caching_options(False)
+        job.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0)
+        job.set_cpu_request("100m").set_memory_request("256Mi")
+        kubernetes.mount_pvc(job, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)  # where rank 0 leaves the run id
+        return job.outputs["run_id"]
+
+    def on_backend(p: dict, data_dir):
+        with dsl.If(p["train_backend"] == "pod"):
+            pod_run = on_one_pod(p, data_dir)
+        with dsl.Elif(p["train_backend"] == "trainjob"):
+            job_run = on_trainjob(p, data_dir)
+        with dsl.Else():
+            invalid_train_backend(train_backend=p["train_backend"])
+        return dsl.OneOf(pod_run, job_run)
+
+    def steps(p: dict, train_step):
+        prep = prepare_data(dataset=p["dataset"], data_dir=DATA_MOUNT, num_images=p["num_images"])
+        prep.set_display_name("prepare data").set_caching_options(False)
+        prep.set_cpu_request("1").set_memory_request("2Gi")
+        kubernetes.mount_pvc(prep, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
+
+        run_id = train_step(p, prep.outputs["prepared_dir"])
+
+        ev = evaluate(config=p["config"], data_dir=prep.outputs["prepared_dir"], run_id=run_id,
+                      weights_artifact=p["weights_artifact"])
+        ev.set_display_name("evaluate").set_caching_options(False)
+        ev.set_retry(num_retries=2)
+        on_gpu(ev, 1, "4", "16Gi")
+        tracking_env(ev, p["mlflow_secret"])
+        kubernetes.mount_pvc(ev, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
+        kubernetes.empty_dir_mount(ev, volume_name="output", mount_path=OUTPUT_MOUNT)
+
+        reg = register_model(run_id=run_id, model_name=p["model_name"], metric=p["metric"],
+                             min_score=p["min_score"], alias=p["alias"])
+        reg.set_display_name("register model").set_caching_options(False).after(ev)
+        reg.set_cpu_request("500m").set_memory_request("1Gi")
+        tracking_env(reg, p["mlflow_secret"])
+
+    if not trainjob:  # the decorator builds the graph: build only the one asked for
+        @dsl.pipeline(name="tracktron", description="prepare data -> train -> evaluate -> register, "
+                      "tracked in MLflow")
+        def tracktron_pipeline(
+            config: str = "/app/configs/demo.yaml",
+            opts: str = "",
+            dataset: str = "synth",
+            num_images: int = 64,
+            data_pvc: str = "tracktron-data",
+            mlflow_secret: str = "tracktron-mlflow",
+            experiment: str = "",
+            weights_artifact: str = "checkpoints/model_final.pth",
+            model_name: str = "tracktron-detector",
+            metric: str = "bbox/AP",
+            min_score: float = 0.0,
+            alias: str = "",
+        ):
+            steps(locals(), on_one_pod)
+        return tracktron_pipeline
+
+    @dsl.pipeline(name="tracktron", description="prepare data -> train (one pod, or a multi-node Kubeflow "
+                  "Trainer TrainJob) -> evaluate -> register, tracked in MLflow")
+    def tracktron_multinode_pipeline(
         config: str = "/app/configs/demo.yaml",
         opts: str = "",
         dataset: str = "synth",
@@ -179,45 +282,21 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
         metric: str = "bbox/AP",
         min_score: float = 0.0,
         alias: str = "",
+        train_backend: str = "trainjob",  # pod | trainjob
+        num_nodes: int = 2,
+        trainjob_namespace: str = "",     # default: the pipeline run's namespace
     ):
-        prep = prepare_data(dataset=dataset, data_dir=DATA_MOUNT, num_images=num_images)
-        prep.set_display_name("prepare data").set_caching_options(False)
-        prep.set_cpu_request("1").set_memory_request("2Gi")
-        kubernetes.mount_pvc(prep, pvc_name=data_pvc, mount_path=DATA_MOUNT)
+        steps(locals(), on_backend)
 
-        trn = train(config=config, opts=opts, data_dir=prep.outputs["prepared_dir"],
-                    experiment=experiment, gpus=gpus)
-        trn.set_display_name("train").set_caching_options(False)
-        trn.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0)
-        on_gpu(trn, gpus, cpu, memory)
-        tracking_env(trn, mlflow_secret)
-        kubernetes.mount_pvc(trn, pvc_name=data_pvc, mount_path=DATA_MOUNT)
-        kubernetes.empty_dir_mount(trn, volume_name="output", mount_path=OUTPUT_MOUNT)
-
-        ev = evaluate(config=config, data_dir=prep.outputs["prepared_dir"],
-                      run_id=trn.outputs["run_id"], weights_artifact=weights_artifact)
-        ev.set_display_name("evaluate").set_caching_options(False)
-        ev.set_retry(num_retries=2)
-        on_gpu(ev, 1, "4", "16Gi")
-        tracking_env(ev, mlflow_secret)
-        kubernetes.mount_pvc(ev, pvc_name=data_pvc, mount_path=DATA_MOUNT)
-        kubernetes.empty_dir_mount(ev, volume_name="output", mount_path=OUTPUT_MOUNT)
-
-        reg = register_model(run_id=trn.outputs["run_id"], model_name=model_name, metric=metric,
-                             min_score=min_score, alias=alias)
-        reg.set_display_name("register model").set_caching_options(False).after(ev)
-        reg.set_cpu_request("500m").set_memory_request("1Gi")
-        tracking_env(reg, mlflow_secret)
-
-    return tracktron_pipeline
+    return tracktron_multinode_pipeline
 
 
 tracktron_pipeline = build()
 
 
 def compile_pipeline(out: str, image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8",
-                     memory: str = "32Gi") -> str:
-    compiler.Compiler().compile(build(image, gpus, cpu, memory), package_path=out)
+                     memory: str = "32Gi", trainjob: bool = False, launcher_image: str = LAUNCHER_IMAGE) -> str:
+    compiler.Compiler().compile(build(image, gpus, cpu, memory, trainjob, launcher_image), package_path=out)
     return out
 
 
@@ -228,9 +307,15 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs of the train pod (default: %(default)s)")
     parser.add_argument("--train-cpu", default="8", help="CPU request of the train pod (default: %(default)s)")
     parser.add_argument("--train-memory", default="32Gi", help="memory request of the train pod (default: %(default)s)")
+    parser.add_argument("--trainjob", action="store_true",
+                        help="add the train_backend parameter: pod, or trainjob (multi-node, Kubeflow Trainer v2)")
+    parser.add_argument("--launcher-image", default=LAUNCHER_IMAGE,
+                        help="base image of the TrainJob launcher step (default: %(default)s)")
     args = parser.parse_args(argv)
-    compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory)
-    print(f"wrote {args.out} (image {args.image}, {args.gpus} GPU(s) for training)")
+    compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory, args.trainjob,
+                     args.launcher_image)
+    per = " per node" if args.trainjob else ""
+    print(f"wrote {args.out} (image {args.image}, {args.gpus} GPU(s){per} for training)")
     return 0
 
 
