@@ -216,6 +216,10 @@ def _heads(d: dict, t: Translation, family: str) -> None:
               "MRCNN.UPSAMPLE_RATIO other than 1 and MRCNN.USE_FC_OUTPUT are not supported")
         t.set("MODEL.CLS_AGNOSTIC_MASK", not d["MRCNN.CLS_SPECIFIC_MASK"], "MRCNN.CLS_SPECIFIC_MASK")
     if family == "keypointrcnn":
+        head_name = "keypoint_rcnn_heads.add_roi_pose_head_v1convX"
+        _need(d["KRCNN.ROI_KEYPOINTS_HEAD"] == head_name, f"KRCNN.ROI_KEYPOINTS_HEAD {d['KRCNN.ROI_KEYPOINTS_HEAD']!r} "
+                                                          f"is not supported ({head_name})")
+        d["KRCNN.NUM_KEYPOINTS"]  # read, not mapped: the dataset's keypoints decide, as they must agree
         _roi(d, t, "KRCNN", "MODEL.KEYPOINT_POOL_SIZE")
         k = {key: d[f"KRCNN.{key}"] for key in ("CONV_HEAD_DIM", "NUM_STACKED_CONVS", "UP_SCALE", "USE_DECONV",
                                                  "USE_DECONV_OUTPUT", "HEATMAP_SIZE", "NMS_OKS")}
