@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from trainer.atomic_write import write_atomic
+from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import setup_logging
 from trainer.output_lock import OutputLock
@@ -63,6 +64,8 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     from trainer.tracking.model_uris import check_source
 
     check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
+    if cfg.TRAIN.WEIGHTS.startswith(URL_SCHEMES):  # fetched (or refused) before a run is made too
+        download(cfg.TRAIN.WEIGHTS, "TRAIN.WEIGHTS")
     if dry_run:
         from trainer.dry_run import plan
 

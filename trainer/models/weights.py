@@ -1,15 +1,9 @@
 """Initial weights: a checkpoint file, a torchvision weight name, or a Detectron .pkl; whatever fits loads."""
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import pickle
 import re
-import shutil
-import tempfile
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +15,8 @@ from torchvision.models.detection._utils import overwrite_eps
 
 from trainer.errors import UserError, first_line
 from trainer.models.builders import unwrap
+from trainer.downloads import URL_SCHEMES, download
 from trainer.models.detectron_weights import convert, read_blobs
-from trainer.redaction import redact_urls
 
 log = logging.getLogger(__name__)
 _WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")
@@ -66,7 +60,7 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", sho
 
 
 def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
-    path = download(spec, option) if spec.startswith(("http://", "https://")) else Path(spec).expanduser()
+    path = download(spec, option) if spec.startswith(URL_SCHEMES) else Path(spec).expanduser()
     if path.is_file() and path.suffix == ".pkl":  # Detectron's Caffe2 blobs
         return convert(read_blobs(path, shown, option), model), None
     if path.is_file():
@@ -83,31 +77,6 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
     except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
         raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
                         f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
-
-
-def download(url: str, option: str) -> Path:
-    """A weights URL (Detectron's configs name their ImageNet weights so), fetched once into
-    TRACKTRON_CACHE (default ~/.cache/tracktron) and read from there afterwards."""
-    cache = Path(os.environ.get("TRACKTRON_CACHE") or Path.home() / ".cache" / "tracktron") / "weights"
-    name = os.path.basename(urllib.parse.urlsplit(url).path) or "weights"
-    target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
-    if target.is_file():
-        return target
-    shown = redact_urls(url)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False) as part:
-            try:
-                with urllib.request.urlopen(url, timeout=60) as response:
-                    shutil.copyfileobj(response, part, length=1 << 20)
-                os.replace(part.name, target)
-            finally:
-                Path(part.name).unlink(missing_ok=True)
-    except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
-        raise UserError(f"{option} {shown}: download failed ({type(e).__name__}: {first_line(e)}); fetch it where "
-                        f"the network allows and set {option} to the local file's path") from None
-    log.info("downloaded %s to %s", shown, target)
-    return target
 
 
 def load_error(e: Exception) -> str:
