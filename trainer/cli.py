@@ -177,6 +177,8 @@ def _train(cfg, tracker, ctx) -> None:
         tracker.finish("FAILED", f"{type(e).__name__}: {e}")
         raise
     missing = tracker.finish("FINISHED")
+    if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
+        return
     if done is not None:
         click.echo(f"nothing to do: model_final already exists ({done.source})")
     else:

@@ -5,12 +5,15 @@ rank sees the same stats and stops together on a NaN.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,21 @@ def setup() -> Context:
     if world_size == 1:
         return Context(device=device)
     if not dist.is_initialized():
+        _warn_shared_store()
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
     return Context(dist.get_rank(), world_size, local_rank, device)
+
+
+def _warn_shared_store() -> None:
+    """torchrun's agents lend their workers the rendezvous store by default, and it outlives a restart
+    with the dead workers' keys under a restart count the agents of several nodes disagree on
+    (pytorch#135712): a restart after a failure then never joins. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    in torchrun's environment, rank 0 hosts a fresh store at every start (our manifests set it)."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0"):
+        log.warning("torchrun shares its rendezvous store with the workers: a restart on several nodes will not "
+                    "rejoin (pytorch#135712). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 
 
 def environment(ctx: Context) -> dict[str, str]:
