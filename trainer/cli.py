@@ -255,7 +255,7 @@ def config_(config_file, opts):
 
     _setup_logging()
     cfg, translation = load_config_explained(config_file, list(opts))
-    click.echo(explain(cfg, translation, config_file))
+    click.echo(redact_text(explain(cfg, translation, config_file)))  # a URL's password in the mapping too
 
 
 @cli.command()
@@ -304,6 +304,7 @@ def main(argv=None) -> None:
         sys.exit(2)
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: str, limit: int = 2000) -> str:
     """An error is one line that a shell, a log scraper or a pipeline UI shows whole."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"

@@ -120,6 +120,11 @@ _FRACTIONS = ("RPN_NMS_THRESH", "RPN_FG_IOU", "RPN_BG_IOU", "RPN_POSITIVE_FRACTI
 _OR_DEFAULT = ("FG_IOU", "BG_IOU", "NMS_THRESH", "SCORE_THRESH")  # -1 = torchvision's for the type
 
 
+# Sizes past these allocate more than any machine has (an allocator traceback, or the OOM killer).
+_CEILINGS = {"NUM_CLASSES": 100_000, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384, "BOX_POOL_SIZE": 64,
+             "MASK_POOL_SIZE": 64, "KEYPOINT_POOL_SIZE": 64, "DETECTIONS_PER_IMAGE": 100_000}
+
+
 def _architecture_checks(m) -> list:
     """Detectron's architecture keys (models/backbones.py builds them)."""
     one_of = {"FEATURES": ("fpn", "c4"), "BACKBONE_NORM": ("", "GN"), "FPN_NORM": ("", "GN"),
@@ -135,6 +140,10 @@ def _architecture_checks(m) -> list:
         *((0 <= m[k] <= 1, f"MODEL.{k} must be 0 to 1, got {m[k]}") for k in _FRACTIONS),
         *((m[k] == -1 or 0 <= m[k] <= 1, f"MODEL.{k} must be -1 (torchvision's) or 0 to 1, got {m[k]}")
           for k in _OR_DEFAULT),
+        (m.RPN_BG_IOU <= m.RPN_FG_IOU, f"MODEL.RPN_BG_IOU {m.RPN_BG_IOU} must not exceed MODEL.RPN_FG_IOU {m.RPN_FG_IOU}"),
+        (m.BG_IOU <= (m.FG_IOU if m.FG_IOU != -1 else 0.5),  # torchvision's foreground IoU is 0.5 for every type
+         f"MODEL.BG_IOU {m.BG_IOU} must not exceed MODEL.FG_IOU ({m.FG_IOU if m.FG_IOU != -1 else 0.5})"),
+        *((m[k] <= high, f"MODEL.{k} must be at most {high:,}, got {m[k]:,}") for k, high in _CEILINGS.items()),
         (m.TOPK_CANDIDATES == -1 or m.TOPK_CANDIDATES > 0,
          f"MODEL.TOPK_CANDIDATES must be -1 (torchvision's) or > 0, got {m.TOPK_CANDIDATES}"),
     ]

@@ -13,8 +13,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from trainer.config_yaml import literal, plain
-from trainer.detectron_keys import DEFAULTS, KNOWN, RENAMED
+from trainer.config_checks import dataset_dirname
+from trainer.detectron_keys import DEFAULTS, KNOWN, RENAMED, flat_list, flatten, renamed_value, short, typed
 from trainer.errors import ConfigError
 
 _OWN_SECTIONS = ("RESNETS", "FPN", "RPN", "FAST_RCNN", "MRCNN", "KRCNN", "RETINANET", "GROUP_NORM")
@@ -70,39 +70,23 @@ def _show(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in data.items():
-        if isinstance(v, dict) and f"{prefix}{k}" != "DATASET_CATALOG":
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = _value(plain(v))
-    return out
-
-
-def _value(v):
-    """Detectron's YAML holds tuples as Python literals: `(800,)`, `('a', 'b')`."""
-    if isinstance(v, str) and v.strip()[:1] in "([":
-        parsed = literal(v.strip())
-        return list(parsed) if isinstance(parsed, tuple) else parsed
-    return list(v) if isinstance(v, tuple) else v
-
-
 def translate(data: dict) -> Translation:
     """ConfigError for an unknown key or one that would change the result and cannot be honoured."""
     given = flatten(data)
     t = Translation(given=given)
     for old, new in RENAMED.items():
         if old in given:
-            value = given.pop(old)
-            if isinstance(value, list) and len(value) == 1 and not isinstance(DEFAULTS[new], list):
-                value = value[0]  # TEST.SCALES (800,) -> TEST.SCALE 800
+            value = typed(new, renamed_value(given.pop(old), new))  # TEST.SCALES (800,) -> TEST.SCALE 800
+            if new in given and typed(new, given[new]) != value:
+                raise ConfigError(f"{old} (Detectron's old name of {new}) and {new} disagree: "
+                                  f"{short(value)} and {short(given[new])}")
             given.setdefault(new, value)
             t.renamed.append(f"{old} (now {new})")
     for key in given:
-        if key not in KNOWN and not key.startswith("DATASET_CATALOG."):
+        if key not in KNOWN and key != "DATASET_CATALOG":
             close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.7)
             raise ConfigError(f"unknown Detectron config key {key}{f' (did you mean {close[0]}?)' if close else ''}")
+    given.update({key: typed(key, value) for key, value in given.items()})
     d = _Reads({**DEFAULTS, **given})
     family = _family(d)
     _backbone(d, t, family)
@@ -300,7 +284,16 @@ _RCNN = {
 }
 
 
+def _ious(d: dict, family: str) -> None:
+    """torchvision's matchers need background below foreground: said with Detectron's names."""
+    pairs = [("RETINANET.NEGATIVE_OVERLAP", "RETINANET.POSITIVE_OVERLAP")] if family == "retinanet" else [
+        ("TRAIN.RPN_NEGATIVE_OVERLAP", "TRAIN.RPN_POSITIVE_OVERLAP"), ("TRAIN.BG_THRESH_HI", "TRAIN.FG_THRESH")]
+    for low, high in pairs:
+        _need(d[low] <= d[high], f"{low} {d[low]} must not exceed {high} {d[high]}")
+
+
 def _sampling_and_test(d: dict, t: Translation, family: str) -> None:
+    _ious(d, family)
     for ours, theirs in _SAME.items():
         t.set(ours, d[theirs], theirs)
     t.set("MODEL.NMS_THRESH", d["TEST.NMS"], "TEST.NMS")
@@ -328,21 +321,16 @@ def _solver_and_job(d: dict, t: Translation) -> None:
                                             "(0: norm layers without weight decay)")
     t.set("SOLVER.NO_DECAY_NORM_AND_BIAS", True, "SOLVER.WEIGHT_DECAY_GN")
     t.set("SOLVER.BIAS_LR_FACTOR", 2.0, "(Detectron's optimizer: biases at 2x the LR, without decay)")
-    means = [float(v) for v in _flat_list(d["PIXEL_MEANS"])]
+    means = [float(v) for v in flat_list(d["PIXEL_MEANS"])]
     _need(len(means) == 3, f"PIXEL_MEANS must hold three values (B, G, R), got {d['PIXEL_MEANS']}")
     t.set("MODEL.PIXEL_MEAN", means[::-1], "PIXEL_MEANS")  # Detectron's BGR, our RGB (conv1 is permuted to match)
     t.set("MODEL.PIXEL_STD", [1.0, 1.0, 1.0], "PIXEL_MEANS")  # Detectron does not divide by a std
     t.set("TRAIN.WEIGHTS", d["TRAIN.WEIGHTS"], "TRAIN.WEIGHTS")
     # Detectron writes to OUTPUT_DIR/train/<datasets>/<model type>; an OUTPUT_DIR override replaces it all.
-    out = os.path.join(str(d["OUTPUT_DIR"]), "train", ":".join(d["TRAIN.DATASETS"]), d["MODEL.TYPE"])
+    out = os.path.join(d["OUTPUT_DIR"], "train", ":".join(map(dataset_dirname, d["TRAIN.DATASETS"])) or "none",
+                       d["MODEL.TYPE"])
     t.set("OUTPUT_DIR", out, "OUTPUT_DIR")
     t.set("DATA_LOADER.NUM_THREADS", d["DATA_LOADER.NUM_THREADS"], "DATA_LOADER.NUM_THREADS")
     if "DATASET_CATALOG" in d:
         t.set("DATASET_CATALOG", d["DATASET_CATALOG"], "DATASET_CATALOG")
     _need(math.isfinite(float(d["SOLVER.BASE_LR"])), "SOLVER.BASE_LR must be a finite number")
-
-
-def _flat_list(value) -> list:
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _flat_list(v)]
-    return [value]

@@ -1,6 +1,12 @@
-"""Detectron's config keys and their defaults (its core/config.py), as facts for config_detectron.py:
-a key a Detectron file leaves out means its default there too."""
+"""Detectron's config keys and their defaults (its core/config.py), as facts for config_detectron.py
+(a key a Detectron file leaves out means its default there too), and a file's values read as the
+types of those defaults, the way Detectron reads them."""
 from __future__ import annotations
+
+import math
+
+from trainer.config_yaml import literal, plain
+from trainer.errors import ConfigError
 
 DEFAULTS: dict = {'TRAIN.WEIGHTS': '',
  'TRAIN.DATASETS': [],
@@ -240,3 +246,87 @@ RENAMED = {"MODEL.PS_GRID_SIZE": "RFCN.PS_GRID_SIZE", "MODEL.ROI_HEAD": "FAST_RC
            "TRAIN.PROPOSAL_FILE": "TRAIN.PROPOSAL_FILES", "TEST.SCALES": "TEST.SCALE", "TEST.DATASET": "TEST.DATASETS",
            "TEST.PROPOSAL_FILE": "TEST.PROPOSAL_FILES"}
 KNOWN = sorted({*DEFAULTS, *DEPRECATED})
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if key == "DATASET_CATALOG":  # tracktron's own mapping: the user's names, kept whole
+            out[key] = plain(v)
+        elif isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif any(known.startswith(f"{key}.") for known in KNOWN):  # a section that is not a mapping
+            if v is not None:  # an empty section is no section
+                raise ConfigError(f"{key} must be a mapping of Detectron keys, got {short(plain(v))}")
+        else:
+            out[key] = plain(v)
+    return out
+
+
+# Element types of list keys whose default is empty (the others take their default's).
+_ITEMS = {"TRAIN.DATASETS": str, "TEST.DATASETS": str, "TRAIN.PROPOSAL_FILES": str, "TEST.PROPOSAL_FILES": str,
+          "SOLVER.STEPS": int, "SOLVER.LRS": float}
+
+
+def typed(key: str, value):
+    """A value of the file as the type of Detectron's default, as Detectron reads it (strings go through
+    literal_eval; tuples and lists are one type); ConfigError naming the key otherwise."""
+    default = DEFAULTS.get(key)
+    if isinstance(value, str) and not isinstance(default, str):
+        parsed = literal(value.strip())
+        value = parsed if not isinstance(parsed, str) or isinstance(default, list) else value
+    if isinstance(value, tuple):
+        value = list(value)
+    if default is None or key == "DATASET_CATALOG":  # a deprecated key: never read
+        return value
+    if isinstance(default, list):
+        if isinstance(value, str) and _ITEMS.get(key) is str:
+            value = [value]  # TRAIN.DATASETS: coco_2014_train, as old configs write TRAIN.DATASET
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a tuple such as {_example(key, default)}, got {short(value)}")
+        if key == "PIXEL_MEANS":
+            value = flat_list(value)
+        item = _ITEMS.get(key) or (type(default[0]) if default else str)
+        return [_scalar(f"{key}[{i}]", v, item()) for i, v in enumerate(value)]
+    return _scalar(key, value, default)
+
+
+def _scalar(key: str, value, default):
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            isinstance(default, float) or float(value).is_integer()) and math.isfinite(value)
+        value = type(default)(value) if ok else value
+    else:
+        ok, value = isinstance(value, (str, int, float)) and not isinstance(value, bool), str(value)
+    if not ok:
+        raise ConfigError(f"{key} must be {type(default).__name__}, like Detectron's default {short(default)}; "
+                          f"got {short(value)}")
+    return value
+
+
+def _example(key: str, default: list) -> str:
+    return {str: "('a', 'b')", int: "(1, 2)", float: "(0.5, 1.0)"}[_ITEMS.get(key) or type(default[0])] if (
+        default or key in _ITEMS) else "(...)"
+
+
+def short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def renamed_value(value, new: str):
+    """A renamed key's value for its new name: TEST.SCALES (800,) is TEST.SCALE 800."""
+    if isinstance(value, str) and value.strip()[:1] == "(":
+        value = literal(value.strip())
+    if isinstance(value, (list, tuple)) and len(value) == 1 and not isinstance(DEFAULTS[new], list):
+        return value[0]
+    return value
+
+
+def flat_list(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in flat_list(v)]
+    return [value]

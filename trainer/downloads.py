@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import urllib.parse
@@ -21,23 +22,38 @@ URL_SCHEMES = ("http://", "https://")
 
 def download(url: str, option: str) -> Path:
     """The cached copy of `url`, downloaded now if there is none."""
-    cache = Path(os.environ.get("TRACKTRON_CACHE") or Path.home() / ".cache" / "tracktron") / "weights"
-    name = os.path.basename(urllib.parse.urlsplit(url).path) or "weights"
-    target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
-    if target.is_file():
-        return target
     shown = redact_urls(url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise UserError(f"{option} {shown}: credentials in a weights URL are not sent; download the file "
+                        f"yourself and set {option} to its path")
+    cache = Path(os.environ.get("TRACKTRON_CACHE") or Path.home() / ".cache" / "tracktron") / "weights"
+    name = re.sub(r"[^\w.-]", "_", os.path.basename(parts.path))[-100:].lstrip(".") or "weights"
+    target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
     try:
+        if target.is_file():
+            return target
         cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False) as part:
-            try:
-                with urllib.request.urlopen(url, timeout=60) as response:
-                    shutil.copyfileobj(response, part, length=1 << 20)
-                os.replace(part.name, target)
-            finally:
-                Path(part.name).unlink(missing_ok=True)
+        _fetch(url, cache, target)
     except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
         raise UserError(f"{option} {shown}: download failed ({type(e).__name__}: {first_line(e)}); fetch it where "
                         f"the network allows and set {option} to the local file's path") from None
     log.info("downloaded %s to %s", shown, target)
     return target
+
+
+def _fetch(url: str, cache: Path, target: Path) -> None:
+    """Into a temporary file, renamed to `target` only when every byte the server announced came."""
+    with tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False) as part:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response:
+                size = int(response.headers.get("Content-Length") or -1)
+                if size > shutil.disk_usage(cache).free:
+                    raise OSError(f"{size:,} bytes do not fit in {cache}")
+                shutil.copyfileobj(response, part, length=1 << 20)
+            part.flush()
+            if size >= 0 and part.tell() != size:
+                raise OSError(f"the server sent {part.tell():,} of {size:,} bytes")
+            os.replace(part.name, target)
+        finally:
+            Path(part.name).unlink(missing_ok=True)

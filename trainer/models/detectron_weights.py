@@ -55,6 +55,9 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
               and v.dtype.kind == "f" and not k.endswith("_momentum")}
     if not arrays:
         raise UserError(f"{option} {shown} holds no float arrays")
+    broken = next((k for k, v in arrays.items() if not np.isfinite(v).all()), None)
+    if broken is not None:  # training would stop at its first loss, after its run was made
+        raise UserError(f"{option} {shown}: blob {broken} holds NaN or infinite values")
     return arrays
 
 
@@ -97,6 +100,8 @@ def _retinanet_output(value: torch.Tensor, key: str, model: nn.Module) -> torch.
     ratios = len(model.anchor_generator.aspect_ratios[0])
     octaves = len(model.anchor_generator.sizes[0])
     anchors = ratios * octaves
+    if value.ndim not in (1, 4) or value.shape[0] % anchors:
+        return value  # not Detectron's layout for this model: the shape check skips it
     per_anchor = value.shape[0] // anchors
     grouped = value.reshape(anchors, per_anchor, *value.shape[1:])
     order = [octave * ratios + ratio for ratio in range(ratios) for octave in range(octaves)]

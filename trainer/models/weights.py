@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,8 +52,7 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", sho
                         f"(skipped for shape: {len(skipped)})")
     result = module.load_state_dict(kept, strict=False)
     missing = [k for k in result.missing_keys if k not in skipped]
-    report = LoadReport(shown, target, [k for k in own if k not in result.missing_keys], skipped, missing,
-                        list(result.unexpected_keys))
+    report = LoadReport(shown, target, [k for k in own if k in kept], skipped, missing, list(result.unexpected_keys))
     if weight is not None and weight in _zero_eps_weights():
         overwrite_eps(model, 0.0)  # these legacy COCO weights were trained with eps 0, as torchvision does
     _log_report(report)
@@ -60,11 +60,16 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", sho
 
 
 def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
-    path = download(spec, option) if spec.startswith(URL_SCHEMES) else Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".pkl":  # Detectron's Caffe2 blobs
-        return convert(read_blobs(path, shown, option), model), None
+    if spec.startswith(URL_SCHEMES):
+        path = download(spec, option)
+        try:
+            return _read_path(path, option, shown, model), None
+        except UserError as e:  # a proxy's error page cached as weights: the next start fetches it again
+            path.unlink(missing_ok=True)
+            raise UserError(f"{e} (the downloaded copy was removed from the cache)") from None
+    path = Path(spec).expanduser()
     if path.is_file():
-        return _read_file(path, option, shown), None
+        return _read_path(path, option, shown, model), None
     if not _WEIGHT_NAME.fullmatch(spec):
         raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
@@ -77,6 +82,12 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
     except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
         raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
                         f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
+
+
+def _read_path(path: Path, option: str, shown: str, model: nn.Module) -> dict:
+    if path.suffix == ".pkl" and not zipfile.is_zipfile(path):  # Detectron's Caffe2 blobs (torch.save's are zips)
+        return convert(read_blobs(path, shown, option), model)
+    return _read_file(path, option, shown)
 
 
 def load_error(e: Exception) -> str:
