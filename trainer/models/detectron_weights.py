@@ -13,7 +13,7 @@ torchvision's ratio-major order.
 """
 from __future__ import annotations
 
-import importlib
+import math
 import pickle
 import re
 from pathlib import Path
@@ -24,20 +24,68 @@ from torch import nn
 
 from trainer.errors import UserError
 
-_ALLOWED = {  # what a pickle of numpy arrays needs, under numpy 1 and 2 module names
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"), ("collections", "OrderedDict"),
-}
 _EPS = 1e-5  # FrozenBatchNorm2d's: variance 1 - eps makes its scale exactly Detectron's
 _NEVER = -20.0  # the bias of RetinaNet's background logit, which Detectron does not have
+
+
+class _Parts:
+    """What the unpickler builds for numpy's names: their arguments and state kept as plain data. numpy's own
+    __setstate__ trusts what it is given (a malformed dtype state crashes the process), so it never sees the
+    file: arrays are made afterwards by np.frombuffer, from bytes and a plain number type."""
+
+    def __init__(self, *args):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _Array(_Parts):
+    pass
+
+
+class _DType(_Parts):
+    pass
+
+
+def _latin1(text, encoding="latin1"):  # protocol 2's way to pickle bytes: _codecs.encode(str, 'latin1')
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode to {encoding!r} is not a numpy array part")
+    return text.encode("latin1")
+
+
+_ALLOWED = {  # what a pickle of numpy arrays needs, under numpy 1 and 2 module names
+    ("numpy.core.multiarray", "_reconstruct"): _Array, ("numpy._core.multiarray", "_reconstruct"): _Array,
+    ("numpy", "ndarray"): _Parts, ("numpy", "dtype"): _DType, ("_codecs", "encode"): _latin1,
+    ("collections", "OrderedDict"): dict,
+}
+_NUMBER = re.compile(r"[fiub]\d{1,2}")  # float, int, uint, bool dtypes ('f4', 'i8', 'b1')
 
 
 class _ArraysOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name} is not a numpy array part")
-        return getattr(importlib.import_module(module), name)
+        return _ALLOWED[module, name]
+
+
+def _array(parts: _Array) -> np.ndarray:
+    """ndarray.__reduce__'s state (version, shape, dtype, fortran order, raw bytes) as an array."""
+    state = parts.state
+    if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], _DType)):
+        raise pickle.UnpicklingError("an array without a plain state")
+    _, shape, dtype, fortran, data = state
+    spec, order = dtype.args[0] if dtype.args else None, (dtype.state or (None, "|"))[1]
+    if not (isinstance(spec, str) and _NUMBER.fullmatch(spec) and order in ("<", ">", "|", "=")):
+        raise pickle.UnpicklingError(f"numpy dtype {spec!r} is not a plain number type")
+    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
+        raise pickle.UnpicklingError(f"an array shape {shape!r}")
+    data = data.encode("latin1") if isinstance(data, str) else data  # Python 2's str
+    dt = np.dtype(spec).newbyteorder(order if order in "<>" else "=")
+    array = np.frombuffer(data, dt, count=math.prod(shape)) if isinstance(data, bytes) else None
+    if array is None:
+        raise pickle.UnpicklingError("array data that is not bytes")
+    return array.reshape(shape, order="F" if fortran else "C").copy()
 
 
 def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
@@ -45,14 +93,17 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
     try:
         with open(path, "rb") as f:
             obj = _ArraysOnly(f, encoding="latin1").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, OSError) as e:
+        blobs = obj.get("blobs", obj) if isinstance(obj, dict) else None
+        if not isinstance(blobs, dict):
+            raise UserError(f"{option} {shown} holds no Detectron blobs (a dict of arrays, or {{'blobs': ...}})")
+        arrays = {k: _array(v) for k, v in blobs.items() if isinstance(k, str) and isinstance(v, _Array)
+                  and not k.endswith("_momentum")}
+    except UserError:
+        raise
+    except Exception as e:  # malformed bytes fail in many ways; none of them runs code here
         raise UserError(f"{option} {shown} is not a Detectron weights file tracktron loads ({e}); only numpy "
                         "arrays in dicts are read, so a pickle that holds anything else is refused") from None
-    blobs = obj.get("blobs", obj) if isinstance(obj, dict) else None
-    if not isinstance(blobs, dict):
-        raise UserError(f"{option} {shown} holds no Detectron blobs (a dict of arrays, or {{'blobs': ...}})")
-    arrays = {k: v for k, v in blobs.items() if isinstance(k, str) and isinstance(v, np.ndarray)
-              and v.dtype.kind == "f" and not k.endswith("_momentum")}
+    arrays = {k: v for k, v in arrays.items() if v.dtype.kind == "f"}
     if not arrays:
         raise UserError(f"{option} {shown} holds no float arrays")
     broken = next((k for k, v in arrays.items() if not np.isfinite(v).all()), None)
