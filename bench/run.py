@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import Env, Section, loadavg, machine_info, md_table, quiet_logging, verdict
 
-BENCHMARKS = ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline"]
+BENCHMARKS = ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline", "big_checkpoint"]
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
@@ -72,8 +72,8 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
            "(the next run rewrites it). Every figure is a ratio of two things measured side by side in "
            "the same run, interleaved, so it holds on a shared machine whose absolute speed moves with the "
            "load. GPU figures come from `bench/gpu.sh` (not part of this file).", "",
-           "Run: `.venv/bin/python -m bench.run` (10-20 minutes on 2 cores, most of it loop_overhead's 4,200 "
-           "demo iterations; `--quick` about 3; `--only "
+           "Run: `.venv/bin/python -m bench.run` (20-30 minutes on 2 cores, most of it loop_overhead's 4,200 "
+           "demo iterations and big_checkpoint's 1 GB transfers; `--quick` about 4; `--only "
            "loop_overhead,resume` for a subset; `python -m bench.<name>` prints one benchmark without "
            "touching this file). Torch runs with one intra-op thread (`--threads`), see bench/run.py.", "",
            "## Machine", ""]

@@ -42,7 +42,7 @@ def test_gpu_sh_without_a_gpu_says_so_in_one_line_and_exits_2():
 
 
 @pytest.mark.parametrize("name", ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline",
-                                  "eval_bench"])
+                                  "eval_bench", "big_checkpoint"])
 def test_every_benchmark_module_imports(name):
     from bench.run import BENCHMARKS
 

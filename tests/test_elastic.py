@@ -154,6 +154,7 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_in_its_run_with_the_un
     assert f"resuming from {main.out / FIRST} at iteration 4" in main_log, main_log[-4000:]
     finished = only_run(client, experiment)
     assert finished.info.run_id == run.info.run_id and finished.info.status == "FINISHED"
+    assert "tracktron.status_reason" not in finished.data.tags  # the crash that the restart got over is not why it ended
     # Every step once: those the first workers had sent after the checkpoint were not sent again.
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(MAX_ITER))

@@ -59,7 +59,8 @@ class Tracker:
         self.log_metrics(metrics, step)
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
-        """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it."""
+        """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it. With
+        TRACKING.CHECKPOINTS_KEEP, older model_iter ones then leave the run (tracking/pruning.py)."""
 
     def log_model(self, folder: Path, cfg: Config) -> None:
         """Log a model folder (trainer.inference.save) as the run's servable MLflow model."""

@@ -3,7 +3,8 @@
 `start()` finds or creates the job's run on a thread (then downloads a resumed job's newest
 checkpoint) while the caller imports torch and builds the model; `run` waits for it. Everything
 after goes through two background threads with MLflow's own client: the MetricSender (one
-`log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the status).
+`log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the pruning of
+older checkpoints in the run, the status).
 """
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
 from trainer.config import Config, config_from_dict
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias, update_best
 from trainer.tracking.runs import (LATEST_TAG, bound_http, checkpoints_from, download_verified, open_run, retryable, run_url,
-                                   safe_params, sha_tag, start_error, tracking_uri)
+                                   STATUS_REASON, safe_params, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard
+from trainer.tracking.transfers import run_repository, upload as upload_file
 
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that much, the server idles
+PRUNE_JOB = "prune older checkpoints on the server"  # never a failure: what it would delete stays
 
 
 class MlflowTracker(Tracker):
@@ -53,6 +56,8 @@ class MlflowTracker(Tracker):
         self._best_metric = cfg.TEST.BEST_METRIC
         self._best = None  # the run's best checkpoint model so far (checkpoint_models.update_best)
         self._output_dir = Path(cfg.OUTPUT_DIR)
+        self._keep_on_server = cfg.TRACKING.CHECKPOINTS_KEEP  # model_iter checkpoints kept in the run (0: all)
+        self._repo = None  # MLflow's artifact repository of the run, made on the uploader thread
 
     # ---- start: find or create the job's run ----
 
@@ -210,14 +215,34 @@ class MlflowTracker(Tracker):
             # first (not after the file): a job killed during the upload keeps them as well.
             if not self._sender.wait_sent(iteration, timeout=60.0):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
-            self.client.log_artifact(self.run.run_id, str(path), "checkpoints")
+            upload_file(self._artifacts(), path, "checkpoints")  # multipart and timeouts by size: transfers.py
             # The tags say "complete": set only after the bytes are on the artifact store.
             self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                            RunTag(LATEST_TAG, path.name)])
             self._newest_uploaded = max(self._newest_uploaded, iteration)
             self._uploaded.add(path.name)
+            if self._keep_on_server > 0:  # a job of its own: a slow or failing delete is no failed upload
+                self._uploader.submit(PRUNE_JOB, self._prune)
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
+
+    def _artifacts(self):
+        if self._repo is None:
+            self._repo = run_repository(self.client, self.uri, self._run.run_id)
+        return self._repo
+
+    def _prune(self) -> None:
+        """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only, so
+        it is logged, not retried (the next checkpoint's upload tries again)."""
+        from trainer.tracking.pruning import prune_run
+
+        try:
+            gone = prune_run(self.client, self._artifacts(), self._run.run_id, self._experiment_id(),
+                             self._keep_on_server, self._evaluated)
+        except Exception as e:  # the server refused or failed a delete: everything is still there
+            log.warning("tracking: older checkpoints stay on the server for now: %s", first_line(e, 300))
+            return
+        self._uploaded.difference_update(gone)
 
     def log_image(self, image, key: str, step: int) -> None:
         self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))
@@ -336,13 +361,13 @@ class MlflowTracker(Tracker):
         if status is not None:
             self._uploader.submit("set the run's status", lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic()))
-        return [d for d in self._uploader.failed if not self._superseded(d)]
+        return [d for d in self._uploader.failed if not self._superseded(d) and d != PRUNE_JOB]
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag
 
         if reason:
-            self.client.log_batch(self._run.run_id, tags=[RunTag("tracktron.status_reason", redact_text(reason)[:5000])])
+            self.client.log_batch(self._run.run_id, tags=[RunTag(STATUS_REASON, redact_text(reason)[:5000])])
         self.client.set_terminated(self._run.run_id, status)
 
     def _superseded(self, description: str) -> bool:

@@ -23,6 +23,9 @@ LATEST_TAG = "tracktron.ckpt.latest"
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
 
+STATUS_REASON = "tracktron.status_reason"  # why a run ended FAILED or KILLED
+
+
 def sha_tag(name: str) -> str:
     return f"tracktron.ckpt.{name}.sha256"
 
@@ -31,11 +34,18 @@ _HTTP_KEYS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 _SET_BY_USER = {k for k in _HTTP_KEYS if k in os.environ}
 
 
+# MLflow's ranged download from the server's store holds each chunk whole in memory, on up to 20
+# threads: 100 MB chunks by default. Ours: 8 MB, boto3's own part size.
+DOWNLOAD_CHUNK = 8 * 1024**2
+
+
 def bound_http(timeout: int = 30, retries: int = 2) -> None:
-    """MLflow's own HTTP retries can block for minutes: bounded, unless the user set them."""
+    """MLflow's own HTTP retries can block for minutes: bounded, unless the user set them. Large
+    transfers set their own timeouts by size (transfers.py)."""
     for key, value in zip(_HTTP_KEYS, (timeout, retries)):
         if key not in _SET_BY_USER:
             os.environ[key] = str(value)
+    os.environ.setdefault("MLFLOW_MULTIPART_DOWNLOAD_CHUNK_SIZE", str(DOWNLOAD_CHUNK))
 
 
 def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
@@ -156,6 +166,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str 
         else:
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
+                if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
+                    client.delete_tag(run.info.run_id, STATUS_REASON)
             last_step = last_step_of(run)
     except UserError:
         raise

@@ -1,0 +1,282 @@
+"""Checkpoints of real size (issue 19), against a real `mlflow server` and moto's S3.
+
+A job whose checkpoints weigh some 150 MB (the demo's Faster R-CNN at full width) uploads
+them in parts, through the server's proxy (MLflow's multipart upload: the server signs a URL per
+part, the parts go to S3) and straight to S3 (boto3's multipart), and the same job resumed on an
+empty machine downloads its checkpoint, checks its sha256 and continues. A request through the proxy
+may wait for the server in proportion to what it carries, not a flat 30 s. TRACKING.CHECKPOINTS_KEEP
+leaves the run its newest model_iter checkpoints and every one that something names; a server that
+refuses the deletes loses nothing. 1 GB figures: bench/big_checkpoint.py."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import DEMO, demo_overrides
+from tests.faultkit import (  # noqa: F401 - jobs is a fixture
+    jobs, only_run, sha_tag, steps, wait_until)
+from tests.servers import FaultProxy, MlflowServer
+from trainer.checkpoint.files import checkpoint_name, sha256_of
+from trainer.config import load_config
+from trainer.tracking.mlflow_tracker import MlflowTracker
+from trainer.tracking.transfers import run_repository, upload
+
+MB = 1024**2
+PART = 16 * MB  # the proxy's parts here (MLflow's default: 10 MB from 500 MB files on)
+BOTO3_PART = 8 * MB  # boto3's default part size (TransferConfig), which MLflow's S3 repository keeps
+
+
+# The demo's model at full width (MobileNetV3, 256-channel FPN, 1024-wide box head): a checkpoint of
+# its weights and SGD momentum weighs ~150 MB, and an iteration on the demo's 128 px images stays short.
+MID_SIZE = {"MODEL.BACKBONE_WIDTH": 1.0, "MODEL.FPN_CHANNELS": 256, "MODEL.REPRESENTATION_SIZE": 1024}
+
+
+def run_key(client: MlflowClient, run_id: str, name: str, bucket: str, prefix: str) -> str:
+    """The S3 key of the run's checkpoint `name` (artifact URIs: mlflow-artifacts:/<exp>/<run>/artifacts
+    through the proxy, s3://<bucket>/<prefix>/<exp>/<run>/artifacts direct)."""
+    uri = client.get_run(run_id).info.artifact_uri
+    tail = uri.split(f"s3://{bucket}/", 1)[1] if uri.startswith("s3://") else f"{prefix}/{uri.split(':/', 1)[1].lstrip('/')}"
+    return f"{tail}/checkpoints/{name}"
+
+
+# ---- a checkpoint of real size, in parts, through the proxy and direct; a resume on an empty machine ----
+
+@pytest.mark.parametrize("route", ["proxy", "direct"])
+def test_a_150_mb_checkpoint_goes_up_in_parts_and_a_resume_elsewhere_downloads_and_verifies_it(
+        route, tmp_path, data_dir, s3_server, mlflow_server, jobs):  # noqa: F811 - the fixture
+    if route == "proxy":  # the trainer has no S3 credentials: the server signs each part's URL
+        server, prefix, env = mlflow_server, "proxied", {}
+    else:
+        prefix = f"direct-{uuid.uuid4().hex[:6]}"
+        (tmp_path / "server").mkdir()
+        server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/{prefix}", proxy=False).start()
+        env = dict(s3_server.env)
+    env.update({"MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE": str(64 * MB), "MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE": str(PART)})
+    exp = f"big-{route}-{uuid.uuid4().hex[:6]}"
+    keys = {**MID_SIZE, "SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 100, "LOG_PERIOD": 1, "TEST.DATASETS": "()",
+            "TRACKING.LOG_MODEL": "false", "TRACKING.URI": server.url, "TRACKING.EXPERIMENT": exp}
+    try:
+        # A machine preempted after its first iteration: it checkpoints that iteration and uploads it.
+        first = jobs(demo_overrides(tmp_path / "a", data_dir, **keys), tmp_path / "a", env=env, name="first")
+        wait_until(lambda: first.iters(), first, "the first iteration", timeout=300)
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.wait(120) == 128 + signal.SIGTERM, first.stderr[-3000:]
+        client = MlflowClient(server.url)
+        run = only_run(client, exp)
+        name = run.data.tags["tracktron.ckpt.latest"]
+        local = tmp_path / "a" / "output" / name
+        size = local.stat().st_size
+        assert size > 100 * MB and run.data.tags[sha_tag(name)] == sha256_of(local)
+        head = s3_server.client().head_object(Bucket=s3_server.bucket, Key=run_key(client, run.info.run_id, name,
+                                                                                    s3_server.bucket, prefix))
+        parts = -(-size // (PART if route == "proxy" else BOTO3_PART))
+        assert head["ContentLength"] == size and head["ETag"].strip('"').endswith(f"-{parts}"), head["ETag"]
+
+        # Another machine, nothing local: the checkpoint comes from the run, checked, and the job goes on.
+        second = jobs(demo_overrides(tmp_path / "b", data_dir, **keys), tmp_path / "b", env=env, name="second")
+        assert second.wait(300) == 0, second.stderr[-3000:]
+        resumed_at = int(re.search(r"model_iter(\d+)\.pth", name).group(1)) + 1
+        assert f"resuming from run {run.info.run_id} ({name}) at iteration {resumed_at}" in second.stderr
+        run = only_run(client, exp)
+        assert run.info.status == "FINISHED" and steps(client, run.info.run_id) == [0, 1, 2, 3]
+        assert run.data.tags[sha_tag("model_final.pth")] == sha256_of(tmp_path / "b" / "output" / "model_final.pth")
+    finally:
+        if route == "direct":
+            server.stop()
+
+
+# ---- timeouts by size ----
+
+class _SlowToAnswer(FaultProxy):
+    """The tracking server behind a proxy that holds its answer to each checkpoint PUT `seconds`, as a
+    server still storing the file onward does."""
+
+    def __init__(self, target: str, seconds: float):
+        super().__init__(target)
+        self.seconds, self._owed = seconds, set()
+
+    def _pump(self, src, dst, upstream: bool) -> None:
+        try:
+            while data := src.recv(1 << 18):
+                if upstream and re.match(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/", data):
+                    self._owed.add(src)  # the client's socket: its next answer waits
+                elif not upstream and dst in self._owed:
+                    self._owed.discard(dst)
+                    time.sleep(self.seconds)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            src.close()
+            dst.close()
+
+
+def test_a_put_through_the_proxy_may_wait_for_the_server_in_proportion_to_its_size(tmp_path, mlflow_server,
+                                                                                       monkeypatch):
+    """The server answers a PUT once it has stored the file onward: a 48 MB one may wait seconds where
+    a 1 MB one may not. Here the base timeout is 2 s and the answer to every PUT comes 5 s late."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with _SlowToAnswer(mlflow_server.url, 5.0) as proxy:
+        client = MlflowClient(proxy.url)
+        run_id = client.create_run(client.create_experiment(f"held-{uuid.uuid4().hex[:6]}")).info.run_id
+        repo = run_repository(client, proxy.url, run_id)
+        small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
+        small.write_bytes(os.urandom(MB))
+        big.write_bytes(os.urandom(48 * MB))  # under MLflow's 500 MB multipart threshold: one PUT
+        started = time.monotonic()
+        with pytest.raises(Exception, match="timed out|[Tt]imeout"):
+            upload(repo, small, "checkpoints")  # 2 s + 1 MB at 8 MB/s: the answer comes too late
+        assert time.monotonic() - started < 4.5
+        upload(repo, big, "checkpoints")  # 2 s + 48 MB at 8 MB/s = 8 s: waits for it
+    stored = {f.path: f.file_size for f in MlflowClient(mlflow_server.url).list_artifacts(run_id, "checkpoints")}
+    assert stored["checkpoints/model_iter2.pth"] == 48 * MB  # (the small one got there too: its client gave up)
+
+
+# ---- TRACKING.CHECKPOINTS_KEEP ----
+
+def _tracker(tmp: Path, uri: str, exp: str, resume: str | None = None) -> MlflowTracker:
+    keys = {"TRACKING.URI": uri, "TRACKING.EXPERIMENT": exp, "OUTPUT_DIR": str(tmp), "TRACKING.CHECKPOINTS_KEEP": 2}
+    cfg = load_config(DEMO, [str(x) for kv in keys.items() for x in kv])
+    tracker = MlflowTracker(cfg)
+    tracker.start(cfg, resume_run_id=resume, new_run=resume is None)
+    return tracker
+
+
+def _checkpoint(tmp: Path, tracker: MlflowTracker, iteration: int | None) -> None:
+    path = tmp / checkpoint_name(iteration)
+    path.write_bytes(os.urandom(200_000))
+    step = 100 if iteration is None else iteration
+    tracker.log_metrics({"loss": 1.0}, step)
+    tracker.log_checkpoint(path, sha256_of(path))
+    assert tracker.wait(60)
+
+
+def _stored(uri: str, run_id: str) -> set[str]:
+    return {f.path.rsplit("/", 1)[1] for f in MlflowClient(uri).list_artifacts(run_id, "checkpoints")}
+
+
+def _tagged(tags: dict) -> set[str]:
+    return {k[len("tracktron.ckpt."):-len(".sha256")] for k in tags if k.endswith(".sha256")}
+
+
+def test_keep_2_leaves_the_newest_two_and_every_checkpoint_that_is_best_evaluated_or_registered(tmp_path,
+                                                                                                  mlflow_server, s3_server):
+    """One process evaluates model_iter1 (the best) and model_iter3 and is lost; the user registers
+    model_iter5; a second process of the job uploads 7, 9, 11 and model_final. It knows nothing of
+    the first one's evaluations: the run's tags, LoggedModels and registry tell it what stays."""
+    url, exp = mlflow_server.url, f"keep-{uuid.uuid4().hex[:6]}"
+    first = _tracker(tmp_path, url, exp)
+    run_id = first.run.run_id
+    for it, ap in ((1, 0.9), (3, 0.5)):
+        _checkpoint(tmp_path, first, it)
+        first.log_evaluation({"bbox/AP": ap}, it, f"model_iter{it}.pth")
+    _checkpoint(tmp_path, first, 5)
+    assert first.finish(None, timeout=30) == []
+    client = MlflowClient(url)
+    client.create_registered_model(f"{exp}-reg")
+    client.create_model_version(f"{exp}-reg", source=f"runs:/{run_id}/checkpoints/model_iter5.pth", run_id=run_id)
+
+    second = _tracker(tmp_path, url, exp, resume=run_id)
+    for it in (7, 9, 11, None):
+        _checkpoint(tmp_path, second, it)
+        if it == 9:  # 1, 3, 5 are named, so the newest two besides them are 9 and 7: nothing to delete yet
+            assert _stored(url, run_id) == {f"model_iter{i}.pth" for i in (1, 3, 5, 7, 9)}
+    assert second.finish("FINISHED", timeout=30) == []
+    expected = {"model_iter1.pth", "model_iter3.pth", "model_iter5.pth", "model_iter9.pth", "model_iter11.pth",
+                "model_final.pth"}  # model_iter7 went when 11 was complete
+    tags = client.get_run(run_id).data.tags
+    assert _stored(url, run_id) == expected and _tagged(tags) == expected
+    assert tags["tracktron.best_checkpoint"] == "model_iter1.pth" and tags["tracktron.ckpt.latest"] == "model_final.pth"
+    assert _s3_checkpoints(s3_server, run_id) == expected  # gone from the store, not only from the listing
+
+
+def _s3_checkpoints(s3_server, run_id: str) -> set[str]:
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket).get("Contents", [])]
+    return {k.rsplit("/", 1)[1] for k in keys if f"/{run_id}/artifacts/checkpoints/" in k}
+
+
+def _uploaded(job) -> set[str]:
+    """The checkpoints a trainer wrote, less those a newer one superseded before their upload (its log)."""
+    written = set(re.findall(r"wrote checkpoint \S*/(model_\w+\.pth)", job.stderr))
+    return written - set(re.findall(r"not uploading (model_\w+\.pth)", job.stderr))
+
+
+def _short_job(tmp: Path, data_dir: Path, url: str, exp: str) -> list[str]:
+    return demo_overrides(tmp, data_dir, **{
+        "SOLVER.MAX_ITER": 16, "TRAIN.SNAPSHOT_ITERS": 2, "LOG_PERIOD": 1, "TEST.DATASETS": "()",
+        "TRACKING.LOG_MODEL": "false", "TRACKING.URI": url, "TRACKING.EXPERIMENT": exp, "TRACKING.CHECKPOINTS_KEEP": 2})
+
+
+def test_a_short_training_keeps_its_newest_two_on_the_server_and_resumes_from_them_elsewhere(
+        tmp_path, data_dir, mlflow_server, s3_server, jobs):  # noqa: F811 - the fixture
+    """A checkpoint every 2 iterations, preempted after iteration 8, resumed on an empty machine."""
+    exp = f"prune-{uuid.uuid4().hex[:6]}"
+    first = jobs(_short_job(tmp_path / "a", data_dir, mlflow_server.url, exp), tmp_path / "a", name="first")
+    wait_until(lambda: max(first.iters(), default=-1) >= 8, first, "iteration 8")
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 128 + signal.SIGTERM, first.stderr[-3000:]
+    client = MlflowClient(mlflow_server.url)
+    run_id = only_run(client, exp).info.run_id
+    iters = sorted((n for n in _uploaded(first)), key=lambda n: int(re.sub(r"\D", "", n)))
+    assert len(iters) >= 3 and _stored(mlflow_server.url, run_id) == set(iters[-2:])  # pruned as it went
+
+    second = jobs(_short_job(tmp_path / "b", data_dir, mlflow_server.url, exp), tmp_path / "b", name="second")
+    assert second.wait(240) == 0, second.stderr[-3000:]
+    assert f"resuming from run {run_id} ({iters[-1]})" in second.stderr  # the newest, kept
+    run = only_run(client, exp)
+    assert run.info.status == "FINISHED" and steps(client, run_id) == list(range(16))
+    newest = sorted((n for n in _uploaded(second) if n != "model_final.pth"), key=lambda n: int(re.sub(r"\D", "", n)))
+    expected = {"model_final.pth", *(iters + newest)[-2:]}
+    assert _stored(mlflow_server.url, run_id) == expected and _tagged(run.data.tags) == expected
+    assert _s3_checkpoints(s3_server, run_id) == expected
+    for name in expected:  # what stayed is what was written
+        assert run.data.tags[sha_tag(name)] == sha256_of(next(p for p in tmp_path.glob(f"*/output/{name}")))
+
+
+class _RefusingDeletes(FaultProxy):
+    """A tracking server whose artifact deletes fail (HTTP 503); every other request passes."""
+
+    refused = 0
+
+    def _pump(self, src, dst, upstream: bool) -> None:
+        if not upstream:
+            return super()._pump(src, dst, upstream)
+        try:
+            while data := src.recv(1 << 18):
+                if data.startswith(b"DELETE /api/2.0/mlflow-artifacts/"):
+                    self.refused += 1
+                    src.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+
+def test_a_server_that_fails_every_delete_loses_nothing_and_the_job_still_succeeds(tmp_path, data_dir, mlflow_server,
+                                                                                   jobs):  # noqa: F811 - the fixture
+    exp = f"refused-{uuid.uuid4().hex[:6]}"
+    with _RefusingDeletes(mlflow_server.url) as proxy:
+        job = jobs(_short_job(tmp_path, data_dir, proxy.url, exp), tmp_path, name="job",
+                   env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+        assert job.wait(240) == 0, job.stderr[-3000:]
+        assert proxy.refused >= 1
+    assert "older checkpoints stay on the server for now" in job.stderr
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, exp)
+    uploaded = _uploaded(job)
+    assert run.info.status == "FINISHED" and len(uploaded) > 3
+    assert _stored(mlflow_server.url, run.info.run_id) == uploaded == _tagged(run.data.tags)
+    for name in uploaded:  # each still whole: its bytes match its tag
+        path = client.download_artifacts(run.info.run_id, f"checkpoints/{name}", str(tmp_path / "check"))
+        assert sha256_of(Path(path)) == run.data.tags[sha_tag(name)]

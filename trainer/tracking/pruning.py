@@ -1,0 +1,63 @@
+"""TRACKING.CHECKPOINTS_KEEP: a run keeps its newest N complete `model_iter` checkpoints on the server.
+
+Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete.
+An older `model_iter` goes (its artifact, then its sha256 tag) unless something still names it:
+the run's best-checkpoint tag, a LoggedModel of the run (an evaluated checkpoint), a registered
+model version whose source is that file, or an evaluation of this process not linked yet.
+`model_final` and the newest complete checkpoint always stay. The artifact goes before its tag, so
+a delete that fails leaves the checkpoint whole and complete (the next upload tries again); a tag
+whose own delete failed names an old checkpoint that a resume (newest first) reaches only when every
+newer one fails its sha256, and the next pruning, which starts from the tags, removes it.
+"""
+from __future__ import annotations
+
+import logging
+
+from trainer.checkpoint.files import FINAL
+from trainer.tracking.checkpoint_models import BEST_TAGS, CHECKPOINT_TAG
+from trainer.tracking.runs import checkpoints_from, sha_tag
+from trainer.tracking.transfers import delete
+
+log = logging.getLogger(__name__)
+
+
+def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluated: set[str]) -> list[str]:
+    """Delete the run's complete model_iter checkpoints past the newest `keep` that nothing names;
+    returns their names. keep 0 keeps all."""
+    if keep <= 0:
+        return []
+    tags = client.get_run(run_id).data.tags
+    older = [n for n in checkpoints_from(tags) if n != FINAL][keep:]  # newest first: the newest is never here
+    doomed = [n for n in older if n not in evaluated and n != tags.get(BEST_TAGS[0])]
+    if doomed:
+        named = _named_by_models(client, experiment_id, run_id) | _registered(client, run_id)
+        doomed = [n for n in doomed if n not in named]
+    for name in reversed(doomed):  # oldest first
+        delete(repo, f"checkpoints/{name}")
+        _delete_tag(client, run_id, sha_tag(name))
+        log.info("deleted %s from the run (TRACKING.CHECKPOINTS_KEEP %d)", name, keep)
+    return doomed
+
+
+def _named_by_models(client, experiment_id: str, run_id: str) -> set[str]:
+    """Checkpoint files that a LoggedModel of the run points at (its tracktron.checkpoint tag)."""
+    models = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'",
+                                         max_results=1000)
+    return {m.tags[CHECKPOINT_TAG].rsplit("/", 1)[-1] for m in models if CHECKPOINT_TAG in (m.tags or {})}
+
+
+def _registered(client, run_id: str) -> set[str]:
+    """Checkpoint files that a registered model version of the run has as its source."""
+    versions = client.search_model_versions(f"run_id = '{run_id}'")
+    return {v.source.rstrip("/").rsplit("/", 1)[-1] for v in versions
+            if "/checkpoints/" in (v.source or "")}
+
+
+def _delete_tag(client, run_id: str, key: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.delete_tag(run_id, key)
+    except MlflowException as e:  # gone already: a retry after the artifact went
+        if "RESOURCE_DOES_NOT_EXIST" not in str(e.error_code):
+            raise

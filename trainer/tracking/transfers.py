@@ -1,0 +1,132 @@
+"""Checkpoint-sized files to and from the run's artifact store, in bounded memory and with timeouts
+that suit the size.
+
+MLflow's artifact repository for the run's artifact URI does the work: boto3's `upload_file` when
+the run writes to S3 itself (`MLFLOW_S3_ENDPOINT_URL`; multipart in 8 MB parts, each request with
+botocore's own timeouts), the local disk, and so on. Through the tracking server's proxy
+(`mlflow-artifacts:`) MLflow's client has one timeout for every request, or none at all, so that
+path is driven here, with the repository's own multipart protocol:
+- When the server's store takes multipart uploads (S3) and the file is past
+  MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE, the server starts one and signs a URL per part of
+  MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE; the parts go straight to the store, PART_WORKERS at a time,
+  each read from the open file when its turn comes; the server then completes the upload.
+- Otherwise one streamed PUT, which the server answers only once it has stored the whole file.
+
+Timeouts are idle timeouts (requests: no byte moved for that long), so a slow transfer that moves
+never times out. What they must allow for is the silence while the far side works on what it
+received: nothing for a part (the store answers as soon as it has it), the server's onward upload
+of the whole file for a single PUT. So each request's timeout is the base (MLFLOW_HTTP_REQUEST_TIMEOUT)
+plus that work at STORE_FLOOR_BPS: 31 s for a 10 MB part, about 2.5 minutes for a 1 GB single PUT.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+STORE_FLOOR_BPS = 8 * 1024**2  # a server storing a file onward slower than this is taken for hung
+CONNECT_S = 10.0
+PART_WORKERS = min(8, 2 * (os.cpu_count() or 1))  # parts in flight, so PART_WORKERS chunks in memory
+
+
+def run_repository(client, tracking_uri: str, run_id: str):
+    """MLflow's artifact repository of the run (what `client.log_artifact` would use)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    return get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=tracking_uri)
+
+
+def idle_timeout(silent_bytes: int) -> float:
+    """Seconds a request may go without a byte moving, when the far side works on `silent_bytes` first."""
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    return MLFLOW_HTTP_REQUEST_TIMEOUT.get() + silent_bytes / STORE_FLOOR_BPS
+
+
+def upload(repo, path: Path, artifact_path: str) -> None:
+    """`path` into the run's `artifact_path` folder."""
+    from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
+
+    if not isinstance(repo, HttpArtifactRepository):
+        repo.log_artifact(str(path), artifact_path)
+        return
+    should = getattr(repo, "_should_multipart_upload", None)  # MLflow's own choice: server support, size
+    if should is not None and should(str(path)):
+        with contextlib.suppress(_Unsupported):
+            _put_parts(repo, path, artifact_path)
+            return
+    _put_whole(repo, path, artifact_path)
+
+
+class _Unsupported(Exception):
+    """The server's store takes no multipart upload."""
+
+
+def _put_whole(repo, path: Path, artifact_path: str) -> None:
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.request_utils import augmented_raise_for_status
+    from mlflow.utils.rest_utils import http_request
+
+    endpoint = posixpath.join("/", artifact_path, path.name)
+    with open(path, "rb") as f:  # requests streams a file body
+        resp = http_request(get_default_host_creds(repo.artifact_uri), endpoint, "PUT", data=f,
+                            extra_headers={"Content-Type": "application/octet-stream"},
+                            timeout=(CONNECT_S, idle_timeout(path.stat().st_size)))
+    augmented_raise_for_status(resp)
+
+
+def _put_parts(repo, path: Path, artifact_path: str) -> None:
+    from mlflow.environment_variables import MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE
+
+    chunk, size = MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE.get(), path.stat().st_size
+    create = _create(repo, path, max(1, -(-size // chunk)), artifact_path)
+    pool = ThreadPoolExecutor(PART_WORKERS, thread_name_prefix="upload-part")
+    try:
+        with open(path, "rb") as f:  # one descriptor, read with pread: a file pruned meanwhile still reads
+            futures = [pool.submit(_put_part, f.fileno(), c, i * chunk, min(chunk, size - i * chunk))
+                       for i, c in enumerate(create.credentials)]
+            parts = [future.result() for future in futures]
+        repo.complete_multipart_upload(str(path), create.upload_id, parts, artifact_path)
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        with contextlib.suppress(Exception):  # the store drops the parts sent (else they linger, billed)
+            repo.abort_multipart_upload(str(path), create.upload_id, artifact_path)
+        raise
+    finally:
+        pool.shutdown()
+
+
+def _create(repo, path: Path, parts: int, artifact_path: str):
+    from mlflow.exceptions import _UnsupportedMultipartUploadException
+    from requests import HTTPError
+
+    try:
+        return repo.create_multipart_upload(str(path), parts, artifact_path)
+    except HTTPError as e:
+        try:
+            message = str(e.response.json().get("message", ""))
+        except Exception:  # not MLflow's JSON error: a proxy's page, say
+            raise e from None
+        if message.startswith(_UnsupportedMultipartUploadException.MESSAGE):
+            raise _Unsupported() from None
+        raise
+
+
+def _put_part(fd: int, credential, start: int, length: int):
+    from mlflow.entities.multipart_upload import MultipartUploadPart
+    from mlflow.environment_variables import MLFLOW_S3_IGNORE_TLS
+    from mlflow.utils.request_utils import augmented_raise_for_status, cloud_storage_http_request
+
+    data = os.pread(fd, length, start)
+    with cloud_storage_http_request("put", credential.url, data=data, headers=credential.headers,
+                                    timeout=(CONNECT_S, idle_timeout(length)),
+                                    verify=not MLFLOW_S3_IGNORE_TLS.get()) as resp:
+        augmented_raise_for_status(resp)
+        return MultipartUploadPart(credential.part_number, resp.headers.get("ETag", ""), credential.url)
+
+
+def delete(repo, artifact_path: str) -> None:
+    """The run's `artifact_path`, gone from its store (the proxy: DELETE mlflow-artifacts; S3, disk: directly)."""
+    repo.delete_artifacts(artifact_path)
