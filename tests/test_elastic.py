@@ -139,8 +139,7 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_in_its_run_with_the_un
         killed_at = time.time()
         victim.send_signal(signal.SIGKILL)
         # Both agents start new workers (max-restarts 1): the survivor's is stopped and started again too.
-        wait_for(lambda: all(n.worker() and n.worker().pid not in {w.pid for w in first} for n in nodes),
-                 nodes, "new workers on both nodes")
+        wait_for(lambda: all(_restarted(n, {w.pid for w in first}) for n in nodes), nodes, "new workers on both nodes")
         codes = wait_all(nodes)
         logs = {n.name: n.text() for n in nodes}
         assert codes == [0, 0], "\n".join(text[-4000:] for text in logs.values())
@@ -161,6 +160,11 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_in_its_run_with_the_un
     assert max(before_kill) >= 4 and all(m.timestamp < killed_at * 1000 for m in history if m.step in before_kill)
 
     assert_same_weights(reference, main.out / "model_final.pth")
+
+
+def _restarted(node: Node, old_pids: set) -> bool:
+    worker = node.worker()  # once: between two looks it can be gone
+    return worker is not None and worker.pid not in old_pids
 
 
 def _run_with(client: MlflowClient, experiment: str, checkpoint: str):
