@@ -14,7 +14,7 @@ LAYERS = {"errors": 0, "atomic_write": 0, "redaction": 0, "logs": 0, "config_yam
           "inference": 1, "visualize": 1,
           "stats": 2, "checkpoint": 2, "tracking": 2,
           "evaluation": 3, "eval_images": 3, "lineage": 3, "publish": 3,
-          "predict": 4, "dry_run": 4, "explain": 4, "engine": 4, "status": 5, "cli": 6, "__main__": 7}
+          "predict": 4, "dry_run": 4, "explain": 4, "preflight": 4, "engine": 4, "status": 5, "cli": 6, "__main__": 7}
 
 
 def _modules() -> dict[str, Path]:

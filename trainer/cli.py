@@ -76,9 +76,12 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
-            # The job's run is found (and a resumed job's checkpoint downloaded) while torch loads.
-            tracker.start(cfg, resume_run_id, new_run=no_resume)
+            # The job's run is looked up while torch loads and the job is checked; it is made (and a
+            # resumed job's checkpoint downloaded) only once every check passed.
+            tracker.start(cfg, resume_run_id, new_run=no_resume, wait_for_checks=True)
             importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
+            prepared = _check_job(cfg, tracker)
+            tracker.checks_passed()
             from trainer import distributed
             from trainer.tracking.system_metrics import start_monitor
 
@@ -91,7 +94,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
-            _train(cfg, tracker, ctx)
+            _train(cfg, tracker, ctx, prepared)
     except StopRequested as e:
         _stopped(tracker, e)
     finally:
@@ -101,6 +104,26 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
             distributed.teardown(ctx)
         if lock is not None:
             lock.release()
+
+
+def _check_job(cfg, tracker):
+    """The job's datasets and network, checked and built before a run is made for it: a job that
+    fails a check leaves the tracking store as it was. A finished job has nothing to do, whatever
+    became of its data (None: the engine sees that for itself)."""
+    from trainer.preflight import prepare
+
+    try:
+        return prepare(cfg)
+    except UserError:
+        local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / "model_final.pth").is_file()
+        try:
+            finished = local_final or tracker.found_final()
+        except UserError:  # the lookup failed too: the job's own error says more
+            finished = False
+        if not finished:
+            tracker.finish(None)  # no run was made: nothing to mark
+            raise
+        return None
 
 
 def _join(distributed, tracker):
@@ -159,11 +182,11 @@ def _write_run_id(run_id: str) -> None:
         write_atomic(Path(target), run_id)
 
 
-def _train(cfg, tracker, ctx) -> None:
+def _train(cfg, tracker, ctx, prepared) -> None:
     from trainer.engine import Job, NonFiniteLoss, train_model
 
     try:
-        done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR)))
+        done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared))
     except (Preempted, StopRequested) as e:
         _stopped(tracker, e)
     except NonFiniteLoss as e:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, iteration_of, local_checkpoints
 from trainer.config import Config, job_hash
-from trainer.data import build_train_dataset, check_test_datasets
 from trainer.lineage import initial_weights
-from trainer.data.coco import CocoDetection, check_batch_size, resolve_dataset
-from trainer.models import build_model, load_weights
+from trainer.data.coco import CocoDetection, resolve_dataset
+from trainer.models import load_weights
 from trainer.output_lock import OutputLock
+from trainer.preflight import prepare
 from trainer.redaction import redact_text
 from trainer.solver import lr_at_iter
 from trainer.tracking.runs import find_job_run, tracking_uri
@@ -20,12 +20,11 @@ from trainer.tracking.runs import find_job_run, tracking_uri
 def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int) -> str:
     """The job as it would run, in a few lines; UserError for the first thing that would stop it."""
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
-    dataset = build_train_dataset(cfg)
-    check_test_datasets(cfg)
-    check_batch_size(cfg, dataset)
-    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
-    with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
-        load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
+    prepared = prepare(cfg)  # what a job's start checks
+    dataset, model = prepared.dataset, prepared.model
+    if not prepared.weights_loaded:
+        with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
+            load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
              f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "

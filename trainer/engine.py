@@ -1,6 +1,6 @@
 """The training loop: Detectron's train_model(), step by step, each step one named call.
 
-    created = create_model(job)                dataset and network; AUTO_RESUME: newest checkpoint
+    created = create_model(job)                dataset and network (preflight.prepare); AUTO_RESUME: newest checkpoint
     if created.start.final: nothing to do
     state = setup_model_for_training(job, created)     weights, optimizer, scheduler, loader
     for cur_iter in range(start_iter, MAX_ITER):
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,14 +28,15 @@ from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import CheckpointError, capture_rng, load, newest_valid, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, job_keys, redacted, write_config
-from trainer.data import build_train_dataset, build_train_loader, check_test_datasets
+from trainer.data import build_train_loader
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
-from trainer.models import build_model, describe_model, load_weights, unwrap
+from trainer.preflight import Prepared, prepare, seed_everything
+from trainer.models import describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.publish import complete_finished_run, log_final_model
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
@@ -62,6 +60,7 @@ class Job:
     ctx: Context
     tracker: Tracker
     output_dir: Path
+    prepared: Prepared | None = None  # the dataset and network the CLI checked the job with
 
 
 @dataclass
@@ -77,6 +76,7 @@ class CreatedModel:
     start: StartPoint
     dataset: object | None  # None when the job has nothing to do and its data is gone
     model: torch.nn.Module | None
+    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already
 
 
 @dataclass
@@ -96,7 +96,8 @@ class LoopState:
 def train_model(job: Job) -> StartPoint | None:
     """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
     cfg = job.cfg
-    seed_everything(cfg)
+    if job.prepared is None:  # else seeded before the network was built
+        seed_everything(cfg)
     created = create_model(job)
     if created.start.final:
         log.info("model_final already exists (%s): nothing to do", created.start.source)
@@ -146,18 +147,6 @@ def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -
 
 # ---- start: seed, resume point, model ----
 
-def seed_everything(cfg: Config) -> None:
-    random.seed(cfg.RNG_SEED)
-    np.random.seed(cfg.RNG_SEED)
-    torch.manual_seed(cfg.RNG_SEED)
-    if cfg.DETERMINISTIC:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
-
-
 def create_model(job: Job) -> CreatedModel:
     """Rank 0 finds where to start on a thread while every rank builds the dataset and the network,
     so that a checkpoint downloaded from the run (a job moved to another machine) arrives during
@@ -166,9 +155,8 @@ def create_model(job: Job) -> CreatedModel:
         finding = pool.submit(find_start_point, job) if job.ctx.is_main else None
         dataset = model = failed = None
         try:
-            dataset = build_train_dataset(job.cfg)
-            check_test_datasets(job.cfg)
-            model = build_model(job.cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+            prepared = job.prepared or prepare(job.cfg)
+            dataset, model = prepared.dataset, prepared.model
         except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
             failed = e
         start = broadcast_object(job.ctx, finding.result() if finding else None)
@@ -176,7 +164,7 @@ def create_model(job: Job) -> CreatedModel:
         raise failed
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
-    return CreatedModel(start, dataset, model)
+    return CreatedModel(start, dataset, model, prepared.weights_loaded if dataset is not None else False)
 
 
 def find_start_point(job: Job) -> StartPoint:
@@ -228,8 +216,8 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     cfg, ctx, start = job.cfg, job.ctx, created.start
     loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
     model, parent = created.model.to(ctx.device), {}
-    if start.state is None:
-        with initial_weights(cfg) as (weights, parent):  # a file, a torchvision name, or from MLflow
+    if start.state is None and not created.weights_loaded:
+        with initial_weights(cfg) as (weights, parent):  # from MLflow (the others were loaded by prepare)
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     else:
         model.load_state_dict(start.state["model"])

@@ -25,9 +25,18 @@ class Tracker:
     uri: str | None = None
     run: RunInfo = RunInfo()
 
-    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
-        """Find or create the job's run on a background thread (a resumed job's newest checkpoint
-        starts downloading right after); `run` waits for it."""
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
+              wait_for_checks: bool = False) -> None:
+        """Find the job's run on a background thread, then make or reopen it (a resumed job's newest
+        checkpoint starts downloading right after); `run` waits for it. With wait_for_checks, nothing
+        is written until checks_passed(): a job that fails its checks leaves the store as it was."""
+
+    def checks_passed(self) -> None:
+        """The job's checks passed: start() may now make or reopen its run."""
+
+    def found_final(self) -> bool:
+        """Whether the run start() found already has model_final (waits for the lookup)."""
+        return False
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
         """Download a complete checkpoint of the run and verify it; None if it is unusable."""

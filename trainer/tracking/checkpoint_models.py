@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +76,15 @@ def set_alias(client, name: str, alias: str, version: str) -> None:
 def _name(checkpoint: str) -> str:
     return checkpoint.removesuffix(".pth")
 
+
+def detector_folder(client, run_id: str, local: Path, tmp: Path) -> Path:
+    """A model folder of checkpoint `local` (its file, else the run's copy of it, safely loaded)."""
+    from trainer.checkpoint.state import load as load_checkpoint
+    from trainer.config import config_from_dict
+    from trainer.inference import save as save_model
+    from trainer.tracking.logged_model import ARTIFACT
+
+    path = local if local.is_file() else Path(client.download_artifacts(run_id, f"checkpoints/{local.name}", str(tmp)))
+    state = load_checkpoint(path)
+    return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
+                      state["categories"]["categories"], state["categories"]["keypoint_names"])

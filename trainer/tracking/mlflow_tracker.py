@@ -1,7 +1,7 @@
 """The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
 
-`start()` finds or creates the job's run on a thread (then downloads a resumed job's newest
-checkpoint) while the caller imports torch and builds the model; `run` waits for it. Everything
+`start()` finds the job's run on a thread while the caller imports torch and checks the job, then makes
+or reopens it (and downloads a resumed job's newest checkpoint); `run` waits for it. Everything
 after goes through two background threads with MLflow's own client: the MetricSender (one
 `log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the pruning of
 older checkpoints in the run, the status).
@@ -17,15 +17,17 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
-from trainer.config import Config, config_from_dict
+from trainer.config import Config
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias, update_best
-from trainer.tracking.runs import (LATEST_TAG, bound_http, checkpoints_from, download_verified, open_run, retryable, run_url,
-                                   STATUS_REASON, safe_params, sha_tag, start_error, tracking_uri)
-from trainer.tracking.sqlite_store import first_use_guard
+from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, detector_folder, link_evaluation, set_alias
+from trainer.tracking.checkpoint_models import update_best
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, download_verified,
+                                   experiment_name, find_run, open_run, retryable, run_url, safe_params, sha_tag,
+                                   start_error, tracking_uri)
+from trainer.tracking.sqlite_store import first_use_guard, sqlite_path
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,10 @@ class MlflowTracker(Tracker):
         self._skip_until = -1  # steps already logged by an earlier process of this run
         self._tags: dict[str, str] = {}
         self._run = RunInfo()
-        self._opening: Future | None = None
+        self._opening: Future | None = None  # the run, made or reopened
+        self._found: Future | None = None  # the lookup before it
+        self._checked = threading.Event()  # the job's checks passed: the run may be written
+        self._abandoned = False  # the job ended before they did
         self._prefetched: tuple[str, Path, Future] | None = None  # the download start() began
         self._sender: MetricSender | None = None
         self._uploader = Uploader(retryable)
@@ -61,11 +66,20 @@ class MlflowTracker(Tracker):
 
     # ---- start: find or create the job's run ----
 
-    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False) -> None:
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
+              wait_for_checks: bool = False) -> None:
         if self._opening is None:
-            self._opening = Future()
+            self._opening, self._found = Future(), Future()
+            if not wait_for_checks:
+                self._checked.set()
             threading.Thread(target=self._open, args=(cfg, resume_run_id, new_run), name="tracking-start",
                              daemon=True).start()
+
+    def checks_passed(self) -> None:
+        self._checked.set()
+
+    def found_final(self) -> bool:
+        return self._found is not None and self._found.result().final
 
     @property
     def run(self) -> RunInfo:
@@ -89,12 +103,32 @@ class MlflowTracker(Tracker):
         except Exception as e:  # a URI MLflow has no store for: the user's to fix
             raise UserError(start_error(self.uri, e)) from None
 
+    def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
+        """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
+        if self.uri.startswith("sqlite:///") and not sqlite_path(self.uri).is_file():
+            if resume_run_id:
+                raise UserError(f"run {resume_run_id} does not exist on {self.uri} (there is no store yet)")
+            return FoundRun(None, experiment_name(cfg), None)
+        with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
+            self._make_client()
+            return find_run(self.client, self.uri, cfg, resume_run_id, new_run)
+
     def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
-        """On a thread: the run, then (for a resumed job) the download the resume will want."""
+        """On a thread: find the run; once the job's checks passed, make or reopen it; then (for a
+        resumed job) the download the resume will want."""
         try:
-            with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
+            self._found.set_result(self._look_up(cfg, resume_run_id, new_run))
+        except BaseException as e:  # a UserError, or one line for what the client could not do
+            self._found.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
+            self._opening.set_exception(self._found.exception())
+            return
+        self._checked.wait()
+        try:
+            if self._abandoned:
+                raise UserError("the job stopped before its run was made")
+            with first_use_guard(self.uri):
                 self._make_client()
-                found = open_run(self.client, self.uri, cfg, self.world_size, resume_run_id, new_run)
+                found = open_run(self.client, self.uri, cfg, self.world_size, self._found.result())
             run_id = found.run.info.run_id
             self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
@@ -324,27 +358,17 @@ class MlflowTracker(Tracker):
         from trainer.tracking.logged_model import log_detector
 
         with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-            folder = self._detector_folder(name, Path(tmp))
+            folder = detector_folder(self.client, self._run.run_id, self._output_dir / name, Path(tmp))
             return log_detector(self.uri, self._run.run_id, folder, name=f"best-{name.removesuffix('.pth')}",
                                 registered_model_name=registered).registered_model_version
-
-    def _detector_folder(self, name: str, tmp: Path) -> Path:
-        """A model folder of checkpoint `name`: the local file, else the run's copy (safely loaded)."""
-        from trainer.checkpoint.state import load as load_checkpoint
-        from trainer.inference import save as save_model
-        from trainer.tracking.logged_model import ARTIFACT
-
-        path = self._output_dir / name
-        if not path.is_file():
-            path = Path(self.client.download_artifacts(self._run.run_id, f"checkpoints/{name}", str(tmp)))
-        state = load_checkpoint(path)
-        return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
-                          state["categories"]["categories"], state["categories"]["keypoint_names"])
 
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
 
     def finish(self, status: str | None, reason: str = "", timeout: float | None = None) -> list[str]:
+        if not self._checked.is_set():  # the job ended before its checks passed: no run was made
+            self._abandoned = True
+            self._checked.set()
         self._discard(self._prefetched)  # never asked for: a local checkpoint was newer
         self._prefetched = None
         try:

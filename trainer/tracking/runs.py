@@ -149,12 +149,42 @@ class OpenedRun:
     note: str | None  # for the log: why the job continues in another run than the launcher's
 
 
-def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str | None, new_run: bool) -> OpenedRun:
-    """Find or create the job's run (UserError, in one line, when the server cannot be used)."""
+@dataclass
+class FoundRun:
+    """The job's run as the store has it, found without writing anything."""
+    run: object | None  # the run to continue or adopt; None: a new one is made
+    experiment: str  # the experiment a new run goes to (made with it if it does not exist)
+    experiment_id: str | None
+    launcher_note: tuple | None = None  # (launcher's run id, the job's run id, note) for the launcher's run
+
+    @property
+    def final(self) -> bool:
+        return self.run is not None and JOB_TAG in self.run.data.tags and FINAL in checkpoints_of(self.run)
+
+
+def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
+    """--resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run: read, nothing written."""
+    try:
+        return _find_run(client, uri, cfg, resume_run_id, new_run)
+    except UserError:
+        raise
+    except Exception as e:  # nothing was written yet: say why in one line
+        raise UserError(start_error(uri, e)) from None
+
+
+def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) -> OpenedRun:
+    """Make the job's run (and its experiment), adopt the launcher's, or mark the found one RUNNING:
+    the first writes, made once the job's checks have passed (UserError, in one line, when the
+    server cannot be used)."""
     from mlflow.entities import RunTag
 
     try:
-        run, exp_id, note = _find_run(client, uri, cfg, resume_run_id, new_run)
+        run, note = found.run and client.get_run(found.run.info.run_id), None  # as it is now, after the checks
+        if found.launcher_note:  # `mlflow run` made a new run for a job that has one: one job stays one run
+            launcher_id, job_run_id, note = found.launcher_note
+            client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", job_run_id),
+                                                RunTag("mlflow.note.content", note)])
+        exp_id = found.experiment_id or _experiment(client, found.experiment)
         resumed = run is not None and JOB_TAG in run.data.tags
         last_step = -1
         if run is None:
@@ -171,34 +201,30 @@ def open_run(client, uri: str, cfg: Config, world_size: int, resume_run_id: str 
             last_step = last_step_of(run)
     except UserError:
         raise
-    except Exception as e:  # nothing was written yet: say why in one line
+    except Exception as e:  # say why in one line
         raise UserError(start_error(uri, e)) from None
     return OpenedRun(run, exp_id, resumed, last_step, note)
 
 
-def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool):
-    """(run or None, experiment id, note): --resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run."""
-    from mlflow.entities import RunTag
-
+def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
     if resume_run_id:
         run = _resumable_run(client, uri, cfg, resume_run_id)
-        return run, run.info.experiment_id, None
+        return FoundRun(run, "", run.info.experiment_id)
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
         launcher = _get_run(client, uri, launcher_id)
         exp_id = launcher.info.experiment_id
         if JOB_TAG in launcher.data.tags or not resume:
-            return launcher, exp_id, None
+            return FoundRun(launcher, "", exp_id)
         earlier = _newest_job_run(client, exp_id, cfg)
         if earlier is None:
-            return launcher, exp_id, None
-        # `mlflow run` made a new run for a job that has one: one job stays one run.
+            return FoundRun(launcher, "", exp_id)
         note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
-        client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", earlier.info.run_id),
-                                            RunTag("mlflow.note.content", note)])
-        return earlier, exp_id, note
-    exp_id = _experiment(client, experiment_name(cfg))
-    return (_newest_job_run(client, exp_id, cfg) if resume else None), exp_id, None
+        return FoundRun(earlier, "", exp_id, (launcher_id, earlier.info.run_id, note))
+    name = experiment_name(cfg)
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp is not None else None
+    return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id)
 
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
@@ -225,21 +251,14 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     bound_http(timeout=10, retries=1)  # a read-only look: give up soon
     try:
         client = MlflowClient(uri)
-        if resume_run_id:
-            run = _resumable_run(client, uri, cfg, resume_run_id)
-        elif launcher := os.environ.get("MLFLOW_RUN_ID"):
-            return f"the launcher's run {launcher} (or this job's earlier run in its experiment)"
-        else:
-            exp = client.get_experiment_by_name(name)
-            if exp is None:
-                return f"experiment {name} (new), a new run"
-            run = _newest_job_run(client, exp.experiment_id, cfg) if cfg.TRAIN.AUTO_RESUME and not new_run else None
-    except UserError:
-        raise
-    except Exception as e:  # unreachable, refused credentials: as the job's start would say
+    except Exception as e:  # a URI MLflow has no store for: as the job's start would say
         raise UserError(start_error(uri, e)) from None
+    found = find_run(client, uri, cfg, resume_run_id, new_run)
+    run = found.run
     if run is None:
-        return f"experiment {name}, a new run"
+        return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run"
+    if JOB_TAG not in run.data.tags:
+        return f"adopts run {run.info.run_id}, which its launcher made"
     done = checkpoints_of(run)
     if FINAL in done:
         return f"run {run.info.run_id} has model_final: nothing to do"

@@ -1,0 +1,51 @@
+"""The checks of a job that need its data and its network, made before a run is made for it: the
+training datasets built, the test datasets read, the batch against the set, the network built and
+its initial weights loaded (those named in MLflow were found by check_source and load later). The
+engine then trains on what was built here, so nothing is built twice."""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.config import Config
+from trainer.data import build_train_dataset, check_test_datasets
+from trainer.data.coco import check_batch_size
+from trainer.models import build_model, load_weights
+from trainer.tracking.model_uris import MLFLOW_URIS
+
+
+@dataclass
+class Prepared:
+    dataset: object
+    model: torch.nn.Module
+    weights_loaded: bool  # TRAIN.WEIGHTS is in the model already
+
+
+def seed_everything(cfg: Config) -> None:
+    random.seed(cfg.RNG_SEED)
+    np.random.seed(cfg.RNG_SEED)
+    torch.manual_seed(cfg.RNG_SEED)
+    if cfg.DETERMINISTIC:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
+
+
+def prepare(cfg: Config) -> Prepared:
+    """UserError for the first thing that would stop the job. Seeds first: the network's random
+    initialisation is the job's."""
+    seed_everything(cfg)
+    dataset = build_train_dataset(cfg)
+    check_test_datasets(cfg)
+    check_batch_size(cfg, dataset)
+    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+    here = bool(cfg.TRAIN.WEIGHTS) and not cfg.TRAIN.WEIGHTS.startswith(MLFLOW_URIS)
+    if here:
+        load_weights(model, cfg.TRAIN.WEIGHTS)
+    return Prepared(dataset, model, here)
