@@ -235,7 +235,8 @@ def test_unknown_resume_run_id_is_exit_2(tmp_path, data_dir):
     result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}) + ["--resume", "0" * 32],
                          cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == f"error: run {'0' * 32} does not exist on {uri}"
+    assert result.stderr.strip().splitlines()[-1] == f"error: run {'0' * 32} does not exist on {uri} (there is no store yet)"
+    assert not (tmp_path / "store.db").exists()  # looking for it made none
 
 
 def test_resume_of_another_jobs_run_is_refused_before_anything_is_touched(tmp_path, data_dir):
