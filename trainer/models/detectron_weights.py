@@ -178,23 +178,26 @@ def detectron_name(key: str, model: nn.Module) -> tuple[str | None, str]:
     return None, field
 
 
-def _resnet(path: str, prefix: str, stage_of_layer) -> str | None:
-    if path in (f"{prefix}conv1", f"{prefix}bn1"):
-        return "conv1" if path.endswith("conv1") else "res_conv1_bn"
-    found = re.fullmatch(re.escape(prefix) + r"layer(\d)\.(\d+)\.(conv|bn)(\d)", path)
+def _stage(rest: str, stage: int) -> str | None:
+    """A block of res{stage}, named from within its stage: `{block}.conv{n}` / `.bn{n}` / `0.downsample.{0,1}`."""
+    found = re.fullmatch(r"(\d+)\.(conv|bn)(\d)", rest)
     if found:
-        layer, block, kind, n = found.groups()
-        base = f"res{stage_of_layer(int(layer))}_{block}_branch{_BRANCH[int(n)]}"
+        block, kind, n = found.groups()
+        base = f"res{stage}_{block}_branch{_BRANCH[int(n)]}"
         return base if kind == "conv" else base + "_bn"
-    found = re.fullmatch(re.escape(prefix) + r"layer(\d)\.0\.downsample\.([01])", path)
-    if found:
-        base = f"res{stage_of_layer(int(found.group(1)))}_0_branch1"
-        return base if found.group(2) == "0" else base + "_bn"
-    return None
+    found = re.fullmatch(r"0\.downsample\.([01])", rest)
+    return f"res{stage}_0_branch1" + ("" if found.group(1) == "0" else "_bn") if found else None
+
+
+def _resnet(path: str) -> str | None:
+    if path in ("backbone.body.conv1", "backbone.body.bn1"):
+        return "conv1" if path.endswith("conv1") else "res_conv1_bn"
+    found = re.fullmatch(r"backbone\.body\.layer(\d)\.(.+)", path)
+    return _stage(found.group(2), int(found.group(1)) + 1) if found else None
 
 
 def _body(path: str, model: nn.Module) -> str | None:
-    name = _resnet(path, "backbone.body.", lambda layer: layer + 1)
+    name = _resnet(path)
     if name is not None and _norm_is_gn(model, path):
         name = "conv1_gn" if name == "res_conv1_bn" else name.replace("_bn", "_gn")
     return name
@@ -244,15 +247,7 @@ def _box(path: str, model: nn.Module) -> str | None:
 
 
 def _res5(path: str, prefix: str) -> str | None:
-    found = re.fullmatch(re.escape(prefix) + r"(\d)\.(conv|bn)(\d)", path)
-    if found:
-        block, kind, n = found.groups()
-        base = f"res5_{block}_branch{_BRANCH[int(n)]}"
-        return base if kind == "conv" else base + "_bn"
-    found = re.fullmatch(re.escape(prefix) + r"0\.downsample\.([01])", path)
-    if found:
-        return "res5_0_branch1" + ("" if found.group(1) == "0" else "_bn")
-    return None
+    return _stage(path[len(prefix):], 5) if path.startswith(prefix) else None
 
 
 def _mask(path: str, model: nn.Module) -> str | None:
