@@ -132,7 +132,8 @@ class FaultProxy:
     every request with HTTP 503 and close: an overloaded S3 endpoint). Setting a mode closes the
     connections already open, so pooled keep-alive connections see it too.
     `hold(pattern)`: forward the request whose first bytes match `pattern` (a regex on bytes) only
-    up to `after` bytes, then hold it (no more bytes either way); `held` is set when that happens.
+    up to `after` bytes, then hold it (no more bytes either way); `held` is set when that happens and
+    `held_request` is its request line.
     `delay_requests(pattern, seconds)`: every request matching `pattern` waits that long before it is sent on.
     """
 
@@ -141,6 +142,7 @@ class FaultProxy:
         self.target = (parsed.hostname, parsed.port or 80)
         self.mode, self.delay = mode, delay
         self.held = threading.Event()
+        self.held_request = b""  # the request line of the held request
         self.errors_sent = 0
         self.requests_seen: list[bytes] = []  # request lines that began a chunk (most do)
         self._hold: tuple[re.Pattern, int] | None = None
@@ -251,6 +253,7 @@ class FaultProxy:
                             time.sleep(seconds)
                 if upstream and self._hold and not holding and self._hold[0].search(data):
                     holding, budget = True, self._hold[1]
+                    self.held_request = data.split(b"\r\n", 1)[0]
                     self._hold = None  # one request only
                 if holding:
                     if budget <= 0:

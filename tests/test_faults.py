@@ -27,7 +27,7 @@ from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file ar
     assert_gone, assert_same_weights, flip_bytes, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
     only_run, reference, sha_tag, steps, temp_files, wait_until)
 from tests.servers import FaultProxy
-from trainer.checkpoint.files import local_checkpoints, sha256_of
+from trainer.checkpoint.files import iteration_of, local_checkpoints, sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
 
 
@@ -197,27 +197,29 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
 
 def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_server(
         tmp_path, data_dir, mlflow_server, s3_server, reference, jobs):
-    """The first checkpoint's upload is held after 1 MiB (the first one: never superseded, it starts
-    at once), the trainer SIGKILLed there; the newer local checkpoints rot; the resumed job goes
-    through a slow link."""
+    """The first model_iter upload to go out is held after 1 MiB and the trainer SIGKILLed there (which
+    one goes first depends on the machine: one queued behind the run's first jobs is superseded); the
+    newer local checkpoints rot; the resumed job goes through a slow link."""
     exp = f"upload-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(mlflow_server.url)
     machine = tmp_path / "machine1"
     out = machine / "output"
     with FaultProxy(mlflow_server.url) as proxy:
-        proxy.hold(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter2\.pth ", after=1 << 20)
+        proxy.hold(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter\d+\.pth ", after=1 << 20)
         args = job_args(machine, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
                                               "TRACKING.FLUSH_TIMEOUT_S": 120})
         first = jobs(args, machine, env=s3_server.env, name="first")
-        wait_until(proxy.held.is_set, first, "the upload of model_iter2.pth", timeout=300)
-        first.kill_group()  # 1 MiB of model_iter2.pth has gone out; the rest never will
+        wait_until(proxy.held.is_set, first, "the upload of a model_iter checkpoint", timeout=300)
+        first.kill_group()  # 1 MiB of the checkpoint has gone out; the rest never will
+        held = int(re.search(rb"model_iter(\d+)\.pth", proxy.held_request).group(1))
 
         tags = only_run(client, exp).data.tags
         assert "tracktron.ckpt.latest" not in tags  # the half-uploaded checkpoint is not claimed
         assert not [t for t in tags if t.endswith(".sha256")]
-        assert load_checkpoint(out / "model_iter2.pth")["iteration"] == 2
-        rotten = [p for p in local_checkpoints(out) if p.name != "model_iter2.pth"]
-        for path in rotten:  # whatever the trainer wrote after model_iter2 rots
+        assert load_checkpoint(out / f"model_iter{held}.pth")["iteration"] == held
+        rotten = [p for p in local_checkpoints(out) if iteration_of(p.name) > held]
+        assert rotten  # the trainer went on past the held upload: at least model_final
+        for path in rotten:  # whatever the trainer wrote after the held checkpoint rots
             flip_bytes(path)
 
         # Resumed through a slow link: every byte of every request is delayed.
@@ -227,7 +229,7 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
     err = second.stderr
     for path in rotten:
         assert f"{path.name}: corrupt (record" in err or f"{path.name}: not a complete checkpoint" in err
-    assert f"resuming from {out / 'model_iter2.pth'} at iteration 3" in err
+    assert f"resuming from {out / f'model_iter{held}.pth'} at iteration {held + 1}" in err
     run = only_run(client, exp)
     assert run.info.status == "FINISHED"
     assert steps(client, run.info.run_id) == list(range(MAX_ITER))
