@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 import uuid
@@ -239,6 +240,50 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
         if sha_tag(name) in run.data.tags:
             assert run.data.tags[sha_tag(name)] == sha256_of(out / name)
     assert_same_weights(reference, out / "model_final.pth")
+
+
+def test_a_resumed_job_that_fails_its_checks_drops_the_checkpoint_it_began_downloading(
+        tmp_path, data_dir, mlflow_server, s3_server, jobs):
+    """A resumed job's newest checkpoint downloads from the moment its run is found, before the checks
+    (it overlaps torch's import). Here that download hangs and a check fails: the job still ends at
+    once with its one line, leaves no partial download behind and the run as it was; with its data
+    mended it resumes from that checkpoint."""
+    exp = f"prefetch-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(mlflow_server.url)
+    keys = {"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp}
+    first = jobs(job_args(tmp_path / "machine1", data_dir, **keys), tmp_path / "machine1", env=s3_server.env)
+
+    def complete() -> bool:  # the run (made once the checks passed) holds a checkpoint with its tag
+        made = client.get_experiment_by_name(exp)
+        return bool(made and [t for t in only_run(client, exp).data.tags if t.endswith(".sha256")])
+
+    wait_until(complete, first, "a checkpoint complete on the server", poll=0.2)
+    first.kill_group()
+    before = only_run(client, exp)
+    newest = before.data.tags["tracktron.ckpt.latest"]
+
+    machine = tmp_path / "machine2"  # an empty machine whose copy of the dataset is broken
+    broken = machine / "data"
+    shutil.copytree(data_dir, broken)
+    (broken / "synth_shapes" / "train" / "annotations.json").write_text("{")
+    out = machine / "output"
+    with FaultProxy(mlflow_server.url) as proxy:
+        # MLflow asks the server for the checkpoint's presigned URL, then reads S3: that question hangs.
+        proxy.hold(rb"GET /api/2\.0/mlflow-artifacts/presigned/\S*/checkpoints/" + re.escape(newest.encode()), after=0)
+        args = job_args(machine, broken, **{**keys, "TRACKING.URI": proxy.url})
+        bad = run_trainer(args, cwd=machine, env=s3_server.env, timeout=120)
+        assert proxy.held.is_set()  # the download had begun when the check failed
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "annotations.json" in bad.stderr.strip().splitlines()[-1]
+    assert not out.exists()  # as it found it: the partial download gone, then the folder it made
+    after = only_run(client, exp)
+    assert (after.info.status, after.data.tags) == (before.info.status, before.data.tags)
+
+    good = run_trainer(job_args(machine, data_dir, **keys), cwd=machine, env=s3_server.env)
+    assert good.returncode == 0, good.stderr[-3000:]
+    resumed = f"resuming from run {before.info.run_id} ({newest}) at iteration {iteration_of(newest) + 1}"
+    assert resumed in good.stderr, good.stderr[-3000:]
+    assert only_run(client, exp).info.status == "FINISHED"
 
 
 def test_a_checkpoint_is_marked_complete_only_after_the_metrics_of_its_iterations(tmp_path, monkeypatch):

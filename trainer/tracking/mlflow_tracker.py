@@ -1,7 +1,7 @@
 """The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
 
-`start()` finds the job's run on a thread while the caller imports torch and checks the job, then makes
-or reopens it (and downloads a resumed job's newest checkpoint); `run` waits for it. Everything
+`start()` finds the job's run on a thread while the caller imports torch and checks the job (and
+starts downloading a resumed job's newest checkpoint), then makes or reopens it; `run` waits for it. Everything
 after goes through two background threads with MLflow's own client: the MetricSender (one
 `log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the pruning of
 older checkpoints in the run, the status).
@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
+from trainer.checkpoint.files import FINAL, download_folder, iteration_of
 from trainer.config import Config
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
@@ -24,9 +24,10 @@ from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, detector_folder, link_evaluation, set_alias
 from trainer.tracking.checkpoint_models import update_best
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, download_verified,
-                                   experiment_name, find_run, open_run, retryable, run_url, safe_params, sha_tag,
-                                   start_error, tracking_uri)
+from trainer.tracking.prefetch import Prefetch, verified
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, experiment_name,
+                                   find_run, open_run, retryable, run_url, safe_params, sha_tag, start_error,
+                                   tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, sqlite_path
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
@@ -50,7 +51,7 @@ class MlflowTracker(Tracker):
         self._found: Future | None = None  # the lookup before it
         self._checked = threading.Event()  # the job's checks passed: the run may be written
         self._abandoned = False  # the job ended before they did
-        self._prefetched: tuple[str, Path, Future] | None = None  # the download start() began
+        self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
         self._uploader = Uploader(retryable)
         self._newest_checkpoint = -1.0  # the newest checkpoint handed to log_checkpoint
@@ -122,6 +123,8 @@ class MlflowTracker(Tracker):
             self._found.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
             self._opening.set_exception(self._found.exception())
             return
+        if self._found.result().resumes:  # reading only, into a hidden folder: it overlaps the checks
+            self._prefetched = Prefetch.newest(self.client, self._found.result().run, Path(cfg.OUTPUT_DIR))
         self._checked.wait()
         try:
             if self._abandoned:
@@ -135,15 +138,12 @@ class MlflowTracker(Tracker):
                                 checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
             self._log_params(cfg, set(found.run.data.params))
-            download = self._prefetch_newest(Path(cfg.OUTPUT_DIR)) if found.resumed else None
         except BaseException as e:  # a UserError, or one line for what the client could not do
             self._opening.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
             return
         if found.note:
             log.info("%s", found.note)
         self._opening.set_result(None)
-        if download:
-            download()
 
     def _log_params(self, cfg: Config, logged: set) -> None:
         # A param cannot change value within a run: a restart on another machine (other paths)
@@ -157,52 +157,22 @@ class MlflowTracker(Tracker):
 
     # ---- resume ----
 
-    def _prefetch_newest(self, output_dir: Path):
-        """The download that the resume will want (the run's newest checkpoint, when it is newer
-        than every local one), to run at once so that it overlaps torch's import and the build."""
-        local = local_checkpoints(output_dir)
-        newest_local = iteration_of(local[0].name) if local else -1
-        name = self._run.checkpoints[0] if self._run.checkpoints else FINAL
-        if name == FINAL or iteration_of(name) <= newest_local:
-            return None
-        folder, future = download_folder(output_dir), Future()
-
-        def download():
-            try:
-                future.set_result(self._download_verified(name, folder))
-            except BaseException as e:  # handed to whoever asks for the result
-                future.set_exception(e)
-
-        self._prefetched = name, folder, future
-        return download
-
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
         """dest_dir/name once its bytes match the sha256 tag. It is downloaded into a hidden folder
         first, so that nobody looking for local checkpoints meanwhile takes a partial one."""
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == name:
-            _, folder, future = prefetched
-            path = future.result()
+        prefetch, self._prefetched = self._prefetched, None
+        expected = self._tags.get(sha_tag(name))  # as the run was opened: the job's tags are ours alone
+        if prefetch is not None and (prefetch.name, prefetch.expected) == (name, expected):
+            folder, path = prefetch.folder, prefetch.result()
         else:
-            self._discard(prefetched)
+            if prefetch is not None:
+                prefetch.drop()
             folder = download_folder(dest_dir)
-            path = self._download_verified(name, folder)
+            path = verified(self.client, self._run.run_id, name, folder, expected)
         try:
             return path.replace(dest_dir / name) if path else None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-
-    @staticmethod
-    def _discard(prefetched) -> None:
-        if prefetched is not None:  # its download, if still going, fails without its folder
-            shutil.rmtree(prefetched[1], ignore_errors=True)
-
-    def _download_verified(self, name: str, folder: Path) -> Path | None:
-        expected = self._tags.get(sha_tag(name))  # as start() read them: the job's tags are ours alone
-        path, why = download_verified(self.client, self._run.run_id, name, folder, expected)
-        if why:
-            log.warning("%s", why)
-        return path
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
         try:
@@ -369,12 +339,13 @@ class MlflowTracker(Tracker):
         if not self._checked.is_set():  # the job ended before its checks passed: no run was made
             self._abandoned = True
             self._checked.set()
-        self._discard(self._prefetched)  # never asked for: a local checkpoint was newer
-        self._prefetched = None
         try:
             run_id = self.run.run_id
         except UserError:  # start() failed: there is no run to finish
             run_id = None
+        if self._prefetched is not None:  # never asked for (a local checkpoint was newer, or the job stopped)
+            self._prefetched.drop()
+            self._prefetched = None
         if run_id is None:
             self._uploader.close(0)
             return []
@@ -398,3 +369,4 @@ class MlflowTracker(Tracker):
         """An older checkpoint that never reached the server, when a newer one did, is lost nothing."""
         prefix = "upload checkpoint "
         return description.startswith(prefix) and iteration_of(description[len(prefix):]) < self._newest_uploaded
+

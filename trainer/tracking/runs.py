@@ -158,8 +158,13 @@ class FoundRun:
     launcher_note: tuple | None = None  # (launcher's run id, the job's run id, note) for the launcher's run
 
     @property
+    def resumes(self) -> bool:
+        """The run is the job's own, from an earlier start: the job continues from its checkpoints."""
+        return self.run is not None and JOB_TAG in self.run.data.tags
+
+    @property
     def final(self) -> bool:
-        return self.run is not None and JOB_TAG in self.run.data.tags and FINAL in checkpoints_of(self.run)
+        return self.resumes and FINAL in checkpoints_of(self.run)
 
 
 def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:

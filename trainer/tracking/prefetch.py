@@ -1,0 +1,60 @@
+"""A resumed job's newest checkpoint, downloading from the moment the lookup found the run.
+
+It overlaps torch's import, the job's checks and the model build, reads only (the run is not
+touched), and lands in a hidden folder of OUTPUT_DIR that no one takes for a checkpoint; the resume
+moves it into place, anything else drops it.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
+from trainer.tracking.runs import checkpoints_from, download_verified, sha_tag
+
+log = logging.getLogger(__name__)
+
+
+def verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> Path | None:
+    """checkpoints/<name> of the run in `folder` once it matches its sha256 tag; None (and why, logged) else."""
+    path, why = download_verified(client, run_id, name, folder, expected)
+    if why:
+        log.warning("%s", why)
+    return path
+
+
+class Prefetch:
+    def __init__(self, client, run_id: str, name: str, expected: str, output_dir: Path):
+        self.name, self.expected = name, expected  # the sha256 tag when it started
+        self.folder = download_folder(output_dir)
+        self._done: Future = Future()
+        self._dropped = False
+        threading.Thread(target=self._download, args=(client, run_id), name="checkpoint-prefetch",
+                         daemon=True).start()
+
+    @classmethod
+    def newest(cls, client, run, output_dir: Path) -> Prefetch | None:
+        """The run's newest complete checkpoint, when it is newer than every local one."""
+        names = checkpoints_from(run.data.tags)
+        local = local_checkpoints(output_dir)
+        if not names or names[0] == FINAL or iteration_of(names[0]) <= (iteration_of(local[0].name) if local else -1):
+            return None
+        return cls(client, run.info.run_id, names[0], run.data.tags[sha_tag(names[0])], output_dir)
+
+    def result(self) -> Path | None:
+        return self._done.result()
+
+    def drop(self) -> None:
+        self._dropped = True
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _download(self, client, run_id: str) -> None:
+        try:
+            self._done.set_result(verified(client, run_id, self.name, self.folder, self.expected))
+        except BaseException as e:  # handed to whoever asks for the result
+            self._done.set_exception(e)
+        if self._dropped:  # dropped while it ran: MLflow may have made the folder again
+            shutil.rmtree(self.folder, ignore_errors=True)
