@@ -5,7 +5,8 @@
 Servers (moto's S3, `mlflow server` proxying artifacts to it) and the synthetic datasets are made
 once in a scratch folder and shared by the benchmarks; everything is removed at the end (unless
 --keep). Each benchmark reports ratios measured side by side, interleaved, in this one run. The GPU
-benchmark is separate: bench/gpu.sh on a machine with an NVIDIA GPU.
+benchmark is separate: bench/gpu.sh on a machine with an NVIDIA GPU. With --only, the file keeps
+the other benchmarks' sections: the subset's summary rows and sections replace theirs, stamped.
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
            "load. GPU figures come from `bench/gpu.sh` (not part of this file).", "",
            "Run: `.venv/bin/python -m bench.run` (20-30 minutes on 2 cores, most of it loop_overhead's 4,200 "
            "demo iterations and big_checkpoint's 1 GB transfers; `--quick` about 4; `--only "
-           "loop_overhead,resume` for a subset; `python -m bench.<name>` prints one benchmark without "
-           "touching this file). Torch runs with one intra-op thread (`--threads`), see bench/run.py.", "",
+           "loop_overhead,resume` for a subset, whose sections (stamped) replace theirs here; "
+           "`python -m bench.<name>` prints one benchmark without touching this file). Torch runs with one "
+           "intra-op thread (`--threads`), see bench/run.py.", "",
            "## Machine", ""]
     rows = [[k, v] for k, v in info.items()]
     rows.append(["load average (1, 5, 15 min) at start / end", f"{load[0]} / {load[1]}"])
@@ -92,6 +94,36 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
         for note in s.notes:
             out += [f"- {note}" if not note.startswith("```") else note]
     return "\n".join(out).rstrip() + "\n"
+
+
+def merge(old: str, fresh: str, stamp: str) -> str:
+    """`old` (a RESULTS.md) with the summary rows and sections that `fresh` (one rendered by a run of a
+    subset) has replaced by those, each such section stamped with when it was rerun; the rest (the
+    machine, the other benchmarks) kept as they were."""
+    fresh_parts = fresh.rstrip("\n").split("\n## ")  # header, Machine, Summary, then one per benchmark
+    new_sections = {part.split(":", 1)[0]: part for part in fresh_parts[3:]}
+    new_rows = {_row_name(line): line for line in fresh_parts[2].split("\n")[4:] if line.startswith("| ")}
+    parts = old.rstrip("\n").split("\n## ")
+    for i, part in enumerate(parts):
+        name = part.split(":", 1)[0]
+        if part.startswith("Summary"):
+            lines = [new_rows.pop(_row_name(line), line) if line.startswith("| ") else line
+                     for line in part.split("\n")]
+            last = max(j for j, line in enumerate(lines) if line.startswith("| "))
+            parts[i] = "\n".join(lines[:last + 1] + list(new_rows.values()) + lines[last + 1:])
+        elif name in new_sections:
+            parts[i] = _stamped(new_sections.pop(name), stamp)
+    parts += [_stamped(part, stamp) for part in new_sections.values()]
+    return "\n## ".join(parts) + "\n"
+
+
+def _row_name(line: str) -> str:
+    return line.split(" | ", 1)[0].removeprefix("| ")
+
+
+def _stamped(section: str, stamp: str) -> str:
+    title, _, body = section.partition("\n\n")
+    return f"{title}\n\n{stamp}\n\n{body.rstrip()}"
 
 
 def main(argv=None) -> int:
@@ -117,8 +149,15 @@ def main(argv=None) -> int:
             sections.append(run_one(name, env))
     finally:
         env.close()
-    text = render(sections, info, args.quick, (load_start, loadavg()), time.perf_counter() - t0)
-    Path(args.out).write_text(text)
+    total_s, load = time.perf_counter() - t0, (load_start, loadavg())
+    out = Path(args.out)
+    if args.only and out.is_file():  # a subset: its sections replace theirs, the others stay as they were
+        stamp = (f"_Rerun alone with `python -m bench.run --only {args.only}` on {info['date']}, load average "
+                 f"{load[0]} at start and {load[1]} at the end; {total_s / 60:.1f} min._")
+        text = merge(out.read_text(), render(sections, info, args.quick, load, total_s), stamp)
+    else:
+        text = render(sections, info, args.quick, load, total_s)
+    out.write_text(text)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

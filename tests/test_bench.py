@@ -58,3 +58,24 @@ def test_loop_overhead_passes_only_when_both_judged_periods_reach_the_target():
     assert _judge([ok, ok]) is True
     assert _judge([ok, unsure]) == UNRESOLVED
     assert _judge([unsure, bad]) is False
+
+
+def test_a_subset_run_replaces_its_sections_and_summary_rows_and_keeps_the_others():
+    from bench.common import Section
+    from bench.run import merge, render
+
+    def results(*sections):
+        return render(list(sections), {"date": "then"}, False, ("1", "1"), 60)
+
+    a, b = Section("a", "A", "how a", "a 1.0x", "a >= 1", True), Section("b", "B", "how b", "b 2.0x", "b <= 3", True)
+    old = results(a, b)
+    b2, c = Section("b", "B", "how b", "b 4.0x", "b <= 3", False, ["| t |\n| - |"]), Section("c", "C", "how c", "c", "-", None)
+    merged = merge(old, results(b2, c), "_rerun now_")
+    assert merged.startswith(old.split("## Summary")[0])  # the header and the machine they were measured on
+    rows = [line.split(" | ")[:2] for line in merged.split("## Summary")[1].split("\n## ")[0].splitlines()
+            if line.startswith("| ") and not line.startswith(("| benchmark", "| ---"))]
+    assert rows == [["| a", "a 1.0x"], ["| b", "b 4.0x"], ["| c", "c"]]
+    assert merged.count("## a: A") == merged.count("## b: B") == merged.count("## c: C") == 1
+    assert "how a" in merged.split("## a: A")[1].split("## b")[0] and "_rerun now_" not in merged.split("## b")[0]
+    assert merged.split("## b: B")[1].split("## c")[0].startswith("\n\n_rerun now_\n\nhow b")
+    assert "| t |" in merged and "_rerun now_" in merged.split("## c: C")[1]
