@@ -76,8 +76,8 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
-            # The job's run is looked up while torch loads and the job is checked; it is made (and a
-            # resumed job's checkpoint downloaded) only once every check passed.
+            # The job's run is looked up (and a resumed job's checkpoint starts downloading) while
+            # torch loads and the job is checked; the run is made or reopened once every check passed.
             tracker.start(cfg, resume_run_id, new_run=no_resume, wait_for_checks=True)
             importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
             prepared = _check_job(cfg, tracker)
