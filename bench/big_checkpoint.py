@@ -25,7 +25,7 @@ WHAT = (
     "and `download_file` (default TransferConfig: 8 MB parts, 10 threads), then `sha256_of` of the download. "
     "**ours, proxy**: `trainer.tracking.transfers.upload` into a run of `mlflow server --artifacts-destination "
     "s3://...` (the server signs a URL per part, the parts go to S3: MLflow's proxied multipart upload, "
-    "MLflow's default 10 MB parts), and for the resume `runs.download_verified` (MLflow's `download_artifacts`, "
+    "MLflow's default 10 MB parts), and for the resume `prefetch.download_verified` (MLflow's `download_artifacts`, "
     "which fetches ranged parts through presigned URLs from the same server, then the sha256 against the tag). "
     "**ours, direct**: the same against `mlflow server --no-serve-artifacts --default-artifact-root s3://...`, "
     "where the trainer writes to S3 itself (MLflow's S3 repository: boto3's `upload_file` and `download_file`). "
@@ -42,7 +42,8 @@ path = Path(path)
 import boto3
 from mlflow import MlflowClient
 from trainer.checkpoint.files import sha256_of
-from trainer.tracking.runs import bound_http, download_verified
+from trainer.tracking.prefetch import download_verified
+from trainer.tracking.runs import bound_http
 from trainer.tracking.transfers import run_repository, upload
 bound_http()  # as the tracker sets MLflow up
 s3 = boto3.client("s3", endpoint_url=os.environ["MLFLOW_S3_ENDPOINT_URL"], region_name="us-east-1")

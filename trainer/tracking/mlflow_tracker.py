@@ -1,8 +1,8 @@
 """The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
 
 `start()` finds the job's run on a thread while the caller imports torch and checks the job (and
-starts downloading a resumed job's newest checkpoint), then makes or reopens it; `run` waits for it. Everything
-after goes through two background threads with MLflow's own client: the MetricSender (one
+starts downloading a resumed job's newest checkpoint), then makes or reopens it; `run` waits for
+it. Everything after goes through two background threads with MLflow's own client: the MetricSender (one
 `log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the pruning of
 older checkpoints in the run, the status).
 """
@@ -124,7 +124,10 @@ class MlflowTracker(Tracker):
             self._opening.set_exception(self._found.exception())
             return
         if self._found.result().resumes:  # reading only, into a hidden folder: it overlaps the checks
-            self._prefetched = Prefetch.newest(self.client, self._found.result().run, Path(cfg.OUTPUT_DIR))
+            try:
+                self._prefetched = Prefetch.newest(self.client, self._found.result().run, Path(cfg.OUTPUT_DIR))
+            except Exception as e:  # no loss: the resume downloads what it needs itself
+                log.warning("could not start the checkpoint's download early: %s", first_line(e))
         self._checked.wait()
         try:
             if self._abandoned:
@@ -369,4 +372,3 @@ class MlflowTracker(Tracker):
         """An older checkpoint that never reached the server, when a newer one did, is lost nothing."""
         prefix = "upload checkpoint "
         return description.startswith(prefix) and iteration_of(description[len(prefix):]) < self._newest_uploaded
-

@@ -1,8 +1,9 @@
-"""A resumed job's newest checkpoint, downloading from the moment the lookup found the run.
+"""A run's checkpoint downloaded and checked against its sha256 tag (`download_verified`), and a
+resumed job's newest one downloading from the moment the lookup found the run (`Prefetch`).
 
-It overlaps torch's import, the job's checks and the model build, reads only (the run is not
-touched), and lands in a hidden folder of OUTPUT_DIR that no one takes for a checkpoint; the resume
-moves it into place, anything else drops it.
+The prefetch overlaps torch's import, the job's checks and the model build, reads only (the run is
+not touched), and lands in a hidden folder of OUTPUT_DIR that no one takes for a checkpoint; the
+resume moves it into place, anything else drops it.
 """
 from __future__ import annotations
 
@@ -12,10 +13,22 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
-from trainer.tracking.runs import checkpoints_from, download_verified, sha_tag
+from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints, sha256_of
+from trainer.errors import first_line
+from trainer.tracking.runs import checkpoints_from, sha_tag
 
 log = logging.getLogger(__name__)
+
+
+def download_verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> tuple:
+    """(path, None) once checkpoints/<name> is in `folder` and matches its sha256 tag; (None, why) else."""
+    try:
+        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
+    except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
+        return None, f"could not download checkpoint {name}: {first_line(e)}"
+    if sha256_of(path) != expected:
+        return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
+    return path, None
 
 
 def verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> Path | None:
@@ -27,6 +40,8 @@ def verified(client, run_id: str, name: str, folder: Path, expected: str | None)
 
 
 class Prefetch:
+    """One checkpoint downloading on a thread of its own into a hidden folder; `result()` waits for it."""
+
     def __init__(self, client, run_id: str, name: str, expected: str, output_dir: Path):
         self.name, self.expected = name, expected  # the sha256 tag when it started
         self.folder = download_folder(output_dir)

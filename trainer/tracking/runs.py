@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from trainer.checkpoint.files import FINAL, iteration_of, sha256_of
+from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
@@ -340,17 +340,6 @@ def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
 
 
 # ---- fetching what a run holds ----
-
-def download_verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> tuple:
-    """(path, None) once checkpoints/<name> is in `folder` and matches its sha256 tag; (None, why) else."""
-    try:
-        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
-    except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
-        return None, f"could not download checkpoint {name}: {first_line(e)}"
-    if sha256_of(path) != expected:
-        return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
-    return path, None
-
 
 def check_shape(spec: str, option: str) -> None:
     """No `..`, `?`, `#` or empty part: a URI reaches only what it names (not a file beside the run)."""
