@@ -72,6 +72,8 @@ import trainer.cli, trainer.engine
 t["imported_torch"] = time.time()
 import trainer.tracking.mlflow_tracker
 from mlflow import MlflowClient
+from trainer.tracking.runs import bound_http
+bound_http()  # the trainer's MLflow settings (timeouts, the download streamed through the server)
 t["imported_mlflow"] = time.time()
 from trainer.checkpoint.files import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint

@@ -268,8 +268,9 @@ def test_a_resumed_job_that_fails_its_checks_drops_the_checkpoint_it_began_downl
     (broken / "synth_shapes" / "train" / "annotations.json").write_text("{")
     out = machine / "output"
     with FaultProxy(mlflow_server.url) as proxy:
-        # MLflow asks the server for the checkpoint's presigned URL, then reads S3: that question hangs.
-        proxy.hold(rb"GET /api/2\.0/mlflow-artifacts/presigned/\S*/checkpoints/" + re.escape(newest.encode()), after=0)
+        # The checkpoint's GET through the server (or, with ranged downloads, its presigned URL's) hangs.
+        proxy.hold(rb"GET /api/2\.0/mlflow-artifacts/(artifacts|presigned)/\S*/checkpoints/" + re.escape(newest.encode()),
+                   after=0)
         args = job_args(machine, broken, **{**keys, "TRACKING.URI": proxy.url})
         bad = run_trainer(args, cwd=machine, env=s3_server.env, timeout=120)
         assert proxy.held.is_set()  # the download had begun when the check failed
