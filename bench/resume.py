@@ -73,7 +73,7 @@ t["imported_torch"] = time.time()
 import trainer.tracking.mlflow_tracker
 from mlflow import MlflowClient
 from trainer.tracking.runs import bound_http
-bound_http()  # the trainer's MLflow settings (timeouts, the download streamed through the server)
+bound_http()  # the trainer's MLflow settings (timeouts, download chunks)
 t["imported_mlflow"] = time.time()
 from trainer.checkpoint.files import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint

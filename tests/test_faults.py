@@ -268,7 +268,7 @@ def test_a_resumed_job_that_fails_its_checks_drops_the_checkpoint_it_began_downl
     (broken / "synth_shapes" / "train" / "annotations.json").write_text("{")
     out = machine / "output"
     with FaultProxy(mlflow_server.url) as proxy:
-        # The checkpoint's GET through the server (or, with ranged downloads, its presigned URL's) hangs.
+        # The checkpoint's presigned URL (ranged reads from the store), or its GET through the server, hangs.
         proxy.hold(rb"GET /api/2\.0/mlflow-artifacts/(artifacts|presigned)/\S*/checkpoints/" + re.escape(newest.encode()),
                    after=0)
         args = job_args(machine, broken, **{**keys, "TRACKING.URI": proxy.url})
