@@ -304,16 +304,14 @@ def fresh_loop(cfg, tracker, ctx=None):
     """(Job, LoopState) from scratch, as train_model sets them up: the run found (tracker.run waits
     for start()'s lookup), seeds, the dataset and model built, weights, optimizer, loader, writer."""
     from trainer import engine
-    from trainer.data import build_train_dataset
     from trainer.distributed import Context
-    from trainer.models import build_model
+    from trainer.preflight import prepare
 
     tracker.run  # the run exists before anything is logged to it
     job = engine.Job(cfg, ctx or Context(), tracker, Path(cfg.OUTPUT_DIR))
-    engine.seed_everything(cfg)
-    dataset = build_train_dataset(cfg)
-    model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
-    return job, engine.setup_model_for_training(job, engine.CreatedModel(engine.StartPoint(), dataset, model))
+    p = prepare(cfg)  # seeds, then the dataset and the network, as a job's start does
+    created = engine.CreatedModel(engine.StartPoint(), p.dataset, p.model, p.weights_loaded)
+    return job, engine.setup_model_for_training(job, created)
 
 
 def quiet_stats(job, s) -> None:

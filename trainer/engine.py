@@ -35,7 +35,7 @@ from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
-from trainer.preflight import Prepared, prepare, seed_everything
+from trainer.preflight import Prepared, prepare
 from trainer.models import describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.publish import complete_finished_run, log_final_model
@@ -96,9 +96,7 @@ class LoopState:
 def train_model(job: Job) -> StartPoint | None:
     """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
     cfg = job.cfg
-    if job.prepared is None:  # else seeded before the network was built
-        seed_everything(cfg)
-    created = create_model(job)
+    created = create_model(job)  # seeded by preflight.prepare, before the network was built
     if created.start.final:
         log.info("model_final already exists (%s): nothing to do", created.start.source)
         if job.ctx.is_main:

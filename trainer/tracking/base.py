@@ -27,8 +27,8 @@ class Tracker:
 
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
               wait_for_checks: bool = False) -> None:
-        """Find the job's run on a background thread, then make or reopen it (a resumed job's newest
-        checkpoint starts downloading right after); `run` waits for it. With wait_for_checks, nothing
+        """Find the job's run on a background thread (a resumed job's newest checkpoint starts
+        downloading at once), then make or reopen it; `run` waits for it. With wait_for_checks, nothing
         is written until checks_passed(): a job that fails its checks leaves the store as it was."""
 
     def checks_passed(self) -> None:

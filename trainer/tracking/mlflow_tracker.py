@@ -2,9 +2,9 @@
 
 `start()` finds the job's run on a thread while the caller imports torch and checks the job (and
 starts downloading a resumed job's newest checkpoint), then makes or reopens it; `run` waits for
-it. Everything after goes through two background threads with MLflow's own client: the MetricSender (one
-`log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their tags, the pruning of
-older checkpoints in the run, the status).
+it. Everything after goes through two background threads with MLflow's own client: the
+MetricSender (one `log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their
+tags, the pruning of older checkpoints in the run, the status).
 """
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ class MlflowTracker(Tracker):
             return find_run(self.client, self.uri, cfg, resume_run_id, new_run)
 
     def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
-        """On a thread: find the run; once the job's checks passed, make or reopen it; then (for a
-        resumed job) the download the resume will want."""
+        """On a thread: find the run (and start a resumed job's download); once the job's checks
+        passed, make or reopen it."""
         try:
             self._found.set_result(self._look_up(cfg, resume_run_id, new_run))
         except BaseException as e:  # a UserError, or one line for what the client could not do

@@ -16,7 +16,6 @@ import logging
 from trainer.checkpoint.files import FINAL
 from trainer.tracking.checkpoint_models import BEST_TAGS, CHECKPOINT_TAG
 from trainer.tracking.runs import checkpoints_from, sha_tag
-from trainer.tracking.transfers import delete
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluate
         named = _named_by_models(client, experiment_id, run_id) | _registered(client, run_id)
         doomed = [n for n in doomed if n not in named]
     for name in reversed(doomed):  # oldest first
-        delete(repo, f"checkpoints/{name}")
+        repo.delete_artifacts(f"checkpoints/{name}")  # the proxy: DELETE mlflow-artifacts; S3, disk: directly
         _delete_tag(client, run_id, sha_tag(name))
         log.info("deleted %s from the run (TRACKING.CHECKPOINTS_KEEP %d)", name, keep)
     return doomed

@@ -126,7 +126,3 @@ def _put_part(fd: int, credential, start: int, length: int):
         augmented_raise_for_status(resp)
         return MultipartUploadPart(credential.part_number, resp.headers.get("ETag", ""), credential.url)
 
-
-def delete(repo, artifact_path: str) -> None:
-    """The run's `artifact_path`, gone from its store (the proxy: DELETE mlflow-artifacts; S3, disk: directly)."""
-    repo.delete_artifacts(artifact_path)
