@@ -104,6 +104,8 @@ def merge(old: str, fresh: str, stamp: str) -> str:
     new_sections = {part.split(":", 1)[0]: part for part in fresh_parts[3:]}
     new_rows = {_row_name(line): line for line in fresh_parts[2].split("\n")[4:] if line.startswith("| ")}
     parts = old.rstrip("\n").split("\n## ")
+    if not any(p.startswith("Summary") and "\n| " in p for p in parts):
+        raise ValueError("it has no summary table")
     for i, part in enumerate(parts):
         name = part.split(":", 1)[0]
         if part.startswith("Summary"):
@@ -154,7 +156,12 @@ def main(argv=None) -> int:
     if args.only and out.is_file():  # a subset: its sections replace theirs, the others stay as they were
         stamp = (f"_Rerun alone with `python -m bench.run --only {args.only}` on {info['date']}, load average "
                  f"{load[0]} at start and {load[1]} at the end; {total_s / 60:.1f} min._")
-        text = merge(out.read_text(), render(sections, info, args.quick, load, total_s), stamp)
+        try:
+            text = merge(out.read_text(), render(sections, info, args.quick, load, total_s), stamp)
+        except ValueError as e:  # a file bench.run did not write: this run's results are not lost for it
+            print(f"{args.out} is not a results file ({e}): rewritten with this run's benchmarks only",
+                  file=sys.stderr)
+            text = render(sections, info, args.quick, load, total_s)
     else:
         text = render(sections, info, args.quick, load, total_s)
     out.write_text(text)

@@ -79,3 +79,13 @@ def test_a_subset_run_replaces_its_sections_and_summary_rows_and_keeps_the_other
     assert "how a" in merged.split("## a: A")[1].split("## b")[0] and "_rerun now_" not in merged.split("## b")[0]
     assert merged.split("## b: B")[1].split("## c")[0].startswith("\n\n_rerun now_\n\nhow b")
     assert "| t |" in merged and "_rerun now_" in merged.split("## c: C")[1]
+
+
+def test_a_subset_run_over_a_file_it_did_not_write_says_so_instead_of_merging():
+    from bench.common import Section
+    from bench.run import merge, render
+
+    fresh = render([Section("b", "B", "how b", "b", "-", None)], {}, False, ("1", "1"), 1)
+    for old in ("", "notes by hand\n", "# tracktron benchmarks\n\n## Summary\n\nnothing yet\n"):
+        with pytest.raises(ValueError, match="no summary table"):
+            merge(old, fresh, "_now_")
