@@ -68,7 +68,10 @@ class Prefetch:
 
     def _download(self, client, run_id: str) -> None:
         try:
-            self._done.set_result(verified(client, run_id, self.name, self.folder, self.expected))
+            path, why = download_verified(client, run_id, self.name, self.folder, self.expected)
+            if why and not self._dropped:  # a dropped one fails as its folder goes: nothing to report
+                log.warning("%s", why)
+            self._done.set_result(path)
         except BaseException as e:  # handed to whoever asks for the result
             self._done.set_exception(e)
         if self._dropped:  # dropped while it ran: MLflow may have made the folder again
