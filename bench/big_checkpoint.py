@@ -61,7 +61,7 @@ elif kind == "up_mlflow":
 elif kind == "down_raw":
     s3.download_file(bucket, key, str(path))
 elif kind == "down_ours":
-    got, why = download_verified(client, run_id, path.name, path.parent, expected)
+    got, why = download_verified(repo, path.name, path.parent, expected)
     assert got is not None, why
 t1 = time.perf_counter()
 if kind == "down_raw":

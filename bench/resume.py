@@ -37,7 +37,7 @@ WHAT = (
     "`trainer.models.build_model` and loads the checkpoint into it (`torch.load(weights_only=True)` + "
     "`load_state_dict`): the least any resume must do, timed from `Popen` to the state being loaded. **ours' "
     "steps**: a third fresh process doing the trainer's resume steps one by one with its own functions "
-    "(imports, `MlflowClient.download_artifacts` through the server, `checkpoint.files.sha256_of`, "
+    "(imports, `transfers.download` through the server, which hashes as it downloads, "
     "`checkpoint.state.load`), timed step by step. The three run in rounds, the order rotating.")
 
 FLOOR = r"""
@@ -75,13 +75,12 @@ from mlflow import MlflowClient
 from trainer.tracking.runs import bound_http
 bound_http()  # the trainer's MLflow settings (timeouts, download chunks)
 t["imported_mlflow"] = time.time()
-from trainer.checkpoint.files import sha256_of
+from pathlib import Path
 from trainer.checkpoint.state import load as load_checkpoint
+from trainer.tracking.transfers import download, run_repository
 url, run_id, name, dest = sys.argv[1:5]
-path = MlflowClient(url).download_artifacts(run_id, "checkpoints/" + name, dest)
+path, _ = download(run_repository(MlflowClient(url), url, run_id), "checkpoints/" + name, Path(dest))
 t["downloaded"] = time.time()
-sha256_of(path)
-t["hashed"] = time.time()
 load_checkpoint(path, sha256_checked=True)
 t["loaded"] = time.time()
 print("STEPS " + json.dumps(t), flush=True)
@@ -212,8 +211,8 @@ def run(env: Env) -> Section:
             ["floor without the process start: download + build + load, in a warm process",
              f"{in_process:.2f}", f"{in_process / f_med['total']:.2f}"],
             ["**floor total (fresh process)**", f"**{f_med['total']:.2f}**", "1.00"],
-            ["ours: start to 'MLflow run' logged (Python, config; torch imported and the job checked on the main "
-             "thread while the tracker's start thread imports MLflow and finds the job's run, whose newest "
+            ["ours: start to 'MLflow run' logged (Python, config, MLflow imported; then torch imported and the "
+             "job checked on the main thread while the tracker's start thread finds the job's run, whose newest "
              "checkpoint then downloads on a thread of its own; the run reopened once the checks passed)",
              f"{o_med['run_found']:.2f}", ""],
             ["ours: to 'resuming from' logged (the download's end awaited, the checkpoint loaded)",
@@ -225,9 +224,8 @@ def run(env: Env) -> Section:
             ["ours' steps one by one: python start to torch + trainer.cli/engine imported",
              f"{s_med['imported_torch']:.2f}", ""],
             ["ours' steps: + import mlflow (trainer.tracking.mlflow_tracker)", f"{s_med['mlflow']:.2f}", ""],
-            ["ours' steps: MlflowClient.download_artifacts through the server's proxy", f"{s_med['download']:.2f}",
-             f"{s_med['download'] / f_med['download']:.1f}x boto3"],
-            ["ours' steps: sha256 of the file", f"{s_med['hash']:.2f}", ""],
+            ["ours' steps: transfers.download through the server's proxy (one streamed GET, hashed as it comes)",
+             f"{s_med['download']:.2f}", f"{s_med['download'] / f_med['download']:.1f}x boto3"],
             ["ours' steps: checkpoint.state.load (torch.load weights_only; the sha256 stands for the CRC check)",
              f"{s_med['load']:.2f}", ""]]
     table = md_table(["phase (medians)", "seconds", "vs floor"], rows, "lrr")
@@ -251,13 +249,19 @@ def run(env: Env) -> Section:
              "Both sides start a new Python process, so interpreter start and imports are in both; ours also "
              "imports MLflow and click, talks to the tracking server (experiment, job run search, tags), "
              "downloads through the server's artifact proxy rather than from S3 directly, hashes the file, "
-             "indexes the dataset and starts its loader worker. One process: the tracker's start thread "
-             "imports MLflow and finds the run, and from that moment the checkpoint downloads and is hashed "
-             "on a thread of its own (before the job's checks, which only read), while the main thread "
-             "imports torch, checks the job and builds the dataset and model; the threads share the GIL "
-             "(waiting on the network and hashing release it; imports and MLflow's client code hold it). "
-             "So ours pays torch's imports and MLflow's one after the other: MLflow's import alone (the "
-             "`+ import mlflow` row, pandas and protobuf among it) is about 0.4x of the floor."]
+             "indexes the dataset and starts its loader worker. One process: MLflow is imported first, on the "
+             "main thread; then the tracker's start thread finds the run, and from that moment the checkpoint "
+             "downloads on a thread of its own (one streamed GET through the server, hashed as it arrives; "
+             "before the job's checks, which only read), while the main thread imports torch, checks the job "
+             "and builds the dataset and model. Imports hold the GIL, so ours pays MLflow's import (the "
+             "`+ import mlflow` row) on top of torch's either way; made first, it lets the lookup and the "
+             "download wait on the network while torch loads instead of after it.",
+             "What changed (2026-12-01): the download was MLflow's presigned ranged one, whose parts requests "
+             "reads in 10 kB pieces (0.7 s of client CPU for this checkpoint, GIL time taken from torch's "
+             "import), and MLflow was imported on the start thread alongside torch, so the download began "
+             "only once both imports were nearly done: 1.76x. Now a file under MLflow's 500 MB ranged-download "
+             "threshold comes in one streamed GET through the server (0.06 s of client CPU), and MLflow loads "
+             "before torch."]
     return Section(NAME, "Resume from the tracking server", WHAT, headline,
                    f"resume on an empty machine <= {TARGET}x a raw download + model build (fresh process)", passed,
                    [table], notes)
@@ -314,8 +318,8 @@ def _steps(env: Env, url: str, run_id: str, name: str, child_env: dict) -> dict:
     for f in dest.rglob("*.pth"):
         f.unlink()
     return {"imported_torch": t["imported_torch"] - wall0, "mlflow": t["imported_mlflow"] - t["imported_torch"],
-            "download": t["downloaded"] - t["imported_mlflow"], "hash": t["hashed"] - t["downloaded"],
-            "load": t["loaded"] - t["hashed"], "total": t["loaded"] - wall0}
+            "download": t["downloaded"] - t["imported_mlflow"], "load": t["loaded"] - t["downloaded"],
+            "total": t["loaded"] - wall0}
 
 
 def _ours(env: Env, cmd: list[str], child_env: dict, first_iter: int) -> dict:

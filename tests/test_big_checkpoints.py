@@ -27,7 +27,7 @@ from tests.servers import FaultProxy, MlflowServer
 from trainer.checkpoint.files import checkpoint_name, sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
-from trainer.tracking.transfers import run_repository, upload
+from trainer.tracking.transfers import download, run_repository, upload
 
 MB = 1024**2
 PART = 16 * MB  # the proxy's parts here (MLflow's default: 10 MB from 500 MB files on)
@@ -96,17 +96,18 @@ def test_a_150_mb_checkpoint_goes_up_in_parts_and_a_resume_elsewhere_downloads_a
 # ---- timeouts by size ----
 
 class _SlowToAnswer(FaultProxy):
-    """The tracking server behind a proxy that holds its answer to each checkpoint PUT `seconds`, as a
-    server still storing the file onward does."""
+    """The tracking server behind a proxy that holds its answer to each checkpoint request of `method`
+    `seconds`, as a server still storing the file onward (PUT) or fetching it from its store (GET) does."""
 
-    def __init__(self, target: str, seconds: float):
+    def __init__(self, target: str, seconds: float, method: bytes = b"PUT"):
         super().__init__(target)
         self.seconds, self._owed = seconds, set()
+        self._request = re.compile(method + rb" /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/")
 
     def _pump(self, src, dst, upstream: bool) -> None:
         try:
             while data := src.recv(1 << 18):
-                if upstream and re.match(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/", data):
+                if upstream and self._request.match(data):
                     self._owed.add(src)  # the client's socket: its next answer waits
                 elif not upstream and dst in self._owed:
                     self._owed.discard(dst)
@@ -139,6 +140,33 @@ def test_a_put_through_the_proxy_may_wait_for_the_server_in_proportion_to_its_si
         upload(repo, big, "checkpoints")  # 2 s + 48 MB at 8 MB/s = 8 s: waits for it
     stored = {f.path: f.file_size for f in MlflowClient(mlflow_server.url).list_artifacts(run_id, "checkpoints")}
     assert stored["checkpoints/model_iter2.pth"] == 48 * MB  # (the small one got there too: its client gave up)
+
+
+def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_it_in_proportion_to_its_size(
+        tmp_path, mlflow_server, monkeypatch):
+    """The server sends the first byte of a download only once it has fetched the whole file from its
+    store. Base timeout 2 s, every checkpoint GET answered 5 s late: a 48 MB checkpoint (streamed: under
+    MLflow's 500 MB threshold for ranged downloads) still comes, whole; a 1 MB one times out."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    client = MlflowClient(mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(f"slow-get-{uuid.uuid4().hex[:6]}")).info.run_id
+    small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
+    small.write_bytes(os.urandom(MB))
+    big.write_bytes(os.urandom(48 * MB))
+    for path in (small, big):
+        client.log_artifact(run_id, str(path), "checkpoints")
+    with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:
+        repo = run_repository(MlflowClient(proxy.url), proxy.url, run_id)
+        (tmp_path / "got").mkdir()
+        started = time.monotonic()
+        with pytest.raises(Exception, match="timed out|[Tt]imeout"):
+            download(repo, "checkpoints/model_iter1.pth", tmp_path / "got")
+        assert time.monotonic() - started < 4.5
+        got, sha256 = download(repo, "checkpoints/model_iter2.pth", tmp_path / "got")
+        assert got == tmp_path / "got" / "model_iter2.pth" and sha256 == sha256_of(got) == sha256_of(big)
+        with pytest.raises(FileNotFoundError, match="no artifact checkpoints/model_iter3.pth"):
+            download(repo, "checkpoints/model_iter3.pth", tmp_path / "got")
 
 
 # ---- TRACKING.CHECKPOINTS_KEEP ----

@@ -8,6 +8,7 @@ tags, the pruning of older checkpoints in the run, the status).
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import shutil
 import tempfile
@@ -70,6 +71,10 @@ class MlflowTracker(Tracker):
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
               wait_for_checks: bool = False) -> None:
         if self._opening is None:
+            # MLflow's import (a second of Python) here, before the caller imports torch: the two
+            # hold the GIL either way, but one after the other the lookup and a resumed job's
+            # download start a second sooner, and wait on the network while torch loads.
+            importlib.import_module("mlflow")
             self._opening, self._found = Future(), Future()
             if not wait_for_checks:
                 self._checked.set()
@@ -125,7 +130,7 @@ class MlflowTracker(Tracker):
             return
         if self._found.result().resumes:  # reading only, into a hidden folder: it overlaps the checks
             try:
-                self._prefetched = Prefetch.newest(self.client, self._found.result().run, Path(cfg.OUTPUT_DIR))
+                self._prefetched = Prefetch.newest(self.uri, self._found.result().run, Path(cfg.OUTPUT_DIR))
             except Exception as e:  # no loss: the resume downloads what it needs itself
                 log.warning("could not start the checkpoint's download early: %s", first_line(e))
         self._checked.wait()
@@ -171,7 +176,7 @@ class MlflowTracker(Tracker):
             if prefetch is not None:
                 prefetch.drop()
             folder = download_folder(dest_dir)
-            path = verified(self.client, self._run.run_id, name, folder, expected)
+            path = verified(self._artifacts(), name, folder, expected)
         try:
             return path.replace(dest_dir / name) if path else None
         finally:

@@ -13,27 +13,29 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints, sha256_of
+from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
 from trainer.errors import first_line
 from trainer.tracking.runs import checkpoints_from, sha_tag
+from trainer.tracking.transfers import download, repository
 
 log = logging.getLogger(__name__)
 
 
-def download_verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> tuple:
-    """(path, None) once checkpoints/<name> is in `folder` and matches its sha256 tag; (None, why) else."""
+def download_verified(repo, name: str, folder: Path, expected: str | None) -> tuple:
+    """(path, None) once checkpoints/<name> of the run whose artifact repository is `repo` is in
+    `folder` and matches its sha256 tag; (None, why) else."""
     try:
-        path = Path(client.download_artifacts(run_id, f"checkpoints/{name}", str(folder)))
+        path, sha256 = download(repo, f"checkpoints/{name}", folder)
     except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
         return None, f"could not download checkpoint {name}: {first_line(e)}"
-    if sha256_of(path) != expected:
+    if sha256 != expected:
         return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
     return path, None
 
 
-def verified(client, run_id: str, name: str, folder: Path, expected: str | None) -> Path | None:
+def verified(repo, name: str, folder: Path, expected: str | None) -> Path | None:
     """checkpoints/<name> of the run in `folder` once it matches its sha256 tag; None (and why, logged) else."""
-    path, why = download_verified(client, run_id, name, folder, expected)
+    path, why = download_verified(repo, name, folder, expected)
     if why:
         log.warning("%s", why)
     return path
@@ -42,22 +44,23 @@ def verified(client, run_id: str, name: str, folder: Path, expected: str | None)
 class Prefetch:
     """One checkpoint downloading on a thread of its own into a hidden folder; `result()` waits for it."""
 
-    def __init__(self, client, run_id: str, name: str, expected: str, output_dir: Path):
+    def __init__(self, repo, name: str, expected: str, output_dir: Path):
         self.name, self.expected = name, expected  # the sha256 tag when it started
         self.folder = download_folder(output_dir)
         self._done: Future = Future()
         self._dropped = False
-        threading.Thread(target=self._download, args=(client, run_id), name="checkpoint-prefetch",
+        threading.Thread(target=self._download, args=(repo,), name="checkpoint-prefetch",
                          daemon=True).start()
 
     @classmethod
-    def newest(cls, client, run, output_dir: Path) -> Prefetch | None:
+    def newest(cls, tracking_uri: str, run, output_dir: Path) -> Prefetch | None:
         """The run's newest complete checkpoint, when it is newer than every local one."""
         names = checkpoints_from(run.data.tags)
         local = local_checkpoints(output_dir)
         if not names or names[0] == FINAL or iteration_of(names[0]) <= (iteration_of(local[0].name) if local else -1):
             return None
-        return cls(client, run.info.run_id, names[0], run.data.tags[sha_tag(names[0])], output_dir)
+        return cls(repository(run.info.artifact_uri, tracking_uri), names[0], run.data.tags[sha_tag(names[0])],
+                   output_dir)
 
     def result(self) -> Path | None:
         return self._done.result()
@@ -66,9 +69,9 @@ class Prefetch:
         self._dropped = True
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _download(self, client, run_id: str) -> None:
+    def _download(self, repo) -> None:
         try:
-            path, why = download_verified(client, run_id, self.name, self.folder, self.expected)
+            path, why = download_verified(repo, self.name, self.folder, self.expected)
             if why and not self._dropped:  # a dropped one fails as its folder goes: nothing to report
                 log.warning("%s", why)
             self._done.set_result(path)

@@ -1,7 +1,7 @@
 """Checkpoint-sized files to and from the run's artifact store, in bounded memory and with timeouts
 that suit the size.
 
-MLflow's artifact repository for the run's artifact URI does the work: boto3's `upload_file` when
+Uploads. MLflow's artifact repository for the run's artifact URI does the work: boto3's `upload_file` when
 the run writes to S3 itself (`MLFLOW_S3_ENDPOINT_URL`; multipart in 8 MB parts, each request with
 botocore's own timeouts), the local disk, and so on. Through the tracking server's proxy
 (`mlflow-artifacts:`) MLflow's client has one timeout for every request, or none at all, so that
@@ -17,25 +17,40 @@ never times out. What they must allow for is the silence while the far side work
 received: nothing for a part (the store answers as soon as it has it), the server's onward upload
 of the whole file for a single PUT. So each request's timeout is the base (MLFLOW_HTTP_REQUEST_TIMEOUT)
 plus that work at STORE_FLOOR_BPS: 31 s for a 10 MB part, about 2.5 minutes for a 1 GB single PUT.
+
+Downloads. Through the proxy, a file under MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE (MLflow's own
+threshold for ranged downloads, 500 MB) comes in one streamed GET, read 1 MB at a time. MLflow's
+ranged download reads each part in requests' 10 kB pieces: ten times the client's CPU (0.7 s for
+150 MB), and GIL time that a resuming job takes from torch's import. The server sends the first byte
+only once it has fetched the whole file from its store, so that GET's idle timeout is sized like a
+single PUT's, and the file is hashed as it arrives. Larger files, and every other store, go through
+MLflow's own download, then are hashed.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from trainer.checkpoint.files import sha256_of
 
 STORE_FLOOR_BPS = 8 * 1024**2  # a server storing a file onward slower than this is taken for hung
 CONNECT_S = 10.0
 PART_WORKERS = min(8, 2 * (os.cpu_count() or 1))  # parts in flight, so PART_WORKERS chunks in memory
 
 
-def run_repository(client, tracking_uri: str, run_id: str):
-    """MLflow's artifact repository of the run (what `client.log_artifact` would use)."""
+def repository(artifact_uri: str, tracking_uri: str):
+    """MLflow's artifact repository for a run's artifact URI (what `client.log_artifact` would use)."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    return get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=tracking_uri)
+    return get_artifact_repository(artifact_uri, tracking_uri=tracking_uri)
+
+
+def run_repository(client, tracking_uri: str, run_id: str):
+    return repository(client.get_run(run_id).info.artifact_uri, tracking_uri)
 
 
 def idle_timeout(silent_bytes: int) -> float:
@@ -126,3 +141,40 @@ def _put_part(fd: int, credential, start: int, length: int):
         augmented_raise_for_status(resp)
         return MultipartUploadPart(credential.part_number, resp.headers.get("ETag", ""), credential.url)
 
+
+
+def download(repo, artifact_path: str, folder: Path) -> tuple[Path, str]:
+    """The run's `artifact_path` into `folder`: its local path and sha256."""
+    from mlflow.environment_variables import MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE
+    from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
+
+    if isinstance(repo, HttpArtifactRepository):
+        size = _size(repo, artifact_path)
+        if size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
+            return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
+    path = Path(repo.download_artifacts(artifact_path, str(folder)))
+    return path, sha256_of(path)
+
+
+def _size(repo, artifact_path: str) -> int:
+    for info in repo.list_artifacts(posixpath.dirname(artifact_path) or None):
+        if info.path == artifact_path and not info.is_dir:
+            return info.file_size
+    raise FileNotFoundError(f"no artifact {artifact_path} in the run")
+
+
+def _get_whole(repo, artifact_path: str, dest: Path, size: int) -> tuple[Path, str]:
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.request_utils import augmented_raise_for_status
+    from mlflow.utils.rest_utils import http_request
+
+    resp = http_request(get_default_host_creds(repo.artifact_uri), posixpath.join("/", artifact_path), "GET",
+                        stream=True, timeout=(CONNECT_S, idle_timeout(size)))
+    digest = hashlib.sha256()
+    with resp:
+        augmented_raise_for_status(resp)
+        with open(dest, "wb") as f:
+            for chunk in resp.iter_content(1 << 20):
+                f.write(chunk)
+                digest.update(chunk)
+    return dest, digest.hexdigest()
