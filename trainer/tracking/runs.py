@@ -34,11 +34,9 @@ _HTTP_KEYS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 _SET_BY_USER = {k for k in _HTTP_KEYS if k in os.environ}
 
 
-# MLflow's ranged download from the server's store holds each chunk whole in memory, on up to 20
-# threads: 100 MB chunks by default. Ours: 8 MB, boto3's own part size. It costs the client ten times
-# the CPU of a download streamed through the server (0.7 s against 0.06 s for 150 MB), but the
-# server fetches a whole file from its store before it sends the first byte, so a streamed 1 GB
-# checkpoint outlasts MLFLOW_HTTP_REQUEST_TIMEOUT (bench/big_checkpoint failed so): ranged it stays.
+# MLflow's ranged download (files past MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE; smaller ones
+# stream through the server: transfers.download) holds each chunk whole in memory, on up to 20
+# threads: 100 MB chunks by default. Ours: 8 MB, boto3's own part size.
 DOWNLOAD_CHUNK = 8 * 1024**2
 
 
