@@ -142,6 +142,20 @@ def test_a_put_through_the_proxy_may_wait_for_the_server_in_proportion_to_its_si
     assert stored["checkpoints/model_iter2.pth"] == 48 * MB  # (the small one got there too: its client gave up)
 
 
+def test_a_single_put_through_the_proxy_stores_the_file_byte_for_byte_empty_or_not(tmp_path, mlflow_server):
+    """Under the multipart threshold a file goes in one PUT, its bytes mapped from the file."""
+    client = MlflowClient(mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(f"put-{uuid.uuid4().hex[:6]}")).info.run_id
+    repo = run_repository(client, mlflow_server.url, run_id)
+    files = {"model_iter1.pth": b"", "model_iter2.pth": os.urandom(3 * MB + 17)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        upload(repo, tmp_path / name, "checkpoints")
+    for name, data in files.items():
+        got = client.download_artifacts(run_id, f"checkpoints/{name}", str(tmp_path / "back"))
+        assert Path(got).read_bytes() == data
+
+
 def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_it_in_proportion_to_its_size(
         tmp_path, mlflow_server, monkeypatch):
     """The server sends the first byte of a download only once it has fetched the whole file from its
