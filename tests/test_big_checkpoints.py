@@ -9,10 +9,13 @@ leaves the run its newest model_iter checkpoints and every one that something na
 refuses the deletes loses nothing. 1 GB figures: bench/big_checkpoint.py."""
 from __future__ import annotations
 
+import http.server
+import json
 import logging
 import os
 import re
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +30,7 @@ from tests.servers import FaultProxy, MlflowServer
 from trainer.checkpoint.files import checkpoint_name, sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
-from trainer.tracking.transfers import download, run_repository, upload
+from trainer.tracking.transfers import download, repository, run_repository, upload
 
 MB = 1024**2
 PART = 16 * MB  # the proxy's parts here (MLflow's default: 10 MB from 500 MB files on)
@@ -181,6 +184,47 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
         assert got == tmp_path / "got" / "model_iter2.pth" and sha256 == sha256_of(got) == sha256_of(big)
         with pytest.raises(FileNotFoundError, match="no artifact checkpoints/model_iter3.pth"):
             download(repo, "checkpoints/model_iter3.pth", tmp_path / "got")
+
+
+class _ArtifactServer(http.server.BaseHTTPRequestHandler):
+    """An artifact endpoint that lists checkpoints/model_iter1.pth with `listed` bytes (None: no size)
+    and then sends `sends` bytes for it."""
+
+    def do_GET(self):
+        if "?path=" in self.path:
+            size = {} if self.server.listed is None else {"file_size": str(self.server.listed)}
+            body = json.dumps({"files": [{"path": "model_iter1.pth", "is_dir": False, **size}]}).encode()
+        else:
+            body = b"x" * self.server.sends
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("listed", [10, None])
+def test_a_server_that_sends_more_than_it_lists_cannot_fill_the_disk(tmp_path, listed):
+    """A broken or hostile server lists a checkpoint at 10 bytes and sends 3 MB: the download stops at
+    the first chunk past the listed size. A server that lists no size gets MLflow's own download."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ArtifactServer)
+    server.listed, server.sends = listed, 3 * MB
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_port}/api/2.0/mlflow-artifacts/artifacts/1/run/artifacts"
+        repo = repository(uri, uri)
+        if listed is None:
+            path, sha256 = download(repo, "checkpoints/model_iter1.pth", tmp_path)
+            assert path.stat().st_size == 3 * MB and sha256 == sha256_of(path)
+        else:
+            with pytest.raises(OSError, match="the server sent more than the 10 bytes it lists"):
+                download(repo, "checkpoints/model_iter1.pth", tmp_path)
+            assert (tmp_path / "model_iter1.pth").stat().st_size == 0
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- TRACKING.CHECKPOINTS_KEEP ----

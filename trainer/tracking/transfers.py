@@ -159,13 +159,14 @@ def download(repo, artifact_path: str, folder: Path) -> tuple[Path, str]:
 
     if isinstance(repo, HttpArtifactRepository):
         size = _size(repo, artifact_path)
-        if size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
+        if size is not None and size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
             return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
     path = Path(repo.download_artifacts(artifact_path, str(folder)))
     return path, sha256_of(path)
 
 
-def _size(repo, artifact_path: str) -> int:
+def _size(repo, artifact_path: str) -> int | None:
+    """The file's size as the server lists it (None when it lists none)."""
     for info in repo.list_artifacts(posixpath.dirname(artifact_path) or None):
         if info.path == artifact_path and not info.is_dir:
             return info.file_size
@@ -179,11 +180,14 @@ def _get_whole(repo, artifact_path: str, dest: Path, size: int) -> tuple[Path, s
 
     resp = http_request(get_default_host_creds(repo.artifact_uri), posixpath.join("/", artifact_path), "GET",
                         stream=True, timeout=(CONNECT_S, idle_timeout(size)))
-    digest = hashlib.sha256()
+    digest, got = hashlib.sha256(), 0
     with resp:
         augmented_raise_for_status(resp)
         with open(dest, "wb") as f:
             for chunk in resp.iter_content(1 << 20):
+                got += len(chunk)
+                if got > size:  # a broken or hostile server does not fill the disk
+                    raise OSError(f"the server sent more than the {size} bytes it lists for {artifact_path}")
                 f.write(chunk)
                 digest.update(chunk)
     return dest, digest.hexdigest()
