@@ -1,9 +1,9 @@
 """Checkpoint-sized files to and from the run's artifact store, in bounded memory and with timeouts
 that suit the size.
 
-Uploads. MLflow's artifact repository for the run's artifact URI does the work: boto3's `upload_file` when
-the run writes to S3 itself (`MLFLOW_S3_ENDPOINT_URL`; multipart in 8 MB parts, each request with
-botocore's own timeouts), the local disk, and so on. Through the tracking server's proxy
+Uploads. MLflow's artifact repository for the run's artifact URI does the work: boto3's
+`upload_file` when the run writes to S3 itself (`MLFLOW_S3_ENDPOINT_URL`; multipart in 8 MB parts,
+each request with botocore's own timeouts), the local disk, and so on. Through the tracking server's proxy
 (`mlflow-artifacts:`) MLflow's client has one timeout for every request, or none at all, so that
 path is driven here, with the repository's own multipart protocol:
 - When the server's store takes multipart uploads (S3) and the file is past
@@ -90,6 +90,8 @@ def _put_whole(repo, path: Path, artifact_path: str) -> None:
         size = os.fstat(f.fileno()).st_size
         # The file mapped and handed over as one buffer, sent by one sendall without the GIL; a file
         # object goes out in urllib3's 16 kB reads, a Python loop turn each, taken from training.
+        # Checkpoints are complete when they get here and are only ever renamed or unlinked (a
+        # mapping outlives both), never truncated.
         with contextlib.ExitStack() as stack:
             body = b""
             if size:
@@ -149,7 +151,6 @@ def _put_part(fd: int, credential, start: int, length: int):
                                     verify=not MLFLOW_S3_IGNORE_TLS.get()) as resp:
         augmented_raise_for_status(resp)
         return MultipartUploadPart(credential.part_number, resp.headers.get("ETag", ""), credential.url)
-
 
 
 def download(repo, artifact_path: str, folder: Path) -> tuple[Path, str]:
