@@ -52,7 +52,9 @@ def _loop_state_for(cfg, num_classes: int, writer):
     scheduler = build_lr_scheduler(cfg, optimizer)
     _filled_optimizer_state(model, optimizer)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return LoopState(model, optimizer, scheduler, scaler, None, None, writer)
+    categories = {"categories": [{"id": i, "name": f"class {i}"} for i in range(1, num_classes)],
+                  "keypoint_names": []}  # what a checkpoint says its labels mean
+    return LoopState(model, optimizer, scheduler, scaler, None, None, writer, categories)
 
 
 class _Capture:

@@ -50,6 +50,23 @@ def test_every_benchmark_module_imports(name):
     assert callable(getattr(module, "run" if name in BENCHMARKS else "main"))
 
 
+def test_checkpoint_stall_builds_the_loop_state_the_engine_checkpoints(tmp_path):
+    """checkpoint_stall makes its own LoopState (no loader, no stats): it must stay what save_snapshot
+    reads, or `make bench` fails there after the others ran (it did once LoopState gained categories)."""
+    from bench.checkpoint_stall import _Capture, _loop_state_for
+    from tests.conftest import DEMO
+    from trainer import engine
+    from trainer.config import load_config
+    from trainer.distributed import Context
+    from trainer.tracking import create_tracker
+
+    cfg = load_config(DEMO, ["OUTPUT_DIR", str(tmp_path), "TRACKING.ENABLED", "false"])
+    capture = _Capture()
+    engine.save_snapshot(engine.Job(cfg, Context(), create_tracker(cfg), tmp_path), _loop_state_for(cfg, 4, capture), 7)
+    assert capture.state["iteration"] == 7 and len(capture.state["categories"]["categories"]) == 3
+    assert capture.state["model"] and capture.state["optimizer"]["state"]
+
+
 def test_loop_overhead_passes_only_when_both_judged_periods_reach_the_target():
     from bench.common import UNRESOLVED
     from bench.loop_overhead import _judge
