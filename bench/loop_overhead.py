@@ -320,7 +320,7 @@ def _notes(bench: LoopBench, bare_it: float, costs: dict, identical: bool, check
         "building the state and its host copy; the iteration after it runs while the writer thread pickles the "
         "state (torch.save's pickler holds the GIL: about 8 ms of Python for the demo's 522 tensors, measured "
         "alone), so it takes longer by far more than its own CPU: its training thread waits for the GIL. "
-        "Tried against it, measured and dropped (2026-12-01): a 0.5 ms GIL switch interval (0.962 against "
+        "Tried against it, measured and dropped: a 0.5 ms GIL switch interval (0.962 against "
         "0.965 at a checkpoint every 20); torch.save into a buffered file with the sha256 read back, no Python "
         "call per write (0.966); the write held until the training thread's backward, which runs without the "
         "GIL (that iteration still waited 13 ms instead of 16). With the write replaced by torch.save into "
