@@ -198,9 +198,11 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
 
 def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_server(
         tmp_path, data_dir, mlflow_server, s3_server, reference, jobs):
-    """The first model_iter upload to go out is held after 1 MiB and the trainer SIGKILLed there (which
-    one goes first depends on the machine: one queued behind the run's first jobs is superseded); the
-    newer local checkpoints rot; the resumed job goes through a slow link."""
+    """The first model_iter upload to go out is held after 1 MiB and the trainer SIGKILLed there; the
+    newer local checkpoints rot; the resumed job goes through a slow link. Each checkpoint is evaluated
+    (evaluation restores the RNG states, so the weights are the reference's): an evaluated checkpoint is
+    never superseded, so one is uploaded however far the uploader lags behind the first second's jobs
+    (a fresh clone's run once saw model_iter2, 5 and 8 all superseded by model_final)."""
     exp = f"upload-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(mlflow_server.url)
     machine = tmp_path / "machine1"
@@ -208,7 +210,8 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
     with FaultProxy(mlflow_server.url) as proxy:
         proxy.hold(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter\d+\.pth ", after=1 << 20)
         args = job_args(machine, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
-                                              "TRACKING.FLUSH_TIMEOUT_S": 120})
+                                              "TRACKING.FLUSH_TIMEOUT_S": 120, "TEST.EVAL_PERIOD": 3,
+                                              "TEST.DATASETS": "('synth_shapes_val',)"})
         first = jobs(args, machine, env=s3_server.env, name="first")
         wait_until(proxy.held.is_set, first, "the upload of a model_iter checkpoint", timeout=300)
         first.kill_group()  # 1 MiB of the checkpoint has gone out; the rest never will
