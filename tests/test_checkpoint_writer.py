@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from trainer.checkpoint.files import checkpoint_name, sha256_of
+from trainer.checkpoint.files import checkpoint_name, prune, sha256_of
 from trainer.checkpoint.state import CheckpointWriteError, capture_rng, load as load_checkpoint, save_atomic
 from trainer.checkpoint.writer import CheckpointWriter
 
@@ -102,3 +102,14 @@ def test_a_full_disk_fails_the_job_clearly_and_keeps_the_older_checkpoint(tmp_pa
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model_iter1.pth"]
     assert load_checkpoint(tmp_path / "model_iter1.pth")["iteration"] == 1
+
+
+def test_pruning_keeps_the_newest_up_to_the_one_written_and_spares_pending_uploads(tmp_path):
+    names = ["model_iter2.pth", "model_iter5.pth", "model_iter8.pth", "model_iter11.pth", "model_final.pth",
+             "model_iter900.pth"]  # 900: a copy from elsewhere, past the job's MAX_ITER
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = prune(tmp_path, keep=1, upto=11, spare={"model_iter5.pth"})  # 5's upload is still to come
+    assert sorted(p.name for p in removed) == ["model_iter2.pth", "model_iter8.pth"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model_iter5.pth", "model_iter11.pth",
+                                                                  "model_final.pth", "model_iter900.pth"])

@@ -348,3 +348,30 @@ def test_a_signal_during_the_checks_stops_at_once_and_makes_no_run(tmp_path, mlf
     again = jobs(args, tmp_path, name="again")  # the same job, to the end, in one run
     assert again.wait(240) == 0, again.stderr[-3000:]
     assert only_run(client, exp).info.status == "FINISHED"
+
+
+# ---- an outage holds the uploads: local pruning keeps what is still to go ------------------------------
+
+def test_an_outage_never_lets_local_pruning_delete_an_evaluated_checkpoint_before_its_upload(
+        tmp_path, data_dir, mlflow_server, jobs):
+    """TRAIN.CHECKPOINTS_KEEP 1 with every checkpoint evaluated (so each must reach the run, linked
+    to its model), while the server answers 503 to everything from iteration 1 until model_iter8 is
+    written. Found by the second adversarial pass: a checkpoint pruned locally before its queued
+    upload ran was reported "No such file", its evaluation linked to nothing on the server."""
+    exp = f"outage-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "output"
+    with FaultProxy(mlflow_server.url) as proxy:
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                               "TRAIN.CHECKPOINTS_KEEP": 1, "TEST.DATASETS": "('synth_shapes_val',)",
+                                               "TEST.EVAL_PERIOD": 3, "TEST.VIS_IMAGES": 0})
+        job = jobs(args, tmp_path)
+        wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+        proxy.set_mode("error")  # every request: HTTP 503 (the uploads queue up and retry)
+        wait_until(lambda: (out / "model_iter8.pth").exists(), job, "model_iter8")
+        proxy.set_mode("pass")
+        assert job.wait() == 0, job.stderr[-3000:]
+    assert "No such file" not in job.stderr
+    run = only_run(MlflowClient(mlflow_server.url), exp)
+    for name in ("model_iter2.pth", "model_iter5.pth", "model_iter8.pth", "model_final.pth"):
+        assert sha_tag(name) in run.data.tags, f"{name} never reached the run"
+    assert {"model_final.pth", "model_iter8.pth"} <= {p.name for p in local_checkpoints(out)}

@@ -58,6 +58,8 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
         cfg.NUM_GPUS = world_size
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
+    if resume_run_id is not None and not resume_run_id.strip():  # an unset $RUN_ID in a script
+        raise UserError("--resume needs a run id (it was empty)")
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     _check_output_dir(Path(cfg.OUTPUT_DIR))
@@ -80,7 +82,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
             # torch loads and the job is checked; the run is made or reopened once every check passed.
             tracker.start(cfg, resume_run_id, new_run=no_resume, wait_for_checks=True)
             importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
-            prepared = _check_job(cfg, tracker)
+            prepared = _check_job(cfg, tracker, rank == 0 and (cfg.TRAIN.AUTO_RESUME or bool(resume_run_id)))
             tracker.checks_passed()
             from trainer import distributed
             from trainer.tracking.system_metrics import start_monitor
@@ -106,14 +108,15 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
             lock.release()
 
 
-def _check_job(cfg, tracker):
-    """The job's datasets and network, checked and built before a run is made for it: a job that
-    fails a check leaves the tracking store as it was. A finished job has nothing to do, whatever
-    became of its data (None: the engine sees that for itself)."""
-    from trainer.preflight import prepare
+def _check_job(cfg, tracker, resumable: bool):
+    """The job's datasets and network, and the checkpoint in OUTPUT_DIR it would resume from (not
+    another job's), checked and built before a run is made for it: a job that fails a check leaves
+    the tracking store as it was. A finished job has nothing to do, whatever became of its data
+    (None: the engine sees that for itself)."""
+    from trainer.preflight import check_local, prepare
 
     try:
-        return prepare(cfg)
+        prepared = prepare(cfg)
     except UserError:
         local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / "model_final.pth").is_file()
         try:
@@ -123,7 +126,14 @@ def _check_job(cfg, tracker):
         if not finished:
             tracker.finish(None)  # no run was made: nothing to mark
             raise
-        return None
+        prepared = None
+    try:
+        if resumable:
+            check_local(cfg, prepared)
+    except UserError:
+        tracker.finish(None)
+        raise
+    return prepared
 
 
 def _join(distributed, tracker):
@@ -174,6 +184,11 @@ def _check_output_dir(path: Path) -> None:
         raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"cannot write to OUTPUT_DIR {path}: permission denied on {existing}")
+    from trainer.checkpoint.files import not_files
+
+    if odd := not_files(path):
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is no checkpoint file "
+                        f"(a folder, a pipe, a device or a broken link); move it away")
 
 
 def _write_run_id(run_id: str) -> None:
@@ -299,7 +314,8 @@ def data():
 @data.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
 @click.option("--num-images", default=64, show_default=True, type=click.IntRange(1))
-@click.option("--size", "image_size", default=128, show_default=True, type=click.IntRange(16))
+@click.option("--size", "image_size", default=128, show_default=True, type=click.IntRange(17, 4096),
+              help="Image side in pixels (17 to 4096).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1))
 def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""

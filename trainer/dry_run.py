@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, iteration_of, local_checkpoints
+from trainer.checkpoint.files import FINAL
 from trainer.config import Config, job_hash
 from trainer.lineage import initial_weights
 from trainer.data.coco import CocoDetection, resolve_dataset
 from trainer.models import load_weights
 from trainer.output_lock import OutputLock
-from trainer.preflight import prepare
+from trainer.preflight import check_local, prepare
 from trainer.redaction import redact_text
 from trainer.solver import lr_at_iter
 from trainer.tracking.runs import find_job_run, tracking_uri
@@ -64,10 +64,10 @@ def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> str:
 
 
 def _local_start(cfg: Config) -> str:
-    found = local_checkpoints(Path(cfg.OUTPUT_DIR)) if cfg.TRAIN.AUTO_RESUME else []
-    if not found:
+    local = check_local(cfg) if cfg.TRAIN.AUTO_RESUME else None  # another job's: UserError
+    if local is None:
         return "no checkpoint here"
-    newest = found[0].name
-    if newest == FINAL:
+    path, state = local
+    if path.name == FINAL:
         return "model_final.pth is here: nothing to do"
-    return f"newest checkpoint {newest}: resumes at iteration {int(iteration_of(newest)) + 1} (if it loads)"
+    return f"newest checkpoint {path.name}: resumes at iteration {state['iteration'] + 1}"

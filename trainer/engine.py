@@ -24,10 +24,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
-from trainer.checkpoint.state import CheckpointError, capture_rng, load, newest_valid, restore_rng
+from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune, remove_stale_temps
+from trainer.checkpoint.state import CheckpointError, capture_rng, load, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
-from trainer.config import Config, job_keys, redacted, write_config
+from trainer.config import Config, redacted, write_config
 from trainer.data import build_train_loader
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
@@ -35,7 +35,7 @@ from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
-from trainer.preflight import Prepared, prepare
+from trainer.preflight import Prepared, check_local, prepare
 from trainer.models import describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.publish import complete_finished_run, log_final_model
@@ -174,9 +174,12 @@ def find_start_point(job: Job) -> StartPoint:
     run = job.tracker.run
     if not (job.cfg.TRAIN.AUTO_RESUME or run.resumed):
         return StartPoint()
-    local = newest_valid(job.output_dir)
+    remove_stale_temps(job.output_dir)
+    checked = job.prepared is not None and job.prepared.local_checked
+    local = job.prepared.local if checked else check_local(job.cfg)
+    if checked:
+        job.prepared.local = None  # the state goes on in the StartPoint only: no second copy kept
     if local:
-        check_same_job(job.cfg, *local)
         if local[0].name == FINAL:
             return StartPoint(final=True, source=str(local[0]))
     local_iter = iteration_of(local[0].name) if local else -1
@@ -199,15 +202,6 @@ def find_start_point(job: Job) -> StartPoint:
     if local:
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
     return StartPoint()
-
-
-def check_same_job(cfg: Config, path: Path, state: dict) -> None:
-    """Never resume (or call finished) another job's checkpoints left in OUTPUT_DIR."""
-    ours, theirs = job_keys(cfg), job_keys(state.get("config", {}))
-    if ours != theirs:
-        diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        raise UserError(f"{path} is from another job ({', '.join(diff[:4])} differ): use another "
-                        "OUTPUT_DIR, or --no-resume to start this job over in it")
 
 
 def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
@@ -338,7 +332,9 @@ class CheckpointPublisher:
 
     def __call__(self, path: Path, sha256: str) -> None:
         self.job.tracker.log_checkpoint(path, sha256)
-        prune(self.job.output_dir, self.job.cfg.TRAIN.CHECKPOINTS_KEEP)
+        last = self.job.cfg.SOLVER.MAX_ITER - 1  # model_final holds it: no model_iter of this job is newer
+        prune(self.job.output_dir, self.job.cfg.TRAIN.CHECKPOINTS_KEEP, min(iteration_of(path.name), last),
+              spare=self.job.tracker.uploading())  # an evaluated one whose upload an outage holds
         now = time.monotonic()
         if path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S:
             self.last_stats_upload = now

@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from trainer.config import Config
+from trainer.checkpoint.state import newest_valid
+from trainer.config import Config, job_keys
+from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.coco import check_batch_size
 from trainer.models import build_model, load_weights
@@ -23,6 +26,8 @@ class Prepared:
     dataset: object
     model: torch.nn.Module
     weights_loaded: bool  # TRAIN.WEIGHTS is in the model already
+    local: tuple[Path, dict] | None = None  # the newest checkpoint in OUTPUT_DIR (this job's) ...
+    local_checked: bool = False  # ... when check_local looked (rank 0 of a resumable job)
 
 
 def seed_everything(cfg: Config) -> None:
@@ -49,3 +54,23 @@ def prepare(cfg: Config) -> Prepared:
     if here:
         load_weights(model, cfg.TRAIN.WEIGHTS)
     return Prepared(dataset, model, here)
+
+
+def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, dict] | None:
+    """The newest checkpoint in OUTPUT_DIR that loads (corrupt ones are skipped with a warning);
+    UserError when it is another job's. Kept in `prepared`, so the engine does not load it again."""
+    local = newest_valid(Path(cfg.OUTPUT_DIR))
+    if local:
+        check_same_job(cfg, *local)
+    if prepared is not None:
+        prepared.local, prepared.local_checked = local, True
+    return local
+
+
+def check_same_job(cfg: Config, path: Path, state: dict) -> None:
+    """Never resume (or call finished) another job's checkpoints left in OUTPUT_DIR."""
+    ours, theirs = job_keys(cfg), job_keys(state.get("config", {}))
+    if ours != theirs:
+        diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise UserError(f"{path} is from another job ({', '.join(diff[:4])} differ): use another "
+                        "OUTPUT_DIR, or --no-resume to start this job over in it")

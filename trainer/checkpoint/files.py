@@ -59,11 +59,20 @@ def download_folder(output_dir: Path) -> Path:
 
 
 def local_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint files in output_dir, newest first (model_final before every model_iter)."""
+    """Checkpoint files in output_dir, newest first (model_final before every model_iter). Only
+    regular files: a folder, FIFO or device under a checkpoint's name is refused by not_files()."""
     if not output_dir.is_dir():
         return []
-    found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0]
+    found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0 and p.is_file()]
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
+
+
+def not_files(output_dir: Path) -> list[Path]:
+    """Entries named like checkpoints that are no regular file: reading one could hang (a FIFO)
+    or never end (a link to /dev/zero), and a checkpoint could not be written over a folder."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(p for p in output_dir.iterdir() if iteration_of(p.name) >= 0 and not p.is_file())
 
 
 def remove_stale_temps(output_dir: Path) -> list[Path]:
@@ -108,9 +117,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def prune(output_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest model_iter files (never model_final)."""
-    removed = [p for p in local_checkpoints(output_dir) if p.name != FINAL][keep:]
+def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset()) -> list[Path]:
+    """Delete all but the `keep` newest model_iter files up to iteration `upto` (the one just
+    written; never model_final), and none named in `spare` (their upload is still to come). A file
+    named past `upto` (a copy, another job's) is not this job's newest: it is neither counted nor
+    deleted, so it never pushes out the checkpoint just made."""
+    older = [p for p in local_checkpoints(output_dir) if iteration_of(p.name) <= upto][keep:]
+    removed = [p for p in older if p.name not in spare]
     for path in removed:
         path.unlink(missing_ok=True)
     return removed

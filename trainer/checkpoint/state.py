@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint.files import local_checkpoints, remove_stale_temps, temp_name
+from trainer.checkpoint.files import local_checkpoints, temp_name
 from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,6 @@ def load(path: Path, sha256_checked: bool = False) -> dict:
 
 def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; partial or corrupt files are skipped with a warning."""
-    remove_stale_temps(output_dir)
     for path in local_checkpoints(output_dir):
         try:
             return path, load(path)

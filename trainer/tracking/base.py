@@ -71,6 +71,10 @@ class Tracker:
         """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it. With
         TRACKING.CHECKPOINTS_KEEP, older model_iter ones then leave the run (tracking/pruning.py)."""
 
+    def uploading(self) -> set[str]:
+        """Checkpoint files whose upload is still to come (an outage holds them): pruning keeps them."""
+        return set()
+
     def log_model(self, folder: Path, cfg: Config) -> None:
         """Log a model folder (trainer.inference.save) as the run's servable MLflow model."""
 

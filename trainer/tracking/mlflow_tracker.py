@@ -29,7 +29,7 @@ from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, experiment_name,
                                    find_run, open_run, retryable, run_url, safe_params, sha_tag, start_error,
                                    tracking_uri)
-from trainer.tracking.sqlite_store import first_use_guard, sqlite_path
+from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class MlflowTracker(Tracker):
         self._uploaded: set[str] = set()  # checkpoint files this process put on the server
         self._attached = False
         self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
+        self._queued: set[str] = set()  # checkpoint files whose upload has not succeeded or been skipped
         self._best_metric = cfg.TEST.BEST_METRIC
         self._best = None  # the run's best checkpoint model so far (checkpoint_models.update_best)
         self._output_dir = Path(cfg.OUTPUT_DIR)
@@ -111,9 +112,7 @@ class MlflowTracker(Tracker):
 
     def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
         """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
-        if self.uri.startswith("sqlite:///") and not sqlite_path(self.uri).is_file():
-            if resume_run_id:
-                raise UserError(f"run {resume_run_id} does not exist on {self.uri} (there is no store yet)")
+        if not_made_yet(self.uri, resume_run_id):
             return FoundRun(None, experiment_name(cfg), None)
         with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
             self._make_client()
@@ -217,10 +216,12 @@ class MlflowTracker(Tracker):
 
         iteration = iteration_of(path.name)
         self._newest_checkpoint = max(self._newest_checkpoint, iteration)
+        self._queued.add(path.name)
 
         def upload():
             if iteration < self._newest_checkpoint and path.name not in self._evaluated:  # a newer one is on its way
                 log.info("not uploading %s: a newer checkpoint supersedes it", path.name)
+                self._queued.discard(path.name)
                 return
             # Complete means resumable without a hole: the metrics of every iteration it holds
             # are on the server too, or a job killed now would resume past unsent points. They go
@@ -233,10 +234,15 @@ class MlflowTracker(Tracker):
                                                            RunTag(LATEST_TAG, path.name)])
             self._newest_uploaded = max(self._newest_uploaded, iteration)
             self._uploaded.add(path.name)
+            self._queued.discard(path.name)
             if self._keep_on_server > 0:  # a job of its own: a slow or failing delete is no failed upload
                 self._uploader.submit(PRUNE_JOB, self._prune)
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
+
+    def uploading(self) -> set[str]:
+        return {name for name in list(self._queued)  # (a copy: the uploader thread changes the set)
+                if name in self._evaluated or iteration_of(name) >= self._newest_checkpoint}
 
     def _artifacts(self):
         if self._repo is None:

@@ -11,6 +11,7 @@ import logging
 
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import bound_http, check_shape, tracking_uri
+from trainer.tracking.sqlite_store import store_settled
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +45,16 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
     if not spec.startswith(MLFLOW_URIS):
         return
     check_shape(spec, option)
-    client = _client(cfg)
     target = spec.split(":/", 1)[1].strip("/")
     try:
-        if spec.startswith("runs:/"):
-            _check_run_path(client, *target.partition("/")[::2])
-        elif target.startswith("m-"):
-            client.get_logged_model(target.split("/")[0])
-        else:
-            model_version(client, target)
+        with store_settled(tracking_uri(cfg)):  # a missing or foreign SQLite file: said, never created
+            client = _client(cfg)
+            if spec.startswith("runs:/"):
+                _check_run_path(client, *target.partition("/")[::2])
+            elif target.startswith("m-"):
+                client.get_logged_model(target.split("/")[0])
+            else:
+                model_version(client, target)
     except UserError as e:
         raise UserError(f"{option} {spec}: {e}") from None
     except Exception as e:  # unknown run, model or alias; a server that does not answer

@@ -15,7 +15,7 @@ from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
-from trainer.tracking.sqlite_store import check_store, sqlite_path, store_settled
+from trainer.tracking.sqlite_store import check_store, not_made_yet, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -218,7 +218,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         return FoundRun(run, "", run.info.experiment_id)
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
-        launcher = _get_run(client, uri, launcher_id)
+        launcher = _get_run(client, uri, launcher_id, named="MLFLOW_RUN_ID")
         exp_id = launcher.info.experiment_id
         if JOB_TAG in launcher.data.tags or not resume:
             return FoundRun(launcher, "", exp_id)
@@ -248,9 +248,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     from mlflow import MlflowClient
 
     name = experiment_name(cfg)
-    if uri.startswith("sqlite:///") and not sqlite_path(uri).is_file():
-        if resume_run_id:
-            raise UserError(f"run {resume_run_id} does not exist on {uri} (there is no store yet)")
+    if not_made_yet(uri, resume_run_id):
         return f"a new store, experiment {name}, a new run"
     if uri.startswith("sqlite:///"):
         check_store(uri)
@@ -285,14 +283,14 @@ def _experiment(client, name: str) -> str:
         return exp.experiment_id
 
 
-def _get_run(client, uri: str, run_id: str):
+def _get_run(client, uri: str, run_id: str, named: str = "run"):
     from mlflow.exceptions import MlflowException
 
     try:
         return client.get_run(run_id)
     except MlflowException as e:
         if e.get_http_status_code() == 404 or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
-            raise UserError(f"run {run_id} does not exist on {uri}") from None
+            raise UserError(f"{named} {run_id} does not exist on {uri}") from None
         raise
 
 
@@ -360,7 +358,10 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     where = tracking_uri(cfg)
     mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
     try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+        with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
+            return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+    except UserError as e:
+        raise UserError(f"{option} {uri}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
         raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
 
@@ -390,4 +391,7 @@ def start_error(uri: str, e: BaseException) -> str:
 
     if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
         return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
+    if "filesystem tracking backend" in text:  # MLflow 3 refuses new file stores: say what works
+        return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
+                "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
     return f"tracking server {uri}: {first_line(e)}"

@@ -4,6 +4,7 @@ checks the file is an MLflow store before MLflow sees it, so that reading never 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -12,6 +13,17 @@ from trainer.errors import UserError
 def sqlite_path(uri: str) -> Path:
     """The database file of a `sqlite:///...` URI."""
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
+def not_made_yet(uri: str, resume_run_id: str | None) -> bool:
+    """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
+    named by --resume or by a launcher (MLFLOW_RUN_ID) is the user's mistake, said now."""
+    if not uri.startswith("sqlite:///") or sqlite_path(uri).exists():
+        return False
+    for named, run_id in (("run", resume_run_id), ("MLFLOW_RUN_ID", os.environ.get("MLFLOW_RUN_ID"))):
+        if run_id:
+            raise UserError(f"{named} {run_id} does not exist on {uri} (there is no store yet)")
+    return True
 
 
 @contextlib.contextmanager
@@ -27,12 +39,17 @@ def first_use_guard(uri: str):
     db = sqlite_path(uri)
     if not db.parent.is_dir():
         raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
+    lock_path = db.with_name(db.name + ".lock")
+    if db.exists() and not lock_path.exists():  # a file no job made: MLflow's or not, it is only read
+        check_store(uri)
     try:
-        lock = open(db.with_name(db.name + ".lock"), "a")
+        lock = open(lock_path, "a")
     except OSError as e:
         raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if db.exists():  # made by another job while this one waited, or used before: MLflow's own
+            check_store(uri)
         yield
 
 
@@ -65,6 +82,8 @@ def check_store(uri: str) -> None:
     import sqlite3
 
     path = sqlite_path(uri)
+    if path.exists() and not path.is_file():  # MLflow would retry opening a folder for minutes
+        raise UserError(f"tracking URI {uri}: {path} is a folder or a device, not a database file")
     if not path.is_file():
         raise UserError(f"no tracking store at {uri} ({path} does not exist)")
     try:
