@@ -126,7 +126,7 @@ CONFIG_CASES = [
     ("steps-not-increasing", ["SOLVER.STEPS", "[0, 500, 300]"], "SOLVER.STEPS must be increasing"),
     ("steps-negative", ["SOLVER.LR_POLICY", "step", "SOLVER.STEPS", "[-5, 10]"], "SOLVER.STEPS must be >= 0"),
     ("snapshot-iters-0", ["TRAIN.SNAPSHOT_ITERS", "0"], "TRAIN.SNAPSHOT_ITERS must be > 0"),
-    ("max-iter-negative", ["SOLVER.MAX_ITER", "-3"], "SOLVER.MAX_ITER must be > 0"),
+    ("max-iter-negative", ["SOLVER.MAX_ITER", "-3"], "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),
     ("ims-per-batch-0", ["TRAIN.IMS_PER_BATCH", "0"], "TRAIN.IMS_PER_BATCH must be > 0"),
     ("test-ims-per-batch-0", ["TEST.IMS_PER_BATCH", "0"], "TEST.IMS_PER_BATCH must be > 0"),
     ("backbone-width-0", ["MODEL.BACKBONE_WIDTH", "0"], "MODEL.BACKBONE_WIDTH must be > 0"),

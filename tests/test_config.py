@@ -64,7 +64,7 @@ def test_dataset_catalog_takes_user_entries():
     (["SOLVER.BASE_LR", "-0.1"], "SOLVER.BASE_LR must be > 0"),
     (["SOLVER.STEPS", "[0, 500, 300]"], "SOLVER.STEPS must be increasing"),
     (["TRAIN.SNAPSHOT_ITERS", "0"], "TRAIN.SNAPSHOT_ITERS must be > 0"),
-    (["SOLVER.MAX_ITER", "0"], "SOLVER.MAX_ITER must be > 0"),
+    (["SOLVER.MAX_ITER", "0"], "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),
     (["SOLVER.LR_POLICY", "poly"], "SOLVER.LR_POLICY must be one of"),
     (["SOLVER.WARM_UP_METHOD", "cubic"], "SOLVER.WARM_UP_METHOD must be constant or linear"),
     (["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"], "one rate per step"),

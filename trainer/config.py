@@ -146,13 +146,13 @@ _ITEM_TYPES = {
     "TEST.DATASETS": str,
 }
 _OPEN_KEYS = {"DATASET_CATALOG"}  # mappings whose contents are the user's own
+MAX_INT = 2**53  # the largest integer a config takes (and JSON, MLflow's params, float64 hold exactly)
 
 
 # Keys that do not change what is trained: left out of the job hash, so a job restarted on another
 # machine (other paths, other tracking server, more loader workers) is still the same job.
 _NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
-               "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP",
-               "TRAIN.PREEMPT_GRACE_S")
+               "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP", "TRAIN.PREEMPT_GRACE_S")
 # Keys added after jobs were first hashed: at their default they stay out of the hash, so a job
 # started before they existed is still found (and resumed) by a newer tracktron.
 _LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "MODEL.FPN_NORM", "MODEL.HEAD_NORM",
@@ -162,8 +162,6 @@ _LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "
                "MODEL.RPN_POSITIVE_FRACTION", "MODEL.FG_IOU", "MODEL.BG_IOU", "MODEL.POSITIVE_FRACTION",
                "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES", "MODEL.CLS_AGNOSTIC_MASK",
                "SOLVER.BIAS_LR_FACTOR")
-
-
 
 
 class Config(dict):
@@ -196,7 +194,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-_ALL_KEYS = sorted(flatten(_DEFAULTS))
+_FLAT_DEFAULTS = flatten(_DEFAULTS)
+_ALL_KEYS = sorted(_FLAT_DEFAULTS)
 
 
 def defaults() -> Config:
@@ -226,9 +225,11 @@ def _coerce(key: str, value, default):
         if isinstance(value, bool):
             return value
     elif isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return int(value)
         if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:  # past any count or size; Python's ints would overflow later, in C
+                raise ConfigError(f"{key} is out of range: {value} (at most {MAX_INT:,})")
             return int(value)
     elif isinstance(default, float):
         number = value
@@ -255,8 +256,10 @@ def _coerce(key: str, value, default):
     elif isinstance(default, list):
         if isinstance(value, str):
             value = literal(value)
-            if isinstance(value, str):
-                value = [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, str):  # `a, b`, or a tuple of bare names: `(a, b)`
+                inner = value.strip()
+                inner = inner[1:-1] if inner[:1] + inner[-1:] in ("()", "[]") else inner
+                value = [v.strip().strip("'\"") for v in inner.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             value = [value]
         item_type = _ITEM_TYPES.get(key, type(default[0]) if default else str)
@@ -306,18 +309,25 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
     """(the config, and for a Detectron file how its keys were translated, else None)."""
     cfg, translation = defaults(), None
     if path is not None:
-        data = read_yaml(Path(path))
-        if is_detectron(data):
-            translation = _from_detectron(cfg, data, Path(path))
-        else:
-            merge(cfg, data)
+        try:
+            data = read_yaml(Path(path))
+            if is_detectron(data):
+                translation = _from_detectron(cfg, data, Path(path))
+            else:
+                merge(cfg, data)
+        except RecursionError:  # YAML nested hundreds deep: no config is
+            raise ConfigError(f"{path}: nested too deeply to be a config") from None
         cfg["NAME"] = cfg.NAME or Path(path).stem
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
     for key, value in zip(opts[0::2], opts[1::2]):
         if is_secret_key(str(key)):
             remember(value)  # before anything can echo it
-        _set(cfg, key, parse_override(value))
+        try:
+            _set(cfg, key, parse_override(value, isinstance(_FLAT_DEFAULTS.get(key), str), key))
+        except RecursionError:
+            raise ConfigError(f"{key}: the value is nested too deeply to be a config value") from None
+    cfg.TRACKING.SYSTEM_METRICS = cfg.TRACKING.SYSTEM_METRICS.lower()  # `True`, as YAML reads it in a file
     _remember_secrets(cfg)
     validate(cfg)
     return cfg, translation
@@ -348,9 +358,8 @@ def config_from_dict(data: dict) -> Config:
 
 
 def redacted(cfg: dict) -> dict:
-    """A plain copy of the config that is safe to write anywhere (files, checkpoints, params):
-    secret-named values and URL credentials replaced. Secrets are given as overrides or in the
-    environment, so the copy keeps everything else a re-run needs."""
+    """A plain copy of the config safe to write anywhere (files, checkpoints, params): secret-named
+    values and URL credentials replaced; everything else a re-run needs is kept."""
     def clean(key, value):
         if isinstance(value, dict):
             return {k: clean(k, v) for k, v in value.items()}
@@ -374,10 +383,9 @@ def _remember_secrets(node: dict) -> None:
 
 def job_keys(cfg: dict) -> dict:
     """The flattened keys that change what is trained (a rotated secret is still the same job)."""
-    initial = flatten(_DEFAULTS)
     return {k: v for k, v in flatten(redacted(cfg)).items()
             if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)
-            and not (k in _LATER_KEYS and v == initial[k])}
+            and not (k in _LATER_KEYS and v == _FLAT_DEFAULTS[k])}
 
 
 def job_hash(cfg: dict) -> str:

@@ -40,6 +40,7 @@ def _model_name_ok(name: str) -> bool:
 
 DAY_S = 86_400  # the longest timeout or grace period (more overflows the clocks it is added to)
 MAX_SIDE = 10_000  # pixels: an image side past this does not fit a batch in any GPU's memory
+MAX_ITERS = 10**9  # a billion iterations is years of training; more overflows the ETA and the sampler
 _POSITIVE_MODEL_KEYS = ("FPN_CHANNELS", "REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN",
                         "RPN_PRE_NMS_TOP_N_TEST", "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE",
                         "ROI_BATCH_SIZE_PER_IMAGE", "DETECTIONS_PER_IMAGE")
@@ -66,7 +67,7 @@ def validate(cfg) -> None:
     s, t = cfg.SOLVER, cfg.TRAIN
     checks = [
         (s.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {s.BASE_LR}"),
-        (s.MAX_ITER > 0, f"SOLVER.MAX_ITER must be > 0, got {s.MAX_ITER}"),
+        (0 < s.MAX_ITER <= MAX_ITERS, f"SOLVER.MAX_ITER must be 1 to {MAX_ITERS:,}, got {s.MAX_ITER}"),
         (s.LR_POLICY in LR_POLICIES, f"SOLVER.LR_POLICY must be one of {', '.join(LR_POLICIES)}; got {s.LR_POLICY!r}"),
         (s.WARM_UP_METHOD in WARM_UP_METHODS, f"SOLVER.WARM_UP_METHOD must be constant or linear; got {s.WARM_UP_METHOD!r}"),
         (s.WARM_UP_ITERS >= 0, f"SOLVER.WARM_UP_ITERS must be >= 0, got {s.WARM_UP_ITERS}"),
@@ -85,7 +86,9 @@ def validate(cfg) -> None:
         (0 < t.PREEMPT_GRACE_S <= DAY_S, f"TRAIN.PREEMPT_GRACE_S must be > 0 and <= {DAY_S}, got {t.PREEMPT_GRACE_S}"),
         (0 <= cfg.RNG_SEED < 2**32, f"RNG_SEED must be in [0, 2**32), got {cfg.RNG_SEED}"),
         (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
-        (cfg.LOG_PERIOD >= 1, f"LOG_PERIOD must be >= 1, got {cfg.LOG_PERIOD}"),
+        (1 <= cfg.LOG_PERIOD <= MAX_ITERS, f"LOG_PERIOD must be 1 to {MAX_ITERS:,}, got {cfg.LOG_PERIOD}"),
+        (cfg.OUTPUT_DIR.strip() != "", "OUTPUT_DIR must name a folder, got an empty value"),
+        (cfg.OUTPUT_DIR.isprintable(), f"OUTPUT_DIR must be printable (no newline or control character), got {cfg.OUTPUT_DIR!r}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
         (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),

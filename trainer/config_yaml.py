@@ -8,6 +8,7 @@ dates stay text. Detectron writes tuples as Python literals (`(800,)`), read her
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import yaml
@@ -86,21 +87,35 @@ def literal(text: str):
         return text
 
 
-def parse_override(text: str):
+_COMMENT = re.compile(r"(^|\s)#")
+
+
+def parse_override(text: str, as_text: bool = False, key: str = "a value"):
+    """An override's value. For a string key (as_text) it is the word as typed: a path holding
+    ` #`, `*` or `: ` stays itself; only a quoted or bracketed word is read, and `null` is empty."""
     text = text.strip()
+    if as_text:
+        if text[:1] in "'\"([{":  # quoted, or a list given for a string (a mistake said as such)
+            return parse_override(text, key=key)
+        return "" if text in ("null", "~") else text
     if text[:1] in "([{":
         value = literal(text)
         if not isinstance(value, str):
             return value
     try:
-        return load_yaml(text) if text else ""
+        value = load_yaml(text) if text else ""
     except yaml.YAMLError:
         return text
+    if _COMMENT.search(text) and text[:1] not in "'\"":  # YAML would drop the rest without a word
+        raise ConfigError(f"{key} {text!r}: ' #' starts a YAML comment, which would cut the value; quote it")
+    return value
 
 
 def read_yaml(path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():  # a folder, a FIFO, a device: reading it would fail or never end
+        raise ConfigError(f"config file {path} is not a regular file")
     try:
         data = load_yaml(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all (a .pth passed by mistake)
