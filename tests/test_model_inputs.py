@@ -148,6 +148,11 @@ def test_the_served_model_answers_a_bad_image_with_its_own_message(trained):
         model.predict(pd.DataFrame({"image": [OK_PNG, b"junk"]}))
     assert caught.value.error_code == "INVALID_PARAMETER_VALUE"
     assert "no image format" in caught.value.message
+    strip = np.zeros((1, 400, 3), dtype=np.uint8)  # scaled to no pixel on its short side
+    with pytest.raises(MlflowException) as caught:
+        model.predict(pd.DataFrame({"image": [OK_PNG, strip]}))
+    assert caught.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert caught.value.message.startswith("image 1: 400x1 pixels is too narrow a strip")
 
 
 # ------------------------------------------------------------------ 3. tampered model folders

@@ -155,6 +155,7 @@ def bad(tmp_path, images, model_dir):
     (tmp_path / "shots").mkdir()
     (tmp_path / "preds" / "good.png").mkdir(parents=True)  # where good.png's drawing would go
     (tmp_path / "taken").write_text("a file where OUT should go\n")
+    Image.new("RGB", (400, 1)).save(tmp_path / "strip.png")  # scaled to no pixel on its short side
     return lambda *args, out="out", weights=str(model_dir): ["predict", "--weights", weights, "--out", out, *args]
 
 
@@ -165,6 +166,7 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("empty file", lambda a: a("empty.png"), "IMAGE empty.png: the file is empty"),
     ("truncated image", lambda a: a("truncated.png"), "IMAGE truncated.png: cannot decode the image"),
     ("no image", lambda a: a(), "no IMAGE given"),
+    ("a 400x1 strip", lambda a: a("good.png", "strip.png"), "IMAGE strip.png: 400x1 pixels is too narrow a strip"),
     ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),
     ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
     ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
@@ -230,7 +232,19 @@ def test_arguments_split_at_the_first_config_key_and_stems_stay_unique():
     assert split_args(["a.jpg", "IMG_0001.JPG", "TEST.SCALE", "64", "MODEL.TYPE", "x"]) == (
         ["a.jpg", "IMG_0001.JPG"], ["TEST.SCALE", "64", "MODEL.TYPE", "x"])
     assert split_args(["a.jpg", "DATASET_CATALOG.mine.IM_DIR", "d"]) == (["a.jpg"], ["DATASET_CATALOG.mine.IM_DIR", "d"])
-    assert output_names(["a/x.png", "b/x.jpg", "X.png", "x-2.png"]) == ["x", "x-2", "X-3", "x-2-2"]
+    assert output_names(["a/x.png", "b/x.jpg", "X.png", "x-2.png"], Path("out")) == ["x", "x-2", "X-3", "x-2-2"]
+
+
+def test_out_as_the_images_folder_never_overwrites_an_image(tmp_path, model_dir, images, categories):
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    png, jpg = Path(shutil.copy(images["png"], shots)), Path(shutil.copy(images["jpg"], shots))
+    before = {p: p.read_bytes() for p in (png, jpg)}
+    result = predict_cli("--weights", model_dir, "--out", shots, png, jpg, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert all(p.read_bytes() == data for p, data in before.items())  # the user's images as they were
+    check_outputs(shots, f"{png.stem}-2", png, categories)  # its drawing beside it, under another name
+    check_outputs(shots, "photo", jpg, categories)
 
 
 # ------------------------------------------------------------------------------------------ drawing

@@ -125,9 +125,23 @@ class Detector:
 
     @torch.inference_mode()
     def predict(self, images) -> list[dict]:
-        """Detections for each image (bytes or HxWx3 uint8 arrays), in the images' own pixels."""
+        """Detections for each image (bytes or HxWx3 uint8 arrays), in the images' own pixels;
+        ValueError for one that is no image or that the network cannot take."""
         results = []
         for image in images:
-            output = self.model([decode(image).to(self.device)])[0]
+            output = self.model([self.pixels(image).to(self.device)])[0]
             results.append(detections_of(output, self.categories))
         return results
+
+    def pixels(self, image) -> torch.Tensor:
+        """The decoded image, once it is known to survive the network's resize: a strip (400x1)
+        would be scaled to no pixel on its short side (a RuntimeError deep in torchvision)."""
+        pixels = decode(image)
+        t = self.model.transform
+        if getattr(t, "fixed_size", None) is None:
+            h, w = pixels.shape[-2:]
+            scale = min(t.min_size[-1] / min(h, w), t.max_size / max(h, w))
+            if int(h * scale) < 1 or int(w * scale) < 1:
+                raise ValueError(f"{w}x{h} pixels is too narrow a strip to detect in (the network scales it to "
+                                 f"{int(w * scale)}x{int(h * scale)}); crop or pad it")
+        return pixels

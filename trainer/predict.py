@@ -2,7 +2,8 @@
 
 For each IMAGE it writes OUT/<stem>.png (the detections at or above the score threshold, drawn)
 and OUT/<stem>.json (every detection, as the served model returns them, with the image's path and
-size). Two images with the same stem get <stem>-2, <stem>-3, ... in the order given.
+size). Two images with the same stem get <stem>-2, <stem>-3, ... in the order given, and so does
+an image whose result would overwrite an input (OUT is the images' folder).
 
 Every input (threshold, images, OUT, config, weights) is checked before anything is predicted or
 written: a bad one ends as a UserError, one line, and OUT is left as it was.
@@ -45,11 +46,16 @@ def predict_command(weights: str, images: list[str], out_dir: str, config_file: 
     cfg = load_config(config_file, list(opts))  # only runs:/ and models:/ weights use it: the tracking URI
     for image in images:
         check_image(image)
-    names = output_names(images)
+    names = output_names(images, out)
     if clash := [f"{n}.{e}" for n in names for e in ("png", "json") if (out / f"{n}.{e}").is_dir()]:
         raise UserError(f"--out {out_dir}: {clash[0]} is a folder there, where a result would go")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     detector = load_detector(cfg, weights, option="--weights", device=device)
+    for image in images:  # what the network cannot take (a 400x1 strip) is said before anything is written
+        try:
+            detector.pixels(read_image(image))
+        except ValueError as e:
+            raise UserError(f"IMAGE {image}: {first_line(e)}") from None
     for image, name in zip(images, names):
         predict_one(detector, image, out, name, score_threshold)
 
@@ -114,14 +120,16 @@ def _key_hint(arg: str) -> str:
     return ""
 
 
-def output_names(images: list[str]) -> list[str]:
+def output_names(images: list[str], out: Path) -> list[str]:
     """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
-    Windows folders would write a.png and A.png to one file)."""
+    Windows folders would write a.png and A.png to one file), and never an input's own file (OUT
+    may be the images' folder)."""
+    inputs = {Path(i).expanduser().resolve() for i in images}
     taken, names = set(), []
     for image in images:
         stem = Path(image).stem or "image"
         name, n = stem, 2
-        while name.casefold() in taken:
+        while name.casefold() in taken or any((out / f"{name}.{e}").resolve() in inputs for e in ("png", "json")):
             name, n = f"{stem}-{n}", n + 1
         taken.add(name.casefold())
         names.append(name)

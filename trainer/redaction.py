@@ -20,7 +20,11 @@ SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "A
                 "CREDENTIAL")
 REDACTED = "***"
 # `:/` too: Path() collapses `//`. Not MLflow's models:/name@alias, whose `@` names an alias.
-_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^/@\s]+@")
+# The userinfo ends at the authority's LAST `@`: a password may hold an unescaped `@` itself.
+_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^/?#\s]*@")
+# A URL's query: presigned URLs carry their signature and credential there, APIs their token.
+_URL_QUERY = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s?#]*\?)([^\s#]+)")
+_QUERY_VALUE = re.compile(r"(^|[&;])([^&;=]*=)?[^&;]*")
 _MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
 _values: set[str] = set()
 
@@ -42,9 +46,14 @@ def remember_environment() -> None:
 
 
 def redact_urls(text: str) -> str:
-    """`http://user:password@host` -> `http://***@host` (and nothing else: the same text always
-    gives the same result, whatever this process remembered)."""
-    return _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    """`http://user:password@host/x?token=t` -> `http://***@host/x?token=***` (and nothing else:
+    the same text always gives the same result, whatever this process remembered)."""
+    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    return _URL_QUERY.sub(lambda m: m.group(1) + _QUERY_VALUE.sub(_hide_value, m.group(2)), text)
+
+
+def _hide_value(m: re.Match) -> str:
+    return f"{m.group(1)}{m.group(2) or ''}{REDACTED}" if m.group(0) not in ("", "&", ";") else m.group(0)
 
 
 def redact_text(text: str) -> str:

@@ -70,6 +70,8 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
     path = Path(spec).expanduser()
     if path.is_file():
         return _read_path(path, option, shown, model), None
+    if path.exists():  # a folder, a pipe, a device
+        raise UserError(f"{option} {spec}: not a weights file (a folder or a device)")
     if not _WEIGHT_NAME.fullmatch(spec):
         raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
