@@ -1,0 +1,203 @@
+"""What a second adversarial pass found, each case as the user met it (docs/FAULTS.md, rows 72-82).
+
+Every refusal is one line and exit status 2 before anything is written: no run, no store file,
+no lock beside somebody else's file, nothing in OUTPUT_DIR damaged. The CLI runs in this process
+(tests.test_bad_input.run_cli); the two cases that train run the real loop on the synthetic set.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from PIL import Image
+
+from tests.conftest import DEMO
+from tests.test_bad_input import assert_exit_2, run_cli
+from trainer.config import load_config
+from trainer.redaction import redact_text
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def train(tmp: Path, *opts: str, data_dir: Path | None = None, dry_run: bool = False):
+    base = ["OUTPUT_DIR", str(tmp / "output"), "TRACKING.URI", f"sqlite:///{tmp / 'mlflow.db'}",
+            "SOLVER.MAX_ITER", "4", "TRAIN.SNAPSHOT_ITERS", "1", "DATA_LOADER.NUM_THREADS", "0",
+            "TRAIN.IMS_PER_BATCH", "2", "TEST.DATASETS", "()", "TRACKING.LOG_MODEL", "false"]
+    if data_dir is not None:
+        base += ["DATA_DIR", str(data_dir)]
+    return run_cli(["train", "--config", str(DEMO), *(["--dry-run"] if dry_run else []), *base, *opts])
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- config values --------------------------------------------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["OUTPUT_DIR", ""], "OUTPUT_DIR must name a folder"),  # it trained into the working directory
+    (["OUTPUT_DIR", "out\nput"], "OUTPUT_DIR must be printable"),  # YAML made it `out put`
+    (["SOLVER.MAX_ITER", "1000000000000000"], "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),  # OverflowError in the ETA
+    (["LOG_PERIOD", "99999999999999999999999"], "LOG_PERIOD is out of range"),  # OverflowError in a deque
+    (["NUM_GPUS", "99999999999999999999999"], "NUM_GPUS is out of range"),  # accepted silently
+    (["TRAIN.DATASETS", "synth_shapes_train #x"], "' #' starts a YAML comment"),  # the rest dropped
+    (["TRAIN.SCALES", DEEP], "TRAIN.SCALES: the value is nested too deeply"),  # RecursionError
+], ids=["empty-output-dir", "newline-output-dir", "huge-max-iter", "huge-log-period", "huge-num-gpus",
+        "yaml-comment", "deep-override"])
+def test_config_values_past_what_a_job_can_be(here, opts, message):
+    assert_exit_2(train(here, *opts), message)
+    assert sorted(p.name for p in here.iterdir()) == []
+
+
+def test_a_config_file_nested_hundreds_deep_or_not_a_file_is_one_line(here):
+    deep = here / "deep.yaml"
+    deep.write_text("DATASET_CATALOG: {x: " + "[" * 400 + "]" * 400 + "}\n")
+    assert_exit_2(run_cli(["train", "--config", str(deep)]), "deep.yaml: nested too deeply")
+    os.mkfifo(here / "pipe.yaml")  # reading it would wait forever
+    assert_exit_2(run_cli(["train", "--config", str(here / "pipe.yaml")]), "pipe.yaml is not a regular file")
+
+
+def test_string_keys_keep_the_word_as_typed():
+    cfg = load_config(DEMO, ["OUTPUT_DIR", "/tmp/run #2", "TRACKING.RUN_NAME", "*x", "TRAIN.WEIGHTS", "null",
+                             "TRAIN.DATASETS", "(synth_shapes_train,)", "TRACKING.EXPERIMENT", "'quoted'"])
+    assert cfg.OUTPUT_DIR == "/tmp/run #2"  # was `/tmp/run`: ` #` began a YAML comment
+    assert cfg.TRACKING.RUN_NAME == "*x"  # was "YAML aliases are not allowed"
+    assert cfg.TRAIN.WEIGHTS == "" and cfg.TRACKING.EXPERIMENT == "quoted"
+    assert cfg.TRAIN.DATASETS == ["synth_shapes_train"]  # was ['(synth_shapes_train', ')']
+
+
+def test_weights_that_are_a_folder_and_a_file_store_say_what_they_are(here):
+    (here / "weights").mkdir()
+    assert_exit_2(train(here, "TRAIN.WEIGHTS", str(here / "weights"), dry_run=True),
+                  "not a weights file (a folder or a device)")  # said "no such file"
+    result = train(here, "TRACKING.URI", f"file://{here / 'mlruns'}")  # MLflow's notice, cut at "See htt"
+    assert_exit_2(result, "MLflow's file store (a folder such as ./mlruns) takes no new runs; use a database")
+    assert not (here / "mlruns").exists()
+
+
+def test_an_empty_resume_id_is_refused(here):
+    result = run_cli(["train", "--config", str(DEMO), "--resume", "", "OUTPUT_DIR", str(here / "output")])
+    assert_exit_2(result, "--resume needs a run id")  # an unset $RUN_ID started a new job
+
+
+# ---- OUTPUT_DIR -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda p: p.mkdir(),
+    lambda p: os.mkfifo(p),  # the resume scan hung on it
+    lambda p: p.symlink_to("/dev/zero"),  # the resume scan read until the OOM killer came
+], ids=["folder", "fifo", "link-to-dev-zero"])
+def test_a_checkpoint_name_that_is_no_file_is_refused_before_the_run(here, make):
+    out = here / "output"
+    out.mkdir()
+    make(out / "model_iter1.pth")
+    for dry_run in (True, False):
+        assert_exit_2(train(here, dry_run=dry_run), "model_iter1.pth there is no checkpoint file")
+    assert not (here / "mlflow.db").exists()
+
+
+def test_another_jobs_checkpoint_is_refused_before_the_run_and_by_dry_run(here, data_dir):
+    first = train(here, "TRACKING.ENABLED", "false", "SOLVER.MAX_ITER", "1", data_dir=data_dir)
+    assert first.code is None, first.stderr
+    final = here / "output" / "model_final.pth"
+    before = digest(final)
+    for dry_run in (True, False):  # --dry-run said "model_final.pth is here: nothing to do"
+        result = train(here, "SOLVER.BASE_LR", "0.001", "SOLVER.MAX_ITER", "1", data_dir=data_dir, dry_run=dry_run)
+        assert_exit_2(result, "model_final.pth is from another job (SOLVER.BASE_LR differ)")
+    assert not (here / "mlflow.db").exists()  # a FAILED run was made in a new store first
+    assert digest(final) == before
+
+
+def test_files_named_like_checkpoints_never_push_out_the_jobs_own(here, data_dir):
+    """Copies cut short under later names (model_iter100..102) counted as the newest: every new
+    checkpoint was deleted as soon as it was written, and a kill would have had nothing to resume."""
+    out = here / "output"
+    out.mkdir()
+    junk = {out / f"model_iter{i}.pth": os.urandom(3000) for i in (100, 101, 102)}
+    for path, data in junk.items():
+        path.write_bytes(data)
+    result = train(here, "TRACKING.ENABLED", "false", "TRAIN.CHECKPOINTS_KEEP", "2", data_dir=data_dir)
+    assert result.code is None, result.stderr
+    assert all(path.read_bytes() == data for path, data in junk.items())  # not ours to delete
+    kept = sorted(p.name for p in out.glob("model_*.pth") if p not in junk)
+    assert kept == ["model_final.pth", "model_iter1.pth", "model_iter2.pth"]  # the newest 2 + final
+
+
+# ---- tracking stores --------------------------------------------------------------------------------
+
+def test_a_sqlite_file_that_is_no_mlflow_store_is_never_written(here, data_dir):
+    db = here / "people.db"
+    with sqlite3.connect(db) as c:
+        c.execute("CREATE TABLE experiments (id INTEGER, name TEXT)")  # MLflow's migrations altered it
+        c.execute("INSERT INTO experiments VALUES (1, 'mine')")
+    before = digest(db)
+    result = train(here, "TRACKING.URI", f"sqlite:///{db}", data_dir=data_dir)
+    assert_exit_2(result, "people.db is not an MLflow tracking store")
+    assert digest(db) == before and sorted(p.name for p in here.iterdir()) == ["people.db"]  # no .lock beside it
+
+
+def test_a_folder_as_the_sqlite_file_is_one_line_at_once(here):
+    (here / "store").mkdir()  # MLflow retried opening it for two minutes
+    assert_exit_2(train(here, "TRACKING.URI", f"sqlite:///{here / 'store'}"), "store is a folder or a device")
+    result = run_cli(["status", "--uri", f"sqlite:///{here / 'store'}"])
+    assert_exit_2(result, "store is a folder or a device")  # said "does not exist"
+
+
+@pytest.mark.parametrize("weights", ["runs:/0123456789abcdef0123456789abcdef/model", "models:/nope@best"])
+def test_weights_from_mlflow_never_make_a_store(here, weights):
+    for dry_run in (True, False):
+        assert_exit_2(train(here, "TRAIN.WEIGHTS", weights, dry_run=dry_run), "no tracking store at")
+    Image.new("RGB", (32, 32)).save(here / "x.png")
+    result = run_cli(["predict", "--weights", weights, "--out", str(here / "p"), str(here / "x.png"),
+                      "TRACKING.URI", f"sqlite:///{here / 'mlflow.db'}"])
+    assert_exit_2(result, "no tracking store at")  # predict and eval made one, 218 tables
+    assert not (here / "mlflow.db").exists()
+
+
+def test_a_launchers_run_id_that_does_not_exist_is_refused(here, monkeypatch):
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0123456789abcdef0123456789abcdef")  # it trained in a new run
+    assert_exit_2(train(here), "MLFLOW_RUN_ID 0123456789abcdef0123456789abcdef does not exist")
+    assert not (here / "mlflow.db").exists()
+    MlflowClient(f"sqlite:///{here / 'mlflow.db'}").search_experiments()  # now a store, without that run
+    assert_exit_2(train(here), "MLFLOW_RUN_ID 0123456789abcdef0123456789abcdef does not exist on sqlite:///")
+
+
+# ---- secrets ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, secret", [
+    ("TRAIN.WEIGHTS", "http://127.0.0.1:9/w.pth?X-Amz-Credential=AKIAX&X-Amz-Signature=SIGSECRET2", "SIGSECRET2"),
+    ("TRAIN.WEIGHTS", "http://u:PW@SECRET4@127.0.0.1:9/w.pth", "SECRET4"),  # an unescaped @ in the password
+    ("TRACKING.URI", "http://127.0.0.1:9/?token=QTOKSECRET", "QTOKSECRET"),
+], ids=["presigned-url", "at-in-password", "token-in-query"])
+def test_a_secret_in_a_url_never_reaches_the_error_line(here, key, value, secret):
+    result = train(here, key, value)
+    assert result.code == 2 and secret not in result.stderr + result.stdout, result.stderr
+    assert "***" in result.last_line
+
+
+def test_url_redaction_keeps_what_is_not_secret():
+    assert redact_text("see http://h/x.pth?a=1&b=two") == "see http://h/x.pth?a=***&b=***"
+    assert redact_text("models:/name@best and s3://bucket/key") == "models:/name@best and s3://bucket/key"
+    assert redact_text("http://host:5000/#/experiments/1") == "http://host:5000/#/experiments/1"
+
+
+# ---- data synth ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", ["16", "100000"])  # a traceback (low >= high); 224 GiB asked of numpy
+def test_synth_sizes_it_cannot_draw_are_refused(here, size):
+    result = run_cli(["data", "synth", "--out", str(here / "s"), "--num-images", "2", "--size", size])
+    assert_exit_2(result, "Invalid value for '--size'")
+    assert not (here / "s").exists()
