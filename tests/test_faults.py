@@ -214,8 +214,11 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
                                               "TEST.DATASETS": "('synth_shapes_val',)"})
         first = jobs(args, machine, env=s3_server.env, name="first")
         wait_until(proxy.held.is_set, first, "the upload of a model_iter checkpoint", timeout=300)
-        first.kill_group()  # 1 MiB of the checkpoint has gone out; the rest never will
         held = int(re.search(rb"model_iter(\d+)\.pth", proxy.held_request).group(1))
+        # Training goes on while the upload is held (it may still be evaluating the held one now).
+        wait_until(lambda: any(iteration_of(p.name) > held for p in local_checkpoints(out)), first,
+                   "a checkpoint past the held one", timeout=300)
+        first.kill_group()  # 1 MiB of the held checkpoint has gone out; the rest never will
 
         tags = only_run(client, exp).data.tags
         assert "tracktron.ckpt.latest" not in tags  # the half-uploaded checkpoint is not claimed
