@@ -99,7 +99,7 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
 
     # 1. A loader worker is killed (OOM killer, a segfault in a decoder).
     first = jobs(args, tmp_path, name="first")
-    wait_until(lambda: (out / "model_iter2.pth").exists() and 3 in first.iters(), first, "iteration 3")
+    wait_until(lambda: (out / "model_iter2.pth").exists(), first, "model_iter2")
     workers = children = first.children()
     os.kill(workers[0], signal.SIGKILL)
     code = first.wait(120)
@@ -110,18 +110,21 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     run = only_run(client, "faults")
     assert run.info.status == "FAILED"
     assert "DataLoader worker" in run.data.tags["tracktron.status_reason"]
-    state = load_checkpoint(out / "model_iter2.pth")  # intact
-    assert state["iteration"] == 2
-    if sha_tag("model_iter2.pth") in run.data.tags:  # the server never holds other bytes than the tag says
-        assert run.data.tags[sha_tag("model_iter2.pth")] == sha256_of(out / "model_iter2.pth")
+    # The batches already in the pipeline still train after the kill: the newest checkpoint is
+    # model_iter2, or model_iter5 on a loaded machine. Each is intact, and its tag (if any) true.
+    newest = local_checkpoints(out)[0]
+    for path in local_checkpoints(out):
+        assert load_checkpoint(path)["iteration"] == iteration_of(path.name)
+        if sha_tag(path.name) in run.data.tags:  # the server never holds other bytes than the tag says
+            assert run.data.tags[sha_tag(path.name)] == sha256_of(path)
 
     # 2. Resumed in the same run; Ctrl-C reaches the trainer and its workers alike.
     second = jobs(args, tmp_path, name="second")
-    wait_until(lambda: 4 in second.iters(), second, "iteration 4")
+    wait_until(lambda: second.iters(), second, "its first iteration")
     children = second.children()
     second.signal_group(signal.SIGINT)
     assert second.wait(60) == 130, second.stderr[-3000:]
-    assert "model_iter2.pth at iteration 3" in second.stderr
+    assert f"{newest.name} at iteration {iteration_of(newest.name) + 1}" in second.stderr
     assert "SIGINT received" in second.stderr and "Traceback" not in second.stderr
     assert_gone(children)
     done = logged_iters(out)[-1]
