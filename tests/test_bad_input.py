@@ -483,7 +483,7 @@ def test_synth_into_an_unwritable_place_or_with_a_negative_seed_is_one_line(tmp_
 
 
 @pytest.mark.parametrize("case, opts, message", [
-    ("in-memory-store", ["TRACKING.URI", "sqlite://"], "an in-memory store keeps nothing past the job"),
+    ("in-memory-store", ["TRACKING.URI", "sqlite://"], "names no database file (sqlite:// alone is in memory"),
     ("store-folder-missing", ["TRACKING.URI", "sqlite:////nonexistent-tracktron/dir/x.db"],
      "the folder /nonexistent-tracktron/dir does not exist"),
 ])

@@ -1,6 +1,7 @@
 """What users see: run names, descriptions, experiment kind, system metrics, `tracktron status`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -144,3 +145,128 @@ def test_status_against_a_server_that_never_answers_ends_in_bounded_time(tmp_pat
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: cannot read jobs from {proxy.url}")
     assert took < 60, f"{took:.0f}s"
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory):
+    """An MLflow store with no runs, made once; each test works on a copy of the file."""
+    path = tmp_path_factory.mktemp("empty-store") / "store.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def _copy(store, tmp_path):
+    import shutil
+
+    path = tmp_path / "store.db"
+    shutil.copyfile(store, path)
+    return path, f"sqlite:///{path}"
+
+
+def _status(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "trainer", "status", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_status_shows_what_others_wrote_to_the_store_as_plain_text(empty_store, tmp_path):
+    """Names, tags and params are anyone's to write: their escape sequences, carriage returns and
+    newlines are shown escaped, a credential in them hidden, and an ETA or loss no clock or column
+    holds (NaN, inf, 1e300) is a dash or a short number instead of a traceback."""
+    _, uri = _copy(empty_store, tmp_path)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("exp\x1b[31mRED\x1b[0m\nline2")
+    hostile = {"ansi\x1b]0;TITLE\x07\x1b[2J\rX": float("nan"), "https://bob:SECRETPW@host/": float("inf"),
+               "plain": 1e300}
+    for name, value in hostile.items():
+        run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", "tracktron.ckpt.latest": "a\nb"})
+        client.log_param(run.info.run_id, "SOLVER.MAX_ITER", "\x1b[41m9")
+        client.log_metric(run.info.run_id, "loss", value, step=3)
+        client.log_metric(run.info.run_id, "eta_seconds", value, step=3)  # the runs stay RUNNING
+    out = _status("--uri", uri, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert not set("\x1b\x07\r") & set(out.stdout + out.stderr)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 + len(hostile)  # a header and one line per run: no newline of theirs splits one
+    assert "SECRETPW" not in out.stdout and "https://***@host/" in out.stdout
+    assert all(" RUNNING " in line and line.split()[-1] == "-" for line in lines[1:])  # no ETA shown
+    assert "1.798e+308" in out.stdout and len(max(lines, key=len)) < 400  # inf as MLflow keeps it, short
+
+
+def test_every_page_of_a_search_is_read(empty_store, tmp_path):
+    """A search returns a page at a time (1,000 by default): a store with more jobs or models than
+    that is listed whole, not cut short without a word."""
+    from trainer.tracking.search import every_page
+
+    _, uri = _copy(empty_store, tmp_path)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("many")
+    made = {client.create_run(exp, tags={"tracktron.job": "j"}).info.run_id for _ in range(5)}
+    found = every_page(client.search_runs, experiment_ids=[exp], max_results=2)
+    assert {r.info.run_id for r in found} == made and len(found) == 5
+
+
+def test_status_never_migrates_a_store_of_an_older_mlflow(empty_store, tmp_path):
+    """MLflow runs every migration on a store that lacks one of its tables; `status` only reads."""
+    import sqlite3
+
+    path, uri = _copy(empty_store, tmp_path)
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE tags")  # as a store from before that table was added
+    before = path.read_bytes()
+    out = _status("--uri", uri, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: {path} is a tracking store of an older MLflow (it lacks the tags table); "
+        f"`mlflow db upgrade {uri}` brings it up to date (back it up first)"]
+    assert path.read_bytes() == before
+
+
+def test_a_store_being_set_up_is_waited_for_then_given_up_on(empty_store, tmp_path, monkeypatch):
+    """A job creating the store holds its lock: a reader says it waits, and gives up in bounded
+    time (a job stopped with Ctrl-Z holds it for good). A FIFO as the lock file is refused at once."""
+    import fcntl
+
+    from trainer.errors import UserError
+    from trainer.tracking import sqlite_store
+    from trainer.tracking.search import job_runs
+
+    def outcome(within: float = 30):  # on a thread, so that a reader that hangs fails the test instead
+        result = []
+        reader = threading.Thread(target=lambda: result.append(_raised(job_runs, uri)), daemon=True)
+        reader.start()
+        reader.join(within)
+        assert result, f"status still waiting after {within} s"
+        return result[0]
+
+    path, uri = _copy(empty_store, tmp_path)
+    lock = tmp_path / "store.db.lock"
+    monkeypatch.setattr(sqlite_store, "READ_WAIT_S", 1)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        error = outcome()
+        assert isinstance(error, UserError) and "another process has held" in str(error) and "for 1 s" in str(error)
+    assert outcome() == []  # released: read at once
+    lock.unlink()
+    os.mkfifo(lock)
+    error = outcome()
+    assert isinstance(error, UserError) and "is not the lock file tracktron keeps beside store.db" in str(error)
+
+
+def _raised(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
+
+
+@pytest.mark.parametrize("uri, shown, hidden", [
+    ("sqlite:///", "names no database file", None),
+    ("http://127.0.0.1:9/?t=SECRETVAL", "cannot read jobs from http://127.0.0.1:9/?t=***", "SECRETVAL"),
+])
+def test_status_uris_that_cannot_be_read_are_one_line(tmp_path, uri, shown, hidden):
+    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", uri], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120, env={**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert shown in line and (hidden is None or hidden not in out.stderr)
+    assert list(tmp_path.iterdir()) == []  # no store made

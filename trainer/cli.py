@@ -19,7 +19,7 @@ from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import setup_logging
 from trainer.output_lock import OutputLock
-from trainer.redaction import redact_text
+from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested
 
 log = logging.getLogger("tracktron")
@@ -345,5 +345,5 @@ def main(argv=None) -> None:
 
 def _one_line(text: str, limit: int = 2000) -> str:
     """An error is one line that a shell, a log scraper or a pipeline UI shows whole."""
-    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    line = printable(text)
     return line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"

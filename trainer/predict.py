@@ -20,6 +20,7 @@ from PIL import Image
 from trainer.atomic_write import write_atomic
 from trainer.config import defaults, flatten, load_config
 from trainer.errors import UserError, first_line
+from trainer.redaction import printable
 from trainer.inference import decode
 from trainer.tracking.logged_model import load_detector
 from trainer.visualize import draw, to_png
@@ -70,7 +71,7 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
     record = {"image": image, "width": pixels.shape[2], "height": pixels.shape[1], **found}
     write_atomic(out / f"{name}.json", json.dumps(record))
     shown = sum(s >= score_threshold for s in found["scores"])
-    print(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}")
+    print(printable(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}"))
 
 
 def check_out_dir(out_dir: str) -> Path:

@@ -64,16 +64,26 @@ def redact_text(text: str) -> str:
     return text
 
 
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """Control characters (an escape sequence, a carriage return, a bidi override) shown escaped:
+    a name from a store, a tag or a file name is never drawn with on the user's terminal."""
+    if text.isprintable():
+        return text
+    kept = "\n\t" if keep_newlines else ""
+    return "".join(c if c.isprintable() or c in kept else repr(c)[1:-1] for c in text)
+
+
 def _redact_record(record: logging.LogRecord) -> logging.LogRecord:
     try:
         message = record.getMessage()
     except Exception:  # a bad format string: the handler reports it as logging always did
         return record
-    clean = redact_text(message)
+    clean = printable(redact_text(message), keep_newlines=True)
     if clean != message:
         record.msg, record.args = clean, ()
     if record.exc_info and record.exc_info[0] is not None:
-        record.exc_text = redact_text("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        record.exc_text = printable(redact_text("".join(traceback.format_exception(*record.exc_info)).rstrip()),
+                                    keep_newlines=True)
         record.exc_info = None
     return record
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from trainer.tracking.runs import LATEST_TAG, job_runs, last_step_of, run_url, tracking_uri
+from trainer.redaction import printable, redact_text
+from trainer.tracking.runs import LATEST_TAG, last_step_of, run_url, tracking_uri
+from trainer.tracking.search import job_runs
 
 
 def job_rows(uri: str | None = None, experiment: str | None = None) -> list[dict]:
@@ -22,17 +24,34 @@ def _row(run, exp, uri: str) -> dict:
         "status": run.info.status,
         "iteration": f"{'-' if step < 0 else step + 1}/{run.data.params.get('SOLVER.MAX_ITER', '?')}",
         "checkpoint": run.data.tags.get(LATEST_TAG, "-"),
-        "loss": f"{run.data.metrics['loss']:.4f}" if "loss" in run.data.metrics else "-",
-        "eta": str(timedelta(seconds=int(eta))) if running and eta is not None else "-",
+        "loss": _number(run.data.metrics.get("loss")),
+        "eta": _duration(eta) if running else "-",
         "ui": run_url(uri, exp.experiment_id, run.info.run_id) or "",
     }
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"  # MLflow keeps inf as 1.8e308
+
+
+def _duration(seconds: float | None) -> str:
+    """h:mm:ss, or "-" for none or one no clock shows (NaN, negative, past 3,000 years)."""
+    return str(timedelta(seconds=int(seconds))) if seconds is not None and 0 <= seconds < 1e11 else "-"
+
+
+def _cell(value, limit: int = 200) -> str:
+    text = printable(redact_text(str(value)))
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def render(rows: list[dict]) -> str:
+    """The table, each cell as text a terminal shows: whoever wrote a run's name or tags, no
+    escape sequence, carriage return or newline of theirs reaches the screen, and no credential."""
     if not rows:
         return "no tracktron jobs found"
+    rows = [{c: _cell(v) for c, v in r.items()} for r in rows]
     columns = [c for c in rows[0] if any(r[c] for r in rows)]
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    lines += ["  ".join(r[c].ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(line.rstrip() for line in lines)

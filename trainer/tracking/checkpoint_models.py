@@ -14,6 +14,8 @@ import logging
 import time
 from pathlib import Path
 
+from trainer.tracking.search import every_page
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPE = "tracktron-checkpoint"
@@ -25,10 +27,8 @@ BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.
 def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | None = None) -> list:
     """The run's checkpoint models, the best first when `order_by` names a metric."""
     order = [{"field_name": f"metrics.{order_by}", "ascending": False}] if order_by else None
-    found = client.search_logged_models(
-        [experiment_id], filter_string=f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'",
-        order_by=order, max_results=1000)
-    return list(found)
+    return every_page(client.search_logged_models, experiment_ids=[experiment_id], order_by=order,
+                      filter_string=f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'")
 
 
 def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, metrics: dict, step: int) -> str:

@@ -16,6 +16,7 @@ import logging
 from trainer.checkpoint.files import FINAL
 from trainer.tracking.checkpoint_models import BEST_TAGS, CHECKPOINT_TAG
 from trainer.tracking.runs import checkpoints_from, sha_tag
+from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,14 @@ def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluate
 
 def _named_by_models(client, experiment_id: str, run_id: str) -> set[str]:
     """Checkpoint files that a LoggedModel of the run points at (its tracktron.checkpoint tag)."""
-    models = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'",
-                                         max_results=1000)
+    models = every_page(client.search_logged_models, experiment_ids=[experiment_id],
+                        filter_string=f"source_run_id = '{run_id}'")
     return {m.tags[CHECKPOINT_TAG].rsplit("/", 1)[-1] for m in models if CHECKPOINT_TAG in (m.tags or {})}
 
 
 def _registered(client, run_id: str) -> set[str]:
     """Checkpoint files that a registered model version of the run has as its source."""
-    versions = client.search_model_versions(f"run_id = '{run_id}'")
+    versions = every_page(client.search_model_versions, filter_string=f"run_id = '{run_id}'")
     return {v.source.rstrip("/").rsplit("/", 1)[-1] for v in versions
             if "/checkpoints/" in (v.source or "")}
 

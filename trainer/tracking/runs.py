@@ -9,13 +9,13 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
-from trainer.redaction import redact_text
-from trainer.tracking.sqlite_store import check_store, not_made_yet, store_settled
+from trainer.redaction import redact_text, remember
+from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -53,9 +53,11 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
     given = uri or (cfg.TRACKING.URI if cfg is not None else "")
     chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
-    if chosen.startswith("sqlite:") and not chosen.startswith("sqlite:///"):  # sqlite:// is in memory
-        raise UserError(f"tracking URI {chosen}: an in-memory store keeps nothing past the job; "
-                        "give a file, e.g. sqlite:///mlflow.db")
+    for _, value in parse_qsl(urlsplit(chosen).query):  # a token there: hidden also where a library
+        remember(value)  # prints the request's path without the scheme (`url: /?t=...`)
+    if chosen.startswith("sqlite:") and (not chosen.startswith("sqlite:///") or not sqlite_path(chosen).name):
+        raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone is in "
+                        "memory and keeps nothing past the job); give a file, e.g. sqlite:///mlflow.db")
     return chosen
 
 
@@ -84,7 +86,7 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
 
 
 def experiment_name(cfg: Config) -> str:
-    return cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron"
+    return redact_text(cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron")
 
 
 def checkpoints_of(run) -> list[str]:
@@ -308,34 +310,7 @@ def last_step_of(run, key: str = "loss") -> int:
 
 
 def _run_name(cfg: Config) -> str:
-    return cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
-    """(experiment, run) for every tracktron job on the server (of `experiment` if named), newest
-    first in each experiment; UserError in one line when the server cannot be read. Reading never
-    writes: a SQLite file that is not an MLflow store is refused before MLflow opens it (it would
-    create its tables there), and a server that never answers is given up on in bounded time."""
-
-    with store_settled(uri):
-        return _job_runs(uri, experiment)
-
-
-def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
-    from mlflow import MlflowClient
-
-    bound_http(timeout=10, retries=1)  # a read-only look: give up soon
-    try:
-        client = MlflowClient(uri)
-        if experiment:
-            experiments = [e for e in [client.get_experiment_by_name(experiment)] if e]
-        else:
-            experiments = client.search_experiments()
-        return [(exp, run) for exp in experiments
-                for run in client.search_runs([exp.experiment_id], filter_string=f"tags.`{JOB_TAG}` != ''",
-                                              order_by=["attributes.start_time DESC"])]
-    except Exception as e:  # an unreachable server is the user's to fix
-        raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None
+    return redact_text(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 # ---- fetching what a run holds ----

@@ -39,7 +39,7 @@ def first_use_guard(uri: str):
     db = sqlite_path(uri)
     if not db.parent.is_dir():
         raise UserError(f"tracking URI {uri}: the folder {db.parent} does not exist")
-    lock_path = db.with_name(db.name + ".lock")
+    lock_path = _lock_path(db)
     if db.exists() and not lock_path.exists():  # a file no job made: MLflow's or not, it is only read
         check_store(uri)
     try:
@@ -47,7 +47,7 @@ def first_use_guard(uri: str):
     except OSError as e:
         raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _take(lock, fcntl.LOCK_EX, lock_path)
         if db.exists():  # made by another job while this one waited, or used before: MLflow's own
             check_store(uri)
         yield
@@ -62,19 +62,57 @@ def store_settled(uri: str):
         return
     import fcntl
 
-    db = sqlite_path(uri)
+    lock_path = _lock_path(sqlite_path(uri))
     try:
-        lock = open(db.with_name(db.name + ".lock"))
+        lock = open(lock_path)
     except OSError:  # no job ever used it
         lock = None
     try:
         if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_SH)
+            _take(lock, fcntl.LOCK_SH, lock_path, give_up_after=READ_WAIT_S)
         check_store(uri)
         yield
     finally:
         if lock is not None:
             lock.close()
+
+
+READ_WAIT_S = 300  # a reader's wait for a job that creates the store's tables (a minute or two on a busy host)
+
+
+def _lock_path(db: Path) -> Path:
+    path = db.with_name(db.name + ".lock")
+    if path.exists() and not path.is_file():  # opening a FIFO would wait for a writer forever
+        raise UserError(f"{path} is not the lock file tracktron keeps beside {db.name} (a folder, a FIFO or a "
+                        "device); move it away")
+    return path
+
+
+def _take(lock, mode: int, path: Path, give_up_after: float | None = None) -> None:
+    """flock, saying so when another process holds it (a job creating the store, or one stopped
+    with Ctrl-Z in the middle of it), and giving up after `give_up_after` seconds if given."""
+    import fcntl
+    import logging
+    import time
+
+    deadline = time.monotonic() + (give_up_after or 0)
+    try:
+        fcntl.flock(lock, mode | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        logging.getLogger(__name__).warning("waiting for %s: another process is setting up this tracking store", path)
+    if give_up_after is None:
+        fcntl.flock(lock, mode)
+        return
+    while True:
+        try:
+            fcntl.flock(lock, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise UserError(f"another process has held {path} for {give_up_after:.0f} s (a job setting up the "
+                                "store, or one stopped mid-way); try again once it is done") from None
+            time.sleep(0.2)
 
 
 def check_store(uri: str) -> None:
@@ -93,3 +131,14 @@ def check_store(uri: str) -> None:
         raise UserError(f"{path} is not an MLflow tracking store ({e})") from None
     if not {"experiments", "runs", "alembic_version"} <= tables:
         raise UserError(f"{path} is not an MLflow tracking store (it has no MLflow tables)")
+    if missing := sorted(_mlflow_tables() - tables):  # MLflow would run every migration on it, unasked
+        raise UserError(f"{path} is a tracking store of an older MLflow (it lacks the {missing[0]} table); "
+                        f"`mlflow db upgrade {uri}` brings it up to date (back it up first)")
+
+
+def _mlflow_tables() -> set[str]:
+    """The tables this MLflow's stores have (what MLflow itself checks before it migrates)."""
+    import mlflow.store.db.utils  # noqa: F401  (registers every store's tables with Base.metadata)
+    from mlflow.store.db.base_sql_model import Base
+
+    return set(Base.metadata.tables)
