@@ -44,9 +44,12 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
 @pytest.mark.parametrize("env, message", [
     ({"WORLD_SIZE": "two"}, "torchrun environment: WORLD_SIZE='two' is not an integer"),
     ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "do not fit"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE > 1 needs MASTER_ADDR and a numeric MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE > 1 needs MASTER_ADDR and a MASTER_PORT of 1 to 65535"),
     ({"LOCAL_RANK": "-1"}, "do not fit"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "numeric MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "got 'http'"),
+    # torch's own check came only at the join, after the run was made (left FAILED in a new store)
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "got '99999'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "\u00b2"}, "MASTER_PORT of 1 to 65535"),
 ])
 def test_a_malformed_torchrun_environment_is_one_line_before_any_run_exists(tmp_path, data_dir, env, message):
     uri = f"sqlite:///{tmp_path / 'store.db'}"

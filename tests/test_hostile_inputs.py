@@ -1,4 +1,5 @@
-"""What a second adversarial pass found, each case as the user met it (docs/FAULTS.md, rows 72-82).
+"""What the second and third adversarial passes found, each case as the user met it (docs/FAULTS.md,
+rows 72-82 and 83-90; `tracktron status` against a store others wrote: tests/test_status.py).
 
 Every refusal is one line and exit status 2 before anything is written: no run, no store file,
 no lock beside somebody else's file, nothing in OUTPUT_DIR damaged. The CLI runs in this process
@@ -201,3 +202,97 @@ def test_synth_sizes_it_cannot_draw_are_refused(here, size):
     result = run_cli(["data", "synth", "--out", str(here / "s"), "--num-images", "2", "--size", size])
     assert_exit_2(result, "Invalid value for '--size'")
     assert not (here / "s").exists()
+
+
+# ---- datasets (third pass) ------------------------------------------------------------------------
+
+@pytest.fixture
+def dataset(here, data_dir):
+    """A copy of the synthetic training set, to damage."""
+    import shutil
+
+    cfg = load_config(DEMO, ["DATA_DIR", str(data_dir)])
+    from trainer.data import resolve_dataset
+
+    images, _ = resolve_dataset(cfg, "synth_shapes_train")
+    return Path(shutil.copytree(images.parent, here / "ds"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: os.mkfifo(p),  # the loader waited for a writer forever, the run left RUNNING
+    lambda p: p.mkdir(),
+    lambda p: p.symlink_to("/dev/zero"),  # read until a MemoryError
+], ids=["a FIFO", "a folder", "a link to /dev/zero"])
+def test_dataset_images_that_are_no_files_are_refused_before_the_run(here, dataset, make):
+    first = sorted((dataset / "images").iterdir())[0]
+    first.unlink()
+    make(first)
+    result = train(here, "TRAIN.DATASETS", f"('{dataset}',)")
+    assert_exit_2(result, f"1 of 64 images listed in {dataset / 'annotations.json'} are no image files (a folder, "
+                          f"a FIFO, a device, a broken link) in {dataset / 'images'}, e.g. {first.name}")
+    assert sorted(p.name for p in here.iterdir()) == ["ds"]  # no store, no run, no OUTPUT_DIR
+
+
+@pytest.mark.parametrize("change, message", [
+    ('"annotations": null', None),  # a test set's file without annotations: none
+    ('"bbox": [1' + "0" * 400 + ", 1, 2, 3]", "x, y, w, h must be finite numbers"),  # OverflowError in isfinite
+    ('"width": 1' + "0" * 5000, "Exceeds the limit (4300 digits)"),  # a ValueError json raised, not a JSONDecodeError
+])
+def test_annotation_numbers_past_what_json_and_float32_hold_are_one_line(dataset, change, message):
+    import json
+
+    from trainer.data import CocoDetection
+    from trainer.errors import UserError
+
+    ann = dataset / "annotations.json"
+    data = json.loads(ann.read_text())
+    key = change.split('"')[1]
+    text = json.dumps({**data, "annotations": "@"} if key == "annotations" else data)
+    if key == "annotations":
+        text = text.replace('"annotations": "@"', change)
+    else:  # the first image's or annotation's value, as another tool wrote it
+        old = json.dumps({key: data["annotations" if key == "bbox" else "images"][0][key]})[1:-1]
+        text = text.replace(old, change, 1)
+    ann.write_text(text)
+    if message is None:
+        assert len(CocoDetection(dataset / "images", ann, train=False)) == 64
+    else:
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            CocoDetection(dataset / "images", ann, train=True)
+
+
+def test_test_sets_with_missing_masks_or_keypoints_are_evaluated_as_training_reads_them(tmp_path):
+    """COCOeval crashed on a ground truth without a segmentation (or with [] or a 4-number polygon,
+    which pycocotools takes for a box) and on keypoints without num_keypoints, after the whole
+    training; the rerun then had nothing to do. They count as an empty mask and no visible point."""
+    import contextlib
+    import io
+    import json
+
+    from trainer.data import CocoDetection
+    from trainer.evaluation import run_cocoeval
+
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (64, 48)).save(tmp_path / "images" / "a.png")
+    flawed = [{}, {"segmentation": None}, {"segmentation": []}, {"segmentation": [[]]},
+              {"segmentation": [[1, 2, 3, 4]]}, {"segmentation": [[1, 2, 3, 4], [10, 10, 30, 10, 30, 30]]},
+              {"keypoints": None}, {"keypoints": [5, 5, 2, 9, 9, 0]}]  # none has num_keypoints
+    anns = [{"id": i + 1, "image_id": 1, "category_id": 1, "bbox": [8, 8, 20, 20], **f} for i, f in enumerate(flawed)]
+    ann = tmp_path / "annotations.json"
+    ann.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png", "width": 64, "height": 48}],
+                               "categories": [{"id": 1, "name": "x", "keypoints": ["l", "r"]}], "annotations": anns}))
+    for kind, needs in (("segm", {"masks": True}), ("keypoints", {"keypoints": True})):
+        gt = CocoDetection(tmp_path / "images", ann, train=False, **needs).coco
+        found = {"image_id": 1, "category_id": 1, "bbox": [8, 8, 20, 20], "score": 0.9}
+        found.update({"segmentation": gt.annToRLE(gt.anns[6])} if kind == "segm" else {"keypoints": [5, 5, 1, 9, 9, 1]})
+        with contextlib.redirect_stdout(io.StringIO()):
+            evaluation = run_cocoeval(gt, [found], kind)
+        assert evaluation.stats[0] >= 0  # a number, not -1 (no ground truth) and not a crash
+    assert [a["num_keypoints"] for a in gt.dataset["annotations"]][-2:] == [0, 1]
+
+
+def test_options_after_the_overrides_are_refused_not_taken(here):
+    """MLproject passes `opts` after `--`: a flag in them (`--dry-run --config other.yaml`) is an
+    error, not an option that changes the job the launcher recorded."""
+    result = run_cli(["train", "--config", str(DEMO), "--", "--dry-run", "--config", "other.yaml"])
+    assert_exit_2(result, "'--dry-run' among the KEY VALUE overrides: options go before them")

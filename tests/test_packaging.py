@@ -113,7 +113,7 @@ def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, o
     command = re.sub(r"(?<![\w/.-])(python -m trainer|tracktron)(?![\w/.-])", lambda m: stub, command)
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", *expected]
+    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", "--", *expected]
 
 
 def test_python_env_pins_torch_and_lists_the_package_requirements():

@@ -156,6 +156,8 @@ def bad(tmp_path, images, model_dir):
     (tmp_path / "preds" / "good.png").mkdir(parents=True)  # where good.png's drawing would go
     (tmp_path / "taken").write_text("a file where OUT should go\n")
     Image.new("RGB", (400, 1)).save(tmp_path / "strip.png")  # scaled to no pixel on its short side
+    os.mkfifo(tmp_path / "fifo.png")  # reading it waited for a writer forever
+    (tmp_path / "zero.png").symlink_to("/dev/zero")  # read until the OOM killer
     return lambda *args, out="out", weights=str(model_dir): ["predict", "--weights", weights, "--out", out, *args]
 
 
@@ -167,6 +169,8 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("truncated image", lambda a: a("truncated.png"), "IMAGE truncated.png: cannot decode the image"),
     ("no image", lambda a: a(), "no IMAGE given"),
     ("a 400x1 strip", lambda a: a("good.png", "strip.png"), "IMAGE strip.png: 400x1 pixels is too narrow a strip"),
+    ("a FIFO", lambda a: a("good.png", "fifo.png"), "IMAGE fifo.png: cannot read it (not an image file (a folder, a FIFO"),
+    ("a link to /dev/zero", lambda a: a("zero.png"), "IMAGE zero.png: cannot read it (not an image file"),
     ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),
     ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
     ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
@@ -233,6 +237,24 @@ def test_arguments_split_at_the_first_config_key_and_stems_stay_unique():
         ["a.jpg", "IMG_0001.JPG"], ["TEST.SCALE", "64", "MODEL.TYPE", "x"])
     assert split_args(["a.jpg", "DATASET_CATALOG.mine.IM_DIR", "d"]) == (["a.jpg"], ["DATASET_CATALOG.mine.IM_DIR", "d"])
     assert output_names(["a/x.png", "b/x.jpg", "X.png", "x-2.png"], Path("out")) == ["x", "x-2", "X-3", "x-2-2"]
+
+
+def test_names_reach_the_terminal_escaped_and_a_link_loop_in_out_is_a_name_taken(tmp_path, model_dir, images):
+    """A file name is anyone's to choose: its escape sequences and newlines are shown escaped on
+    stdout. A symlink loop where a result would go is no traceback: the drawing replaces the link."""
+    name = "evil\x1b[31mRED\x1b]0;pwned\x07\nline2"
+    shutil.copy(images["png"], tmp_path / f"{name}.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x.png").symlink_to("y.png")
+    (out / "y.png").symlink_to("x.png")
+    shutil.copy(images["png"], tmp_path / "x.png")
+    result = predict_cli("--weights", model_dir, "--out", out, f"{name}.png", "x.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert not set("\x1b\x07\r") & set(result.stdout) and len(result.stdout.splitlines()) == 2
+    assert "evil\\x1b[31mRED\\x1b]0;pwned\\x07\\nline2.png: " in result.stdout
+    with Image.open(out / "x.png") as drawn:
+        assert drawn.size == image_size(images["png"])
 
 
 def test_out_as_the_images_folder_never_overwrites_an_image(tmp_path, model_dir, images, categories):

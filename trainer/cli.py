@@ -163,9 +163,11 @@ def _torchrun_environment() -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
         raise UserError(f"torchrun environment: RANK {rank}, LOCAL_RANK {local_rank} and WORLD_SIZE {world_size} "
                         "do not fit (0 <= RANK < WORLD_SIZE)")
-    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit()):
-        raise UserError("torchrun environment: WORLD_SIZE > 1 needs MASTER_ADDR and a numeric MASTER_PORT "
-                        "(start the job with torchrun)")
+    port = os.environ.get("MASTER_PORT", "")
+    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
+                               and 0 < int(port) < 65536):
+        raise UserError(f"torchrun environment: WORLD_SIZE > 1 needs MASTER_ADDR and a MASTER_PORT of 1 to 65535, "
+                        f"got {port!r} (start the job with torchrun)")
     return rank, world_size
 
 
@@ -250,7 +252,10 @@ def eval_(config_file, weights, opts):
     cfg = load_config(config_file, list(opts))
     _check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     _torchrun_environment()
-    ctx = distributed.setup()
+    try:
+        ctx = distributed.setup()
+    except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
+        raise UserError(f"cannot join the job's other processes: {first_line(e)}") from None
     _setup_logging(ctx.rank)
     try:
         eval_command(cfg, weights, ctx)

@@ -318,6 +318,8 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
         except RecursionError:  # YAML nested hundreds deep: no config is
             raise ConfigError(f"{path}: nested too deeply to be a config") from None
         cfg["NAME"] = cfg.NAME or Path(path).stem
+    if flag := next((k for k in opts[0::2] if str(k).startswith("-")), None):  # `-- $(opts)` of MLproject
+        raise ConfigError(f"{flag!r} among the KEY VALUE overrides: options go before them")
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; {opts[-1]!r} has no value")
     for key, value in zip(opts[0::2], opts[1::2]):

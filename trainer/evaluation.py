@@ -25,7 +25,7 @@ from pycocotools.cocoeval import COCOeval
 
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
-from trainer.data import CocoDetection, build_test_loader, resolve_dataset
+from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError
@@ -271,7 +271,7 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
         raise UserError("TEST.DATASETS is empty: name at least one dataset (e.g. synth_shapes_val)")
     ctx = ctx or Context(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     # Classes from the test set: the training sets need not exist on an evaluation machine.
-    probe = CocoDetection(*resolve_dataset(cfg, cfg.TEST.DATASETS[0]), train=False)
+    probe = CocoDetection(*resolve_dataset(cfg, cfg.TEST.DATASETS[0]), train=False, **model_needs(cfg))
     model, iteration = _load_for_eval(cfg, weights, probe.num_classes, probe.num_keypoints)
     model.to(ctx.device)
     # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;

@@ -19,6 +19,7 @@ from PIL import Image
 
 from trainer.atomic_write import write_atomic
 from trainer.config import defaults, flatten, load_config
+from trainer.data.images import read_file
 from trainer.errors import UserError, first_line
 from trainer.redaction import printable
 from trainer.inference import decode
@@ -106,7 +107,7 @@ def read_image(image: str) -> bytes:
     try:
         if path.is_dir():
             raise UserError(f"IMAGE {image} is a folder; name image files (e.g. {image.rstrip('/')}/*.jpg)")
-        return path.read_bytes()
+        return read_file(path)
     except FileNotFoundError:
         raise UserError(f"IMAGE {image}: no such file{_key_hint(image)}") from None
     except (OSError, ValueError) as e:  # permission denied, a NUL in the name
@@ -121,16 +122,23 @@ def _key_hint(arg: str) -> str:
     return ""
 
 
+def _real(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # a symlink loop: the name itself (writing replaces the link)
+        return path.absolute()
+
+
 def output_names(images: list[str], out: Path) -> list[str]:
     """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
     Windows folders would write a.png and A.png to one file), and never an input's own file (OUT
     may be the images' folder)."""
-    inputs = {Path(i).expanduser().resolve() for i in images}
+    inputs = {_real(Path(i).expanduser()) for i in images}
     taken, names = set(), []
     for image in images:
         stem = Path(image).stem or "image"
         name, n = stem, 2
-        while name.casefold() in taken or any((out / f"{name}.{e}").resolve() in inputs for e in ("png", "json")):
+        while name.casefold() in taken or any(_real(out / f"{name}.{e}") in inputs for e in ("png", "json")):
             name, n = f"{stem}-{n}", n + 1
         taken.add(name.casefold())
         names.append(name)

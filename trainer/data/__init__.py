@@ -2,7 +2,7 @@
 checks before anything trains (checks.py), the synthetic dataset of the demo and tests (synth.py),
 the resumable batch sampler (sampler.py) and the batch prefetcher (prefetch.py)."""
 from trainer.data.coco import (CocoDetection, build_test_loader, build_train_dataset, build_train_loader,
-                               check_test_datasets, resolve_dataset)
+                               check_test_datasets, model_needs, resolve_dataset)
 
 __all__ = ["CocoDetection", "build_test_loader", "build_train_dataset", "build_train_loader", "check_test_datasets",
-           "resolve_dataset"]
+           "model_needs", "resolve_dataset"]

@@ -10,9 +10,10 @@ import math
 import os
 from pathlib import Path
 
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 MAX_IMAGE_SIDE = 20_000  # pixels
+MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
 
 
@@ -23,12 +24,17 @@ def read_json(path: Path) -> dict:
         raise UserError(f"malformed annotation file {path}: {e}") from None
     except RecursionError:
         raise UserError(f"malformed annotation file {path}: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise UserError(f"malformed annotation file {path}: {first_line(e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read annotation file {path}: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
             or not isinstance(data.get("categories"), list):
         raise UserError(f"malformed annotation file {path}: needs 'images' and 'categories' lists (COCO format)")
-    data.setdefault("annotations", [])  # test-set files (image_info_*) have none
+    if data.get("annotations") is None:  # test-set files (image_info_*) have none
+        data["annotations"] = []
+    if not isinstance(data["annotations"], list):
+        raise UserError(f"malformed annotation file {path}: 'annotations' must be a list (COCO format)")
     return data
 
 
@@ -99,7 +105,7 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
             raise UserError(f"{what} has no [x, y, w, h] bbox")
         if not all(_is_number(v) for v in bbox):
-            raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers")
+            raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers (float32)")
         if "area" in ann and not _is_number(ann["area"]):
             raise UserError(f"{what} has area {_short(ann['area'])}, not a number")
         if ann.get("iscrowd", 0) not in (0, 1):  # True and False are 1 and 0
@@ -116,13 +122,20 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         raise UserError(f"{path} lists no images")
     if not image_dir.is_dir():
         raise UserError(f"image folder not found: {image_dir} (for {path})")
-    on_disk = set(os.listdir(image_dir))  # one listing, not one stat per image
-    missing = [im["file_name"] for im in data["images"]
-               if im["file_name"] not in on_disk and not (image_dir / im["file_name"]).is_file()]
-    if missing:
-        example = missing[0] if missing[0].isprintable() else repr(missing[0])
-        raise UserError(f"{len(missing)} of {len(data['images'])} images listed in {path} are missing "
-                        f"from {image_dir}, e.g. {example}")
+    # One listing, whose entries know a plain file without a stat each (a link or a subfolder's file is stat-ed).
+    on_disk = {e.name: e for e in os.scandir(image_dir)}
+    missing, not_files = [], []
+    for name in (im["file_name"] for im in data["images"]):
+        entry = on_disk.get(name)
+        if entry is None and not (image_dir / name).exists():
+            missing.append(name)
+        elif not (entry.is_file() if entry is not None else (image_dir / name).is_file()):
+            not_files.append(name)  # a folder, a FIFO (reading it would block), a device, a broken link
+    for names, are in ((missing, "are missing from"), (not_files, "are no image files (a folder, a FIFO, a device, a "
+                                                                    "broken link) in")):
+        if names:
+            raise UserError(f"{len(names)} of {len(data['images'])} images listed in {path} {are} {image_dir}, "
+                            f"e.g. {names[0] if names[0].isprintable() else repr(names[0])}")
 
 
 def _check_segmentation(what: str, segm, image: dict) -> None:
@@ -178,7 +191,8 @@ def _rle_pixels(counts) -> int:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """Finite, and within float32 (what the tensors hold; a JSON integer may have 400 digits)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_NUMBER <= v <= MAX_NUMBER
 
 
 def _is_int(v) -> bool:

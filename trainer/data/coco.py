@@ -26,7 +26,7 @@ from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from trainer.data.checks import check, read_json
-from trainer.data.images import decode
+from trainer.data.images import decode, read_file
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.errors import UserError
@@ -105,7 +105,6 @@ class CocoDetection(Dataset):
         self.train, self.masks, self.keypoints = train, masks, keypoints
         data = read_json(self.ann_file)
         check(self.ann_file, data, self.image_dir, masks=masks, keypoints=keypoints)
-        self._coco = _index(data)
         self.categories = sorted(data["categories"], key=lambda c: c["id"])  # label i = categories[i - 1]
         self.label_to_cat_id = {i + 1: c["id"] for i, c in enumerate(self.categories)}
         self.cat_id_to_label = {c: label for label, c in self.label_to_cat_id.items()}
@@ -114,6 +113,7 @@ class CocoDetection(Dataset):
         if keypoints and not self.keypoint_names:
             raise UserError(f"{self.ann_file}: a keypoint model needs categories with 'keypoints' names")
         self._flip = _flip_perm(self.keypoint_names)
+        self._coco = _index(data, self.masks, self.num_keypoints)
         self._records = self._build_records()
         self.aspect_ratios = [r["width"] / r["height"] for r in self._records]
 
@@ -128,7 +128,7 @@ class CocoDetection(Dataset):
     @property
     def coco(self) -> COCO:
         if self._coco is None:  # dropped when pickled to a worker
-            self._coco = _index(read_json(self.ann_file))
+            self._coco = _index(read_json(self.ann_file), self.masks, self.num_keypoints)
         return self._coco
 
     @property
@@ -203,7 +203,7 @@ class CocoDetection(Dataset):
     def _load_image(self, record: dict) -> torch.Tensor:
         path = self.image_dir / record["file_name"]
         try:
-            image = decode(path.read_bytes())  # 8-bit images by 255, 16-bit PNGs by 65535
+            image = decode(read_file(path))  # 8-bit images by 255, 16-bit PNGs by 65535
         except (OSError, ValueError) as e:
             raise UserError(f"cannot decode image {path}: {getattr(e, 'strerror', None) or e}") from None
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
@@ -212,16 +212,33 @@ class CocoDetection(Dataset):
         return image
 
 
-def _index(data: dict) -> COCO:
-    for ann in data["annotations"]:  # optional in many datasets, needed by COCOeval
+def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
+    """The ground truth as COCOeval reads it, with what it needs and many files leave out or leave
+    empty filled in as training reads them: no mask is an empty mask, no keypoints none visible."""
+    images = {im["id"]: im for im in data["images"]}
+    for ann in data["annotations"]:
         ann.setdefault("iscrowd", 0)
         if "area" not in ann:
             ann["area"] = float(ann["bbox"][2] * ann["bbox"][3])
+        if masks:
+            ann["segmentation"] = _eval_mask(ann.get("segmentation"), images[ann["image_id"]])
+        if num_keypoints:
+            ann["keypoints"] = _keypoints(ann, num_keypoints).reshape(-1).tolist()
+            ann["num_keypoints"] = int(sum(v > 0 for v in ann["keypoints"][2::3]))
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
         coco.createIndex()
     return coco
+
+
+def _eval_mask(segm, image: dict):
+    """An RLE as it is (checks.check vetted its counts and size), the polygons of 3 points or more
+    (pycocotools reads a first one of 4 numbers as a box), else an empty mask."""
+    if isinstance(segm, dict):
+        return segm
+    polygons = [p for p in segm if len(p) >= 6] if isinstance(segm, list) else []
+    return polygons or mask_utils.encode(np.zeros((image["height"], image["width"]), np.uint8, order="F"))
 
 
 def _clip_xyxy(bbox, w: int, h: int) -> list:
@@ -340,14 +357,14 @@ def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> Dat
                       prefetch_factor=2 if workers else None, **kwargs)
 
 
-def _model_needs(cfg) -> dict:
+def model_needs(cfg) -> dict:
     return {"masks": cfg.MODEL.TYPE.startswith("maskrcnn"), "keypoints": cfg.MODEL.TYPE.startswith("keypointrcnn")}
 
 
 def build_train_dataset(cfg):
     if not cfg.TRAIN.DATASETS:
         raise UserError("TRAIN.DATASETS is empty: name at least one dataset (e.g. synth_shapes_train)")
-    datasets = [CocoDetection(*resolve_dataset(cfg, name), train=True, **_model_needs(cfg))
+    datasets = [CocoDetection(*resolve_dataset(cfg, name), train=True, **model_needs(cfg))
                 for name in cfg.TRAIN.DATASETS]
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
@@ -363,7 +380,7 @@ def check_test_datasets(cfg) -> None:
     """Every TEST.DATASETS entry resolves and its annotations are sound, before training: a typo
     there is not found only after the whole training (a rerun would then have nothing to do)."""
     for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
-        CocoDetection(*resolve_dataset(cfg, name), train=False, **_model_needs(cfg))
+        CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg))
 
 
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
@@ -379,7 +396,7 @@ def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int 
 
 def build_test_loader(cfg, dataset_name: str, rank: int = 0, world_size: int = 1):
     """Sequential evaluation batches of this rank's shard (indices rank::world_size), unflipped."""
-    dataset = CocoDetection(*resolve_dataset(cfg, dataset_name), train=False)
+    dataset = CocoDetection(*resolve_dataset(cfg, dataset_name), train=False, **model_needs(cfg))
     shard = list(range(rank, len(dataset), world_size))
     loader = _loader(dataset, cfg.DATA_LOADER.NUM_THREADS, cfg.RNG_SEED, False, sampler=shard,
                      batch_size=cfg.TEST.IMS_PER_BATCH)

@@ -9,6 +9,9 @@ decodes it (the pixels every earlier model was trained on).
 from __future__ import annotations
 
 import io
+import os
+import stat
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +20,20 @@ from trainer.data.checks import MAX_IMAGE_SIDE
 from trainer.errors import first_line
 
 MAX_PIXELS = 40_000_000  # about 480 MB as float; more is a tiled aerial image, not a detection input
+MAX_FILE_BYTES = 512 * 2**20  # an image file of MAX_PIXELS, 16-bit and stored raw, is 240 MB
 _PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def read_file(path: Path) -> bytes:
+    """An image file's bytes; ValueError for what is no file (a FIFO would block, /dev/zero never
+    end) or is larger than any image this decodes."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # FileNotFoundError for a broken link
+        raise ValueError("not an image file (a folder, a FIFO or a device)")
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MB, more than an image of {MAX_PIXELS:,} pixels")
+    return data
 
 
 def decode(image) -> torch.Tensor:
