@@ -59,3 +59,24 @@ def test_a_malformed_torchrun_environment_is_one_line_before_any_run_exists(tmp_
     assert message in lines[-1] and lines[-1].startswith("error: ") and "Traceback" not in result.stderr
     assert not (tmp_path / "store.db").exists()  # no run made, so none left RUNNING
     assert not (tmp_path / "output").exists()
+
+
+def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_run(tmp_path, data_dir):
+    """Each rank gets its own overrides (a launcher script gone wrong): with another SOLVER.MAX_ITER
+    a rank waited in a collective forever, with another BASE_LR it trained at its own, silently."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRACKING.URI": uri})
+    words = " ".join(f"'{a}'" for a in [sys.executable, "-m", "trainer", "train", "--config", str(DEMO), *args])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--no-python", "sh", "-c", f"exec {words} SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    message = "rank 1 was started with another config than rank 0 (SOLVER.BASE_LR differ)"
+    assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # each rank says it, in one line
+    assert "/trainer/" not in result.stderr  # no traceback of ours (torchrun prints its own ChildFailedError)
+    assert not list((tmp_path / "output").glob("*.pth"))
+    from mlflow import MlflowClient
+
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["tracktron.status_reason"].startswith(message)

@@ -92,7 +92,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
-            ctx = _join(distributed, tracker)
+            ctx = _join(distributed, tracker, cfg)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
@@ -136,14 +136,24 @@ def _check_job(cfg, tracker, resumable: bool):
     return prepared
 
 
-def _join(distributed, tracker):
-    """The job's process group; a failure to join it fails the run (never left RUNNING), in one line."""
+def _join(distributed, tracker, cfg):
+    """The job's process group, every rank on rank 0's job; a failure to join it, or a rank started
+    with another config, fails the run (never left RUNNING), in one line."""
+    from trainer.config import job_keys
+
     try:
-        return distributed.setup()
+        ctx = distributed.setup()
     except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
         reason = f"cannot join the job's other processes: {first_line(e)}"
         tracker.finish("FAILED", reason)
         raise UserError(reason) from None
+    try:
+        distributed.check_same_job(ctx, job_keys(cfg))
+    except UserError as e:
+        distributed.teardown(ctx)
+        tracker.finish("FAILED", str(e))
+        raise
+    return ctx
 
 
 def _torchrun_environment() -> tuple[int, int]:
