@@ -100,6 +100,8 @@ exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" \
 """
 
 REGISTER_PY = r"""
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -107,14 +109,27 @@ import mlflow
 from mlflow import MlflowClient
 
 run_id, name, metric, min_score, alias, out = sys.argv[1:7]
-min_score = float(min_score)
+# Checked before anything is read: the name is not spliced into a search filter (a quote there broke
+# it), and a NaN min_score would have turned the gate off.
+if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+    sys.exit(f"error: run id {run_id!r} is not an MLflow run id")
+if not name.strip() or not name.isprintable() or set("/:@#?'\"\\") & set(name):
+    sys.exit(f"error: model_name {name!r}: a registered model name has no / : @ # ? quote or control character")
+if alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias):
+    sys.exit(f"error: alias {alias!r}: letters, digits, _ and - only")
+try:
+    min_score = float(min_score)
+except ValueError:
+    min_score = math.nan
+if not math.isfinite(min_score):
+    sys.exit(f"error: min_score {sys.argv[4]!r} is not a finite number")
 client = MlflowClient()
 run = client.get_run(run_id)
 score = run.data.metrics.get(metric)
 if min_score > 0 and (score is None or score < min_score):
     sys.exit(f"error: {metric} of run {run_id} is {score}, below {min_score}: not registered")
 # Idempotent: a re-run of the pipeline for a finished job finds the version it registered.
-versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+versions = [v for v in client.search_model_versions(f"run_id = '{run_id}'") if v.name == name]
 if versions:
     version = max(versions, key=lambda v: int(v.version))
     print(f"{name} version {version.version} already holds run {run_id}")
@@ -312,8 +327,13 @@ def main(argv=None) -> int:
     parser.add_argument("--launcher-image", default=LAUNCHER_IMAGE,
                         help="base image of the TrainJob launcher step (default: %(default)s)")
     args = parser.parse_args(argv)
-    compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory, args.trainjob,
-                     args.launcher_image)
+    if args.gpus < 1:
+        parser.error(f"--gpus must be 1 or more, got {args.gpus}")
+    try:
+        compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory, args.trainjob,
+                         args.launcher_image)
+    except ValueError as e:  # KFP's own checks of resources (`--train-memory lots`)
+        parser.error(str(e).splitlines()[0])
     per = " per node" if args.trainjob else ""
     print(f"wrote {args.out} (image {args.image}, {args.gpus} GPU(s){per} for training)")
     return 0

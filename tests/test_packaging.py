@@ -280,6 +280,11 @@ def test_pipeline_cli_writes_the_yaml(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "comp-train" in out.read_text()
+    for bad, says in ((["--gpus", "0"], "--gpus must be 1 or more, got 0"), (["--train-memory", "lots"], "Invalid memory string")):
+        run = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pipeline.py"), "--out", str(tmp_path / "b.yaml"),
+                              *bad], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 2 and "Traceback" not in run.stderr and says in run.stderr.splitlines()[-1], run.stderr
+        assert not (tmp_path / "b.yaml").exists()
 
 
 def _step(spec: dict, name: str) -> list[str]:
@@ -353,15 +358,21 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     code = compile(command[2], "register-model", "exec")
     out_file = tmp_path / "out" / "version"
 
-    def register(min_score, alias=""):  # the step's script, run in this process (as `python3 -c`)
-        monkeypatch.setattr(sys, "argv", ["-c", run.info.run_id, "det", "bbox/AP", str(min_score), alias,
-                                          str(out_file)])
+    def register(min_score, alias="", name="det", run_id=run.info.run_id):  # the step's script, in this process
+        monkeypatch.setattr(sys, "argv", ["-c", run_id, name, "bbox/AP", str(min_score), alias, str(out_file)])
         try:
             exec(code, {"__name__": "__main__"})
         except SystemExit as e:
             return str(e.code)
         return 0
 
+    # Pipeline parameters nobody checked: a quote broke the search filter it was spliced into, and a
+    # NaN min_score turned the gate off. Each is one line before anything is read or registered.
+    assert "model_name \"it's\"" in register(0.0, name="it's")
+    assert "min_score 'nan' is not a finite number" in register("nan")
+    assert "alias 'a b'" in register(0.0, alias="a b")
+    assert "is not an MLflow run id" in register(0.0, run_id="x' OR name = 'y")
+    assert not out_file.exists()
     assert "below 0.5" in register(0.5) and not out_file.exists()
     assert register(0.2, alias="candidate") == 0
     assert out_file.read_text() == "1"
