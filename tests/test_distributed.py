@@ -46,6 +46,8 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "do not fit"),
     ({"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE > 1 needs MASTER_ADDR and a MASTER_PORT of 1 to 65535"),
     ({"LOCAL_RANK": "-1"}, "do not fit"),
+    ({"LOCAL_RANK": str(10**20), "LOCAL_WORLD_SIZE": "0"}, "do not fit"),  # trained on the CPU; cuda.set_device after the run
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"}, "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "got 'http'"),
     # torch's own check came only at the join, after the run was made (left FAILED in a new store)
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "got '99999'"),

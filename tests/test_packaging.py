@@ -280,7 +280,8 @@ def test_pipeline_cli_writes_the_yaml(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "comp-train" in out.read_text()
-    for bad, says in ((["--gpus", "0"], "--gpus must be 1 or more, got 0"), (["--train-memory", "lots"], "Invalid memory string")):
+    bad_args = ((["--gpus", "0"], "--gpus must be 1 or more, got 0"), (["--train-memory", "lots"], "Invalid memory string"))
+    for bad, says in bad_args:
         run = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pipeline.py"), "--out", str(tmp_path / "b.yaml"),
                               *bad], capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert run.returncode == 2 and "Traceback" not in run.stderr and says in run.stderr.splitlines()[-1], run.stderr

@@ -169,10 +169,11 @@ def _torchrun_environment() -> tuple[int, int]:
         except ValueError:
             raise UserError(f"torchrun environment: {name}={text!r} is not an integer") from None
     rank, world_size = values.get("RANK", 0), values.get("WORLD_SIZE", 1)
-    local_rank = values.get("LOCAL_RANK", 0)
-    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
-        raise UserError(f"torchrun environment: RANK {rank}, LOCAL_RANK {local_rank} and WORLD_SIZE {world_size} "
-                        "do not fit (0 <= RANK < WORLD_SIZE)")
+    local_rank, local_size = values.get("LOCAL_RANK", 0), values.get("LOCAL_WORLD_SIZE", world_size)
+    if world_size < 1 or not 0 <= rank < world_size or not 0 <= local_rank < local_size <= world_size:
+        raise UserError(f"torchrun environment: RANK {rank}, LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE {local_size} and "
+                        f"WORLD_SIZE {world_size} do not fit (0 <= RANK < WORLD_SIZE, 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE "
+                        "<= WORLD_SIZE)")
     port = os.environ.get("MASTER_PORT", "")
     if world_size > 1 and not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
                                and 0 < int(port) < 65536):
