@@ -156,6 +156,7 @@ def bad(tmp_path, images, model_dir):
     (tmp_path / "preds" / "good.png").mkdir(parents=True)  # where good.png's drawing would go
     (tmp_path / "taken").write_text("a file where OUT should go\n")
     Image.new("RGB", (400, 1)).save(tmp_path / "strip.png")  # scaled to no pixel on its short side
+    Image.new("RGB", (32, 32)).save(tmp_path / "pic.bmp")  # PIL reads it, torchvision does not
     os.mkfifo(tmp_path / "fifo.png")  # reading it waited for a writer forever
     (tmp_path / "zero.png").symlink_to("/dev/zero")  # read until the OOM killer
     return lambda *args, out="out", weights=str(model_dir): ["predict", "--weights", weights, "--out", out, *args]
@@ -169,6 +170,7 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("truncated image", lambda a: a("truncated.png"), "IMAGE truncated.png: cannot decode the image"),
     ("no image", lambda a: a(), "no IMAGE given"),
     ("a 400x1 strip", lambda a: a("good.png", "strip.png"), "IMAGE strip.png: 400x1 pixels is too narrow a strip"),
+    ("a BMP", lambda a: a("pic.bmp"), "IMAGE pic.bmp: cannot decode the image (Unsupported image file"),  # no C++ path
     ("a FIFO", lambda a: a("good.png", "fifo.png"), "IMAGE fifo.png: cannot read it (not an image file (a folder, a FIFO"),
     ("a link to /dev/zero", lambda a: a("zero.png"), "IMAGE zero.png: cannot read it (not an image file"),
     ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from trainer.errors import first_line
 MAX_PIXELS = 40_000_000  # about 480 MB as float; more is a tiled aerial image, not a detection input
 MAX_FILE_BYTES = 512 * 2**20  # an image file of MAX_PIXELS, 16-bit and stored raw, is 240 MB
 _PNG = b"\x89PNG\r\n\x1a\n"
+_CXX_PLACE = re.compile(r"^(?:\w+, )?\S+[.](?:cpp|h):[0-9]+,? *")  # "decode_image, /__w/.../x.cpp:67, "
 
 
 def read_file(path: Path) -> bytes:
@@ -56,8 +58,8 @@ def decode(image) -> torch.Tensor:
 
     try:
         decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+    except (RuntimeError, ValueError) as e:  # without the C++ source path torchvision puts first
+        raise ValueError(f"cannot decode the image ({_CXX_PLACE.sub('', first_line(e))})") from None
     if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
         decoded = decoded[0]
     return decoded.float().div_(torch.iinfo(decoded.dtype).max)
