@@ -24,10 +24,10 @@ def read_json(path: Path) -> dict:
         raise UserError(f"malformed annotation file {path}: {e}") from None
     except RecursionError:
         raise UserError(f"malformed annotation file {path}: nested too deeply") from None
-    except ValueError as e:  # an integer of more than 4,300 digits
-        raise UserError(f"malformed annotation file {path}: {first_line(e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read annotation file {path}: {e}") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise UserError(f"malformed annotation file {path}: {first_line(e)}") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
             or not isinstance(data.get("categories"), list):
         raise UserError(f"malformed annotation file {path}: needs 'images' and 'categories' lists (COCO format)")

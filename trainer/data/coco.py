@@ -1,8 +1,6 @@
-"""Datasets and loaders: Detectron's catalog, COCO-format datasets, a resumable batch sampler.
-
-Images are NOT resized here: the torchvision model's GeneralizedRCNNTransform resizes (and
-normalises) each image to TRAIN.SCALES / MAX_SIZE, so targets stay in original pixel coordinates.
-"""
+"""Datasets and loaders: Detectron's catalog and COCO-format datasets. Images are NOT resized here:
+the model's GeneralizedRCNNTransform resizes (and normalises) each to TRAIN.SCALES / MAX_SIZE, so
+targets stay in the original pixel coordinates."""
 from __future__ import annotations
 
 import bisect
@@ -233,8 +231,7 @@ def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
 
 
 def _eval_mask(segm, image: dict):
-    """An RLE as it is (checks.check vetted its counts and size), the polygons of 3 points or more
-    (pycocotools reads a first one of 4 numbers as a box), else an empty mask."""
+    """An RLE as checks vetted it, the polygons of 3+ points (4 numbers read as a box), else empty."""
     if isinstance(segm, dict):
         return segm
     polygons = [p for p in segm if len(p) >= 6] if isinstance(segm, list) else []
