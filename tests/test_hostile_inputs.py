@@ -296,3 +296,17 @@ def test_options_after_the_overrides_are_refused_not_taken(here):
     error, not an option that changes the job the launcher recorded."""
     result = run_cli(["train", "--config", str(DEMO), "--", "--dry-run", "--config", "other.yaml"])
     assert_exit_2(result, "'--dry-run' among the KEY VALUE overrides: options go before them")
+
+
+def test_names_hide_a_urls_credentials_but_are_never_changed_by_other_secrets():
+    """A run or experiment name is an identity: a URL's password or token in it is hidden, but a
+    word that happens to equal a secret this process holds (an env password) stays as typed, or
+    every job would land in an experiment named ***."""
+    from trainer.redaction import remember
+    from trainer.tracking.runs import _run_name, experiment_name
+
+    remember("words-that-are-also-a-password")
+    cfg = load_config(DEMO, ["TRACKING.EXPERIMENT", "words-that-are-also-a-password",
+                             "TRACKING.RUN_NAME", "https://bob:SECRETPW@host/x?token=SECRETTOK"])
+    assert experiment_name(cfg) == "words-that-are-also-a-password"
+    assert _run_name(cfg) == "https://***@host/x?token=***"

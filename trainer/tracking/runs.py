@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
-from trainer.redaction import redact_text, remember
+from trainer.redaction import redact_text, redact_urls, remember
 from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -53,8 +53,9 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
     given = uri or (cfg.TRACKING.URI if cfg is not None else "")
     chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
-    for _, value in parse_qsl(urlsplit(chosen).query):  # a token there: hidden also where a library
-        remember(value)  # prints the request's path without the scheme (`url: /?t=...`)
+    if chosen.startswith(("http://", "https://")):  # a token in the query: hidden also where a library
+        for _, value in parse_qsl(urlsplit(chosen).query):  # prints the path without the scheme (`url: /?t=...`)
+            remember(value)
     if chosen.startswith("sqlite:") and (not chosen.startswith("sqlite:///") or not sqlite_path(chosen).name):
         raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone is in "
                         "memory and keeps nothing past the job); give a file, e.g. sqlite:///mlflow.db")
@@ -86,7 +87,8 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
 
 
 def experiment_name(cfg: Config) -> str:
-    return redact_text(cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron")
+    # URL credentials only: a name is an identity, never changed by what else this process holds secret
+    return redact_urls(cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron")
 
 
 def checkpoints_of(run) -> list[str]:
@@ -310,7 +312,7 @@ def last_step_of(run, key: str = "loss") -> int:
 
 
 def _run_name(cfg: Config) -> str:
-    return redact_text(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return redact_urls(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 # ---- fetching what a run holds ----
