@@ -100,14 +100,16 @@ def check_same_job(ctx: Context, keys: dict) -> None:
     """Every rank was started with rank 0's job (config.job_keys: the keys that change what is
     trained; paths and tracking may differ by node). A rank with another SOLVER.MAX_ITER would
     wait in a collective forever, one with another BASE_LR train silently at its own."""
-    theirs = broadcast_object(ctx, keys)
-    differ = sorted(k for k in keys.keys() | theirs.keys() if keys.get(k) != theirs.get(k))
-    found = broadcast_object(ctx, next(((r, d) for r, d in enumerate(gather_object(ctx, differ)) if d), None))
-    if found:
-        rank, keys_differ = found
-        raise UserError(f"rank {rank} was started with another config than rank 0 ({', '.join(keys_differ[:5])}"
-                        f"{' ...' if len(keys_differ) > 5 else ''} differ): every process of a job needs the same "
-                        "config and overrides")
+    if not ctx.distributed:
+        return
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, keys)  # each rank sees them all, so all stop with the same line
+    first = every[0]
+    for rank, theirs in enumerate(every):
+        if differ := sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)):
+            raise UserError(f"rank {rank} was started with another config than rank 0 ({', '.join(differ[:5])}"
+                            f"{' ...' if len(differ) > 5 else ''} differ): every process of a job needs the same "
+                            "config and overrides")
 
 
 def gather_object(ctx: Context, obj) -> list:

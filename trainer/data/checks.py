@@ -124,18 +124,16 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         raise UserError(f"image folder not found: {image_dir} (for {path})")
     # One listing, whose entries know a plain file without a stat each (a link or a subfolder's file is stat-ed).
     on_disk = {e.name: e for e in os.scandir(image_dir)}
-    missing, not_files = [], []
-    for name in (im["file_name"] for im in data["images"]):
-        entry = on_disk.get(name)
-        if entry is None and not (image_dir / name).exists():
-            missing.append(name)
-        elif not (entry.is_file() if entry is not None else (image_dir / name).is_file()):
-            not_files.append(name)  # a folder, a FIFO (reading it would block), a device, a broken link
-    for names, are in ((missing, "are missing from"), (not_files, "are no image files (a folder, a FIFO, a device, a "
-                                                                    "broken link) in")):
-        if names:
-            raise UserError(f"{len(names)} of {len(data['images'])} images listed in {path} {are} {image_dir}, "
-                            f"e.g. {names[0] if names[0].isprintable() else repr(names[0])}")
+    listed = [(im["file_name"], on_disk.get(im["file_name"]) or image_dir / im["file_name"]) for im in data["images"]]
+
+    def refuse(names: list, are: str) -> UserError:
+        example = names[0] if names[0].isprintable() else repr(names[0])
+        return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}")
+
+    if missing := [name for name, p in listed if name not in on_disk and not p.exists()]:
+        raise refuse(missing, "are missing from")
+    if not_files := [name for name, p in listed if not p.is_file()]:  # reading a FIFO would block forever
+        raise refuse(not_files, "are no image files (a folder, a FIFO, a device, a broken link) in")
 
 
 def _check_segmentation(what: str, segm, image: dict) -> None:

@@ -4,10 +4,14 @@ checks the file is an MLflow store before MLflow sees it, so that reading never 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from pathlib import Path
 
 from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def sqlite_path(uri: str) -> Path:
@@ -92,15 +96,13 @@ def _take(lock, mode: int, path: Path, give_up_after: float | None = None) -> No
     """flock, saying so when another process holds it (a job creating the store, or one stopped
     with Ctrl-Z in the middle of it), and giving up after `give_up_after` seconds if given."""
     import fcntl
-    import logging
-    import time
 
     deadline = time.monotonic() + (give_up_after or 0)
     try:
         fcntl.flock(lock, mode | fcntl.LOCK_NB)
         return
     except BlockingIOError:
-        logging.getLogger(__name__).warning("waiting for %s: another process is setting up this tracking store", path)
+        log.warning("waiting for %s: another process is setting up this tracking store", path)
     if give_up_after is None:
         fcntl.flock(lock, mode)
         return
