@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from tests.conftest import DEMO, demo_overrides, run_trainer
+from tests.faultkit import Job, wait_until
 from tests.servers import free_port
 from trainer.checkpoint.state import load as load_checkpoint
 
@@ -82,3 +85,26 @@ def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_
 
     (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["tracktron.status_reason"].startswith(message)
+
+
+def test_sigterm_stops_a_join_whose_other_processes_never_come_and_the_run_is_killed(tmp_path, data_dir):
+    """Rank 0 of two, with no rank 1 ever: torch waits 30 minutes for it in C++, where no signal
+    handler runs, so a cancelled job (SIGTERM) kept waiting and left its run RUNNING."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    job = Job(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}), tmp_path, env=env)
+    try:
+        wait_until(lambda: "joining the job's 2 processes" in job.stderr, job, "the join")
+        time.sleep(1.0)  # well inside torch's wait
+        sent = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 128 + signal.SIGTERM, job.stderr[-3000:]
+    finally:
+        job.kill_group()
+    assert time.monotonic() - sent < 20  # not torch's 30 minutes, nor the grace period's watchdog
+    assert "Traceback" not in job.stderr and "stopped by SIGTERM" in job.last_line, job.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
+    assert run.info.status == "KILLED"  # not left RUNNING: the next start resumes it

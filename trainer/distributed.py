@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +17,9 @@ import torch.distributed as dist
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = timedelta(minutes=30)  # torch's join (and collective) timeout
+JOIN_NOTICE_S = 60.0  # while the others have not come, say so this often
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,36 @@ def setup() -> Context:
         return Context(device=device)
     if not dist.is_initialized():
         _warn_shared_store()
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        _join_group("nccl" if device.type == "cuda" else "gloo", device, world_size)
     return Context(dist.get_rank(), world_size, local_rank, device)
+
+
+def _join_group(backend: str, device: torch.device, world_size: int) -> None:
+    """init_process_group on a thread of its own. torch waits for the other processes in C++, where
+    no Python signal handler runs: on the main thread, a SIGTERM (a cancelled job, a deleted pod)
+    could not stop a join whose rank 0 never comes. Here the main thread waits in Python, so the
+    signal stops the job as it does anywhere else in its set-up."""
+    failed: list[BaseException] = []
+
+    def join():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
+        except BaseException as e:  # raised on the main thread below
+            failed.append(e)
+
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    log.info("joining the job's %d processes (rank 0 at %s)", world_size, where)
+    thread = threading.Thread(target=join, name="process-group-join", daemon=True)
+    thread.start()
+    thread.join(JOIN_NOTICE_S)
+    while thread.is_alive():
+        log.warning("still waiting for the job's other processes (rank 0 at %s); torch gives up after %s",
+                    where, JOIN_TIMEOUT)
+        thread.join(JOIN_NOTICE_S)
+    if failed:
+        raise failed[0]
 
 
 def _warn_shared_store() -> None:
