@@ -68,7 +68,8 @@ mkdir -p "$(dirname "$out")"
 printf '%s' "$data_dir" > "$out"
 """
 
-# `opts` is split into KEY VALUE words (globbing off). One GPU: tracktron itself; several:
+# `opts` is split into KEY VALUE words (globbing off), after `--`: a flag there is refused, not
+# taken as one of the trainer's options. One GPU: tracktron itself; several:
 # torchrun on this pod. exec, so that SIGTERM reaches the trainer (it checkpoints, exits 143 and
 # the retried pod resumes).
 TRAIN_SH = r"""
@@ -79,10 +80,10 @@ mkdir -p "$(dirname "$run_id_file")"
 if [ -n "$experiment" ]; then export MLFLOW_EXPERIMENT_NAME="$experiment"; fi
 set -f
 if [ "$gpus" -gt 1 ]; then
-  exec torchrun --standalone --nnodes=1 --nproc-per-node="$gpus" -m trainer train --config "$config" \
+  exec torchrun --standalone --nnodes=1 --nproc-per-node="$gpus" -m trainer train --config "$config" -- \
     DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
 fi
-exec tracktron train --config "$config" DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
+exec tracktron train --config "$config" -- DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
 """
 
 BAD_BACKEND_SH = r"""

@@ -303,7 +303,7 @@ def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["prog"] == "tracktron"
-    assert got["argv"] == ["train", "--config", "/app/configs/demo.yaml", "DATA_DIR", "/data",
+    assert got["argv"] == ["train", "--config", "/app/configs/demo.yaml", "--", "DATA_DIR", "/data",
                            "OUTPUT_DIR", "/output/train", "SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "[0,400]"]
     assert got["env"]["TRACKTRON_RUN_ID_FILE"] == str(run_id_file)
     assert got["env"]["MLFLOW_EXPERIMENT_NAME"] == "coco-r50"
@@ -313,7 +313,24 @@ def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
     got = json.loads(out.stdout)
     assert got["prog"] == "torchrun" and got["env"]["MLFLOW_EXPERIMENT_NAME"] is None
     assert got["argv"][:4] == ["--standalone", "--nnodes=1", "--nproc-per-node=4", "-m"]
-    assert got["argv"][4:7] == ["trainer", "train", "--config"]
+    assert got["argv"][4:7] == ["trainer", "train", "--config"] and got["argv"][8] == "--"
+
+
+def test_pipeline_train_step_refuses_a_flag_in_opts_instead_of_taking_it_as_an_option(tmp_path):
+    """`opts="--config other.yaml"` silently replaced the step's config (and `--dry-run` trained
+    nothing): the step now hands opts to the real trainer after `--`, where a flag is an error."""
+    spec, _ = _compiled(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tracktron").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m trainer "$@"\n')
+    (bin_dir / "tracktron").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for opts in ("--config configs/other.yaml", "SOLVER.MAX_ITER 5 --dry-run"):
+        out = _bash(_step(spec, "exec-train")[2], ROOT / "configs" / "demo.yaml", opts, tmp_path / "data", "", "1",
+                    tmp_path / "run_id", env=env, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "options go before them" in out.stderr.strip().splitlines()[-1]
+        assert not (tmp_path / "output").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_pipeline_prepare_and_eval_steps(tmp_path):

@@ -361,7 +361,7 @@ def test_launcher_creates_the_runs_trainjob_waits_and_outputs_the_run_id(tmp_pat
     assert trainer["numNodes"] == 3 and trainer["image"] == "registry.example/tracktron:2"
     args = _torchrun_args(trainer)
     assert args.rdzv_id == name and args.module and args.training_script == "trainer"
-    assert args.training_script_args == ["train", "--config", "/app/configs/demo.yaml", "DATA_DIR", str(tmp_path / "data"),
+    assert args.training_script_args == ["train", "--config", "/app/configs/demo.yaml", "--", "DATA_DIR", str(tmp_path / "data"),
                                          "OUTPUT_DIR", "/output/train", "SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "(0,400)"]
     env = {e["name"]: e for e in trainer["env"]}
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env.values() if "valueFrom" in e} == {"team-mlflow"}
