@@ -108,3 +108,54 @@ def test_sigterm_stops_a_join_whose_other_processes_never_come_and_the_run_is_ki
 
     (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
     assert run.info.status == "KILLED"  # not left RUNNING: the next start resumes it
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """torchrun's worker processes by RANK."""
+    found = {}
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        for pid in open(f"/proc/{launcher}/task/{task}/children").read().split():
+            env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+            if "RANK" in env:
+                found[int(env["RANK"])] = int(pid)
+    return found
+
+
+def test_sigterm_to_a_rank_stuck_in_a_collective_exits_at_the_grace_period_and_the_run_is_killed(tmp_path, data_dir):
+    """Rank 1 stops answering (SIGSTOP: a hung GPU, a dead host), so rank 0 waits in a collective, in
+    C++, where Python runs no signal handler. torchrun or Kubernetes then sends it SIGTERM: it kept
+    waiting until SIGKILL, and its run stayed RUNNING. The signal now reaches a watch thread."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 100_000, "TRAIN.SNAPSHOT_ITERS": 100_000,
+                                                 "LOG_PERIOD": 1, "TRAIN.PREEMPT_GRACE_S": 6, "TRACKING.URI": uri})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "trainer", "train", "--config", str(DEMO), *args]
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=err, start_new_session=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        end = time.monotonic() + 240
+        while (tmp_path / "stdout").read_text().count("json_stats") < 3:
+            assert launcher.poll() is None and time.monotonic() < end, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = _workers(launcher.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        time.sleep(1.5)  # rank 0 is in the next iteration's collective by now
+        sent = time.monotonic()
+        os.kill(ranks[0], signal.SIGTERM)
+        while os.path.exists(f"/proc/{ranks[0]}") and open(f"/proc/{ranks[0]}/stat").read().split(") ")[1][0] != "Z":
+            assert time.monotonic() - sent < 30, "rank 0 still running 30 s after SIGTERM"
+            time.sleep(0.1)
+        took = time.monotonic() - sent
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        os.killpg(launcher.pid, signal.SIGCONT)
+        launcher.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert 5 < took < 8, f"rank 0 exited {took:.1f}s after SIGTERM (grace period 6 s)"
+    assert "grace period of 6s over: exiting now" in stderr
+    from mlflow import MlflowClient
+
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
+    assert run.info.status == "KILLED", stderr[-3000:]
+    assert run.data.tags["tracktron.status_reason"] == "stopped by SIGTERM: still running when its 6s grace period ended"

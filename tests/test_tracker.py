@@ -192,3 +192,22 @@ def test_an_experiment_made_by_another_job_between_lookup_and_create_is_taken(tm
             return super().get_experiment_by_name(experiment_name)
 
     assert _experiment(LateLookup(mlflow_server.url), name) == theirs
+
+
+def test_a_stop_whose_time_runs_out_behind_a_stuck_upload_still_sets_the_runs_status(tmp_path):
+    """A SIGTERM with little grace left while the uploader is busy (the final model was being logged):
+    the status job, queued behind it, never ran, and the run stayed RUNNING."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = new_tracker(tmp_path, uri)
+    tracker.checks_passed()
+    run_id = tracker.run.run_id
+    stuck = tmp_path / "stuck.fifo"
+    os.mkfifo(stuck)  # reading it blocks until a writer opens it: an upload that does not end
+    tracker.log_artifact(stuck)
+    started = time.monotonic()
+    left = tracker.finish("KILLED", "stopped by SIGTERM", timeout=3)
+    assert time.monotonic() - started < 4
+    assert left == ["upload stuck.fifo"]  # what did not reach the store, and no more
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGTERM"
+    os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the abandoned upload end

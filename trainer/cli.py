@@ -20,7 +20,7 @@ from trainer.errors import UserError, first_line
 from trainer.logs import setup_logging
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
-from trainer.preemption import Preempted, StopOnSignal, StopRequested
+from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
 
 log = logging.getLogger("tracktron")
 
@@ -92,6 +92,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
+            on_hard_exit(lambda reason: tracker.last_words("KILLED", reason))  # stuck past the grace period
             ctx = _join(distributed, tracker, cfg)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,

@@ -6,8 +6,14 @@ checks between iterations; a second one exits at once.
 
 The first signal also arms a deadline: whatever the process is still doing when TRAIN.PREEMPT_GRACE_S
 is over (an upload to a server that stopped answering, a collective that waits for a dead rank,
-interpreter shutdown), it exits then with 128 + the signal number. The checkpoint, written first,
-is complete by then or not renamed into place at all.
+interpreter shutdown), it exits then with 128 + the signal number, after a last, bounded word to
+the tracker (the run's status). The checkpoint, written first, is complete by then or not renamed
+into place at all.
+
+Python runs a signal handler only when the main thread is back in the interpreter; a collective
+waiting for a dead rank keeps it in C++ for up to 30 minutes. So the signals also reach a watch
+thread through `signal.set_wakeup_fd`: it arms the deadline and takes the second signal, wherever
+the main thread is.
 """
 from __future__ import annotations
 
@@ -16,10 +22,12 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 EXIT_MARGIN_S = 0.2  # the hard exit comes this long before the deadline
+LAST_WORDS_S = 3.0  # before it, this long for the run's status (one request or two)
 
 
 class Preempted(Exception):
@@ -43,9 +51,10 @@ class StopRequested(BaseException):
 
 
 class _OnSignal:
-    """SIGTERM and SIGINT handlers for a `with` block (main thread only). The first signal arms the
-    grace deadline and calls `_first`; a second one exits at once. Once a signal came, the handlers
-    stay after the block, so a second signal during the preemption upload or the flush still exits."""
+    """SIGTERM and SIGINT handlers for a `with` block (main thread only). The first signal calls
+    `_first` on the main thread; the watch thread arms the grace deadline and exits at once on a
+    second signal. Once a signal came, the handlers stay after the block, so a second signal during
+    the preemption upload or the flush still exits."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -55,27 +64,72 @@ class _OnSignal:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
+            _Watch.start(self.grace_s)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            _Watch.active += 1
         return self
 
     def __exit__(self, *exc):
-        if self.signum is None:
+        if self._previous and self.signum is None:
+            _Watch.active -= 1
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
         return False
 
     def _handle(self, signum, frame):
-        if self.signum is not None:
-            os.write(2, b"second signal: exiting now\n")
-            os._exit(128 + signum)
+        if self.signum is not None:  # a second one: the watch thread is ending the process
+            return
         self.signum = signum
-        self.deadline = time.monotonic() + self.grace_s
-        _exit_at(self.deadline - EXIT_MARGIN_S, signum, self.grace_s)
+        self.deadline = _Watch.deadline if _Watch.deadline < float("inf") else time.monotonic() + self.grace_s
         self._first(signum)
 
     def _first(self, signum: int) -> None:
         raise NotImplementedError
+
+
+class _Watch:
+    """The process's one watch thread: reads the signal numbers Python writes to the wakeup pipe
+    the moment a signal arrives. Signals count only while a handler block is active (or once one
+    came): the first arms the deadline, a second exits at once."""
+
+    active = 0
+    grace_s = 0.0
+    deadline = float("inf")
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, grace_s: float) -> None:
+        cls.grace_s = grace_s
+        if cls._thread is not None:
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler never blocks on a full pipe
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        cls._thread = threading.Thread(target=cls._run, args=(read_fd,), name="signal-watch", daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def _run(cls, read_fd: int) -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum not in (signal.SIGTERM, signal.SIGINT) or not (cls.active or cls.deadline < float("inf")):
+                    continue
+                if cls.deadline < float("inf"):
+                    os.write(2, b"second signal: exiting now\n")
+                    os._exit(128 + signum)
+                cls.deadline = time.monotonic() + cls.grace_s
+                _exit_at(cls.deadline - EXIT_MARGIN_S, signum, cls.grace_s)
+
+
+_last_words: Callable[[str], None] | None = None
+
+
+def on_hard_exit(last_words: Callable[[str], None] | None) -> None:
+    """What to say (the run's status, with a reason) when the grace period ends with the job still
+    running: called on a thread of its own, given at most LAST_WORDS_S, then the process exits."""
+    global _last_words
+    _last_words = last_words
 
 
 class StopOnSignal(_OnSignal):
@@ -103,9 +157,26 @@ class PreemptionGuard(_OnSignal):
 def _exit_at(when: float, signum: int, grace_s: float) -> None:
     """A daemon thread that ends the process at `when` (time.monotonic()) unless it ended before."""
     def watchdog():
-        while (left := when - time.monotonic()) > 0:
-            time.sleep(min(left, 1.0))
+        _sleep_until(when - LAST_WORDS_S)
+        if _last_words is not None:
+            reason = f"stopped by {signal.Signals(signum).name}: still running when its {grace_s:g}s grace period ended"
+            speaker = threading.Thread(target=_say, args=(_last_words, reason), name="last-words", daemon=True)
+            speaker.start()
+            speaker.join(max(0.0, when - time.monotonic()))
+        _sleep_until(when)
         os.write(2, f"grace period of {grace_s:g}s over: exiting now\n".encode())
         os._exit(128 + signum)
 
     threading.Thread(target=watchdog, name="preemption-deadline", daemon=True).start()
+
+
+def _sleep_until(when: float) -> None:
+    while (left := when - time.monotonic()) > 0:
+        time.sleep(min(left, 1.0))
+
+
+def _say(last_words: Callable[[str], None], reason: str) -> None:
+    try:
+        last_words(reason)
+    except Exception as e:  # the server is down too: the exit goes ahead
+        log.warning("could not record the job's end: %s", e)

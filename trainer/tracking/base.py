@@ -87,3 +87,7 @@ class Tracker:
         `timeout` (default TRACKING.FLUSH_TIMEOUT_S). Returns what never reached the server that
         matters (empty: everything did, or a newer checkpoint made an older one moot)."""
         return []
+
+    def last_words(self, status: str, reason: str) -> None:
+        """The process is about to be killed, stuck (a collective waiting for a dead rank): set the
+        run's status now, unless finish() has, with nothing flushed or waited for."""

@@ -27,14 +27,15 @@ from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, detec
 from trainer.tracking.checkpoint_models import update_best
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, experiment_name,
-                                   find_run, open_run, retryable, run_url, safe_params, sha_tag, start_error,
-                                   tracking_uri)
+                                   find_run, open_run, retryable, run_url, safe_params, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that much, the server idles
+STATUS_JOB = "set the run's status"
+STATUS_RESERVE_S = 1.0  # of finish()'s time, kept for the status when the queue ahead of it is slow
 PRUNE_JOB = "prune older checkpoints on the server"  # never a failure: what it would delete stays
 
 
@@ -52,6 +53,7 @@ class MlflowTracker(Tracker):
         self._found: Future | None = None  # the lookup before it
         self._checked = threading.Event()  # the job's checks passed: the run may be written
         self._abandoned = False  # the job ended before they did
+        self._status_set = False  # finish() has recorded the run's end
         self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
         self._uploader = Uploader(retryable)
@@ -368,9 +370,14 @@ class MlflowTracker(Tracker):
         if self._sender:
             self._sender.close(timeout)
         if status is not None:
-            self._uploader.submit("set the run's status", lambda: self._set_status(status, reason))
-        self._uploader.close(max(1.0, deadline - time.monotonic()))
-        return [d for d in self._uploader.failed if not self._superseded(d) and d != PRUNE_JOB]
+            self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
+        self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
+        if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one
+            helper = threading.Thread(target=self.last_words, args=(status, reason), name="run-status", daemon=True)
+            helper.start()  # direct try, on a thread of its own so that a hung server cannot hold the exit
+            helper.join(max(0.0, deadline - time.monotonic()))
+        done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
+        return [d for d in self._uploader.failed if not self._superseded(d) and d not in done]
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag
@@ -378,6 +385,14 @@ class MlflowTracker(Tracker):
         if reason:
             self.client.log_batch(self._run.run_id, tags=[RunTag(STATUS_REASON, redact_text(reason)[:5000])])
         self.client.set_terminated(self._run.run_id, status)
+        self._status_set = True
+
+    def last_words(self, status: str, reason: str) -> None:
+        try:
+            if self._run.run_id and not self._status_set:
+                self._set_status(status, reason)
+        except Exception as e:  # the server is down: the status stays as it was
+            log.warning("tracking: could not set the run's status: %s", first_line(e, 300))
 
     def _superseded(self, description: str) -> bool:
         """An older checkpoint that never reached the server, when a newer one did, is lost nothing."""
