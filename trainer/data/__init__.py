@@ -1,6 +1,7 @@
 """Training and test data: Detectron's dataset catalog and COCO-format datasets (coco.py), their
 checks before anything trains (checks.py), the synthetic dataset of the demo and tests (synth.py),
-the resumable batch sampler (sampler.py) and the batch prefetcher (prefetch.py)."""
+the resumable batch sampler (sampler.py), the loader workers' set-up (workers.py) and the batch
+prefetcher (prefetch.py)."""
 from trainer.data.coco import (CocoDetection, build_test_loader, build_train_dataset, build_train_loader,
                                check_test_datasets, model_needs, resolve_dataset)
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import difflib
 import functools
 import io
 import logging
 import os
-import random
-import signal
-import sys
 import warnings
 from pathlib import Path
 
@@ -27,6 +23,7 @@ from trainer.data.checks import check, read_json
 from trainer.data.images import decode, read_file
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
+from trainer.data.workers import init_worker
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -309,47 +306,9 @@ def collate(batch):
     return list(images), list(targets)
 
 
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % 2**32  # torch gives each worker base_seed + worker_id
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-def _init_worker(parent_pid: int, worker_id: int) -> None:
-    """Each loader worker: seeded, tied to the trainer's life, deaf to the job's stop signals."""
-    _bind_to_parent(parent_pid)
-    _seed_worker(worker_id)
-
-
-def _bind_to_parent(parent_pid: int) -> None:
-    """Workers never outlive the trainer, and a stop signal is the trainer's to handle.
-
-    - SIGINT/SIGTERM are ignored: Ctrl-C, `kill -- -PGID`, systemd, slurm or `tini -g` signal
-      the whole process group, and a worker that dies of it would turn the trainer's orderly
-      stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer shuts its
-      workers down itself.
-    - Linux: SIGKILL when the trainer's main thread (which forks the workers) dies, so a trainer
-      killed with SIGKILL or exiting at once on a second signal leaves no worker behind (torch's
-      own watchdog notices only after up to 5 s).
-    """
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl: torch's watchdog still ends the worker
-            return
-    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
-        os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
 def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> DataLoader:
     return DataLoader(dataset, num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
-                      worker_init_fn=functools.partial(_init_worker, os.getpid()) if workers else None,
+                      worker_init_fn=functools.partial(init_worker, os.getpid()) if workers else None,
                       generator=torch.Generator().manual_seed(seed), persistent_workers=persistent and workers > 0,
                       prefetch_factor=2 if workers else None, **kwargs)
 

@@ -1,0 +1,49 @@
+"""DataLoader workers: seeded, tied to the trainer's life, deaf to the job's stop signals."""
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32  # torch gives each worker base_seed + worker_id
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def init_worker(parent_pid: int, worker_id: int) -> None:
+    """Each loader worker: seeded, tied to the trainer's life, deaf to the job's stop signals."""
+    _bind_to_parent(parent_pid)
+    _seed_worker(worker_id)
+
+
+def _bind_to_parent(parent_pid: int) -> None:
+    """Workers never outlive the trainer, and a stop signal is the trainer's to handle.
+
+    - SIGINT/SIGTERM are ignored: Ctrl-C, `kill -- -PGID`, systemd, slurm or `tini -g` signal
+      the whole process group, and a worker that dies of it would turn the trainer's orderly
+      stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer shuts its
+      workers down itself.
+    - Linux: SIGKILL when the trainer's main thread (which forks the workers) dies, so a trainer
+      killed with SIGKILL or exiting at once on a second signal leaves no worker behind (torch's
+      own watchdog notices only after up to 5 s).
+    """
+    signal.set_wakeup_fd(-1)  # the trainer's signal pipe, inherited through fork: its watch thread reads it
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: torch's watchdog still ends the worker
+            return
+    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+        os._exit(1)
