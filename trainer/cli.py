@@ -316,11 +316,13 @@ def config_(config_file, opts):
 @cli.command()
 @click.option("--experiment", default=None, help="Only this experiment (default: every one).")
 @click.option("--uri", default=None, help="Tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
-def status(experiment, uri):
+@click.option("--timeout", default=120, show_default=True, type=click.IntRange(1, 86400),
+              help="Seconds for the whole answer: a server that has not sent it all by then is given up on.")
+def status(experiment, uri, timeout):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
     from trainer.status import job_rows, render
 
-    click.echo(render(job_rows(uri, experiment)))
+    click.echo(render(job_rows(uri, experiment, timeout)))
 
 
 @cli.group()

@@ -8,9 +8,9 @@ from trainer.tracking.runs import LATEST_TAG, last_step_of, run_url, tracking_ur
 from trainer.tracking.search import job_runs
 
 
-def job_rows(uri: str | None = None, experiment: str | None = None) -> list[dict]:
+def job_rows(uri: str | None = None, experiment: str | None = None, timeout: float = 120.0) -> list[dict]:
     uri = tracking_uri(None, uri)
-    return [_row(run, exp, uri) for exp, run in job_runs(uri, experiment)]
+    return [_row(run, exp, uri) for exp, run in job_runs(uri, experiment, timeout)]
 
 
 def _row(run, exp, uri: str) -> dict:

@@ -2,6 +2,8 @@
 `tracktron status` lists them."""
 from __future__ import annotations
 
+import threading
+
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import JOB_TAG, bound_http
 from trainer.tracking.sqlite_store import store_settled
@@ -18,14 +20,31 @@ def every_page(search, **kwargs) -> list:
             return found
 
 
-def job_runs(uri: str, experiment: str | None = None) -> list[tuple]:
+def job_runs(uri: str, experiment: str | None = None, timeout: float = 120.0) -> list[tuple]:
     """(experiment, run) for every tracktron job on the server (of `experiment` if named), newest
     first in each experiment; UserError in one line when the server cannot be read. Reading never
     writes: a SQLite file that is not an MLflow store is refused before MLflow opens it (it would
-    create its tables there), and a server that never answers is given up on in bounded time."""
-
+    create its tables there), and a server that never answers is given up on in bounded time: each
+    request's read timeout, and `timeout` for them all (a server that sends a byte every few
+    seconds restarts a read timeout forever)."""
     with store_settled(uri):
-        return _job_runs(uri, experiment)
+        answer: list = []
+        reader = threading.Thread(target=lambda: answer.append(_answer(_job_runs, uri, experiment)),
+                                  name="status-read", daemon=True)  # daemon: a server that hangs cannot hold the exit
+        reader.start()
+        reader.join(timeout)
+        if not answer:
+            raise UserError(f"cannot read jobs from {uri}: no complete answer within {timeout:g}s")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
+
+def _answer(read, *args):
+    try:
+        return read(*args)
+    except BaseException as e:  # raised on the caller's thread
+        return e
 
 
 def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
