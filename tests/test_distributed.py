@@ -1,6 +1,7 @@
 """Two CPU processes under real torchrun (gloo): a run, and a resume that restores every rank."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -133,6 +134,7 @@ def test_sigterm_to_a_rank_stuck_in_a_collective_exits_at_the_grace_period_and_t
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=err, start_new_session=True,
                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = {}
     try:
         end = time.monotonic() + 240
         while (tmp_path / "stdout").read_text().count("json_stats") < 3:
@@ -147,9 +149,10 @@ def test_sigterm_to_a_rank_stuck_in_a_collective_exits_at_the_grace_period_and_t
             assert time.monotonic() - sent < 30, "rank 0 still running 30 s after SIGTERM"
             time.sleep(0.1)
         took = time.monotonic() - sent
-    finally:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        os.killpg(launcher.pid, signal.SIGCONT)
+    finally:  # torchrun starts each rank in a session of its own: the launcher's group is not theirs
+        for pid in [*ranks.values(), launcher.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         launcher.wait()
     stderr = (tmp_path / "stderr").read_text()
     assert 5 < took < 8, f"rank 0 exited {took:.1f}s after SIGTERM (grace period 6 s)"

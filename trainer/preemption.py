@@ -2,7 +2,7 @@
 
 Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
 SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
-checks between iterations; a second one exits at once.
+checks between iterations; a second one exits at once (within a second: the run's status first).
 
 The first signal also arms a deadline: whatever the process is still doing when TRAIN.PREEMPT_GRACE_S
 is over (an upload to a server that stopped answering, a collective that waits for a dead rank,
@@ -17,6 +17,7 @@ the main thread is.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 EXIT_MARGIN_S = 0.2  # the hard exit comes this long before the deadline
 LAST_WORDS_S = 3.0  # before it, this long for the run's status (one request or two)
+SECOND_WORDS_S = 1.0  # a second signal exits at once, after at most this long for the run's status
 
 
 class Preempted(Exception):
@@ -71,7 +73,7 @@ class _OnSignal:
         return self
 
     def __exit__(self, *exc):
-        if self._previous and self.signum is None:
+        if self._previous and not _Watch.came:  # once one came, a second one exits wherever it lands
             _Watch.active -= 1
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
@@ -80,8 +82,11 @@ class _OnSignal:
     def _handle(self, signum, frame):
         if self.signum is not None:  # a second one: the watch thread is ending the process
             return
-        self.signum = signum
+        self.signum, _Watch.came = signum, True
         self.deadline = _Watch.deadline if _Watch.deadline < float("inf") else time.monotonic() + self.grace_s
+        if _Watch.holding:  # acted on when the held block ends
+            _Watch.pending = self
+            return
         self._first(signum)
 
     def _first(self, signum: int) -> None:
@@ -94,6 +99,9 @@ class _Watch:
     came): the first arms the deadline, a second exits at once."""
 
     active = 0
+    came = False  # a stop signal reached a handler
+    holding = 0  # inside held(): a handler takes the signal but acts only when the block ends
+    pending: _OnSignal | None = None
     grace_s = 0.0
     deadline = float("inf")
     _thread: threading.Thread | None = None
@@ -117,9 +125,25 @@ class _Watch:
                     continue
                 if cls.deadline < float("inf"):
                     os.write(2, b"second signal: exiting now\n")
+                    _speak(f"stopped by a second {signal.Signals(signum).name}", time.monotonic() + SECOND_WORDS_S)
                     os._exit(128 + signum)
                 cls.deadline = time.monotonic() + cls.grace_s
                 _exit_at(cls.deadline - EXIT_MARGIN_S, signum, cls.grace_s)
+
+
+@contextlib.contextmanager
+def held():
+    """A stop signal that comes in this block is acted on when it ends: code that must run whole is
+    never cut by StopRequested. A fork is such code: Python runs pending handlers in the hooks around
+    it (logging's lock release among them), where an exception is dropped and leaves the lock taken."""
+    _Watch.holding += 1
+    try:
+        yield
+    finally:
+        _Watch.holding -= 1
+        if not _Watch.holding and _Watch.pending is not None:
+            handler, _Watch.pending = _Watch.pending, None
+            handler._first(handler.signum)
 
 
 _last_words: Callable[[str], None] | None = None
@@ -158,11 +182,7 @@ def _exit_at(when: float, signum: int, grace_s: float) -> None:
     """A daemon thread that ends the process at `when` (time.monotonic()) unless it ended before."""
     def watchdog():
         _sleep_until(when - LAST_WORDS_S)
-        if _last_words is not None:
-            reason = f"stopped by {signal.Signals(signum).name}: still running when its {grace_s:g}s grace period ended"
-            speaker = threading.Thread(target=_say, args=(_last_words, reason), name="last-words", daemon=True)
-            speaker.start()
-            speaker.join(max(0.0, when - time.monotonic()))
+        _speak(f"stopped by {signal.Signals(signum).name}: still running when its {grace_s:g}s grace period ended", when)
         _sleep_until(when)
         os.write(2, f"grace period of {grace_s:g}s over: exiting now\n".encode())
         os._exit(128 + signum)
@@ -173,6 +193,14 @@ def _exit_at(when: float, signum: int, grace_s: float) -> None:
 def _sleep_until(when: float) -> None:
     while (left := when - time.monotonic()) > 0:
         time.sleep(min(left, 1.0))
+
+
+def _speak(reason: str, until: float) -> None:
+    """The last words (the run's status), on a thread of their own, waited for until `until` at most."""
+    if _last_words is not None:
+        speaker = threading.Thread(target=_say, args=(_last_words, reason), name="last-words", daemon=True)
+        speaker.start()
+        speaker.join(max(0.0, until - time.monotonic()))
 
 
 def _say(last_words: Callable[[str], None], reason: str) -> None:

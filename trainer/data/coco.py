@@ -23,7 +23,7 @@ from trainer.data.checks import check, read_json
 from trainer.data.images import decode, read_file
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
-from trainer.data.workers import init_worker
+from trainer.data.workers import forking, init_worker
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -306,8 +306,14 @@ def collate(batch):
     return list(images), list(targets)
 
 
+class _Loader(DataLoader):
+    def __iter__(self):
+        with forking():  # the workers start here
+            return super().__iter__()
+
+
 def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> DataLoader:
-    return DataLoader(dataset, num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
+    return _Loader(dataset, num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
                       worker_init_fn=functools.partial(init_worker, os.getpid()) if workers else None,
                       generator=torch.Generator().manual_seed(seed), persistent_workers=persistent and workers > 0,
                       prefetch_factor=2 if workers else None, **kwargs)

@@ -1,7 +1,10 @@
 """DataLoader workers: seeded, tied to the trainer's life, deaf to the job's stop signals."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import multiprocessing
 import os
 import random
 import signal
@@ -10,7 +13,34 @@ import sys
 import numpy as np
 import torch
 
+from trainer.preemption import held
+
 _PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def forking():
+    """Around the fork of loader workers. SIGINT and SIGTERM are blocked on this thread, so a worker
+    starts with them blocked: a signal to the whole group in that moment can neither run the
+    trainer's handler in the worker nor write to the trainer's signal pipe (the trainer's watch
+    thread would take it for a second signal). The trainer's own handler acts once the workers are
+    up (held): run inside the fork's hooks, its StopRequested was dropped with logging's lock held."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        with held():
+            yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@atexit.register  # after multiprocessing's own exit handler is registered: it runs first
+def _kill_leftover_workers() -> None:
+    """Workers the job stopped before it could shut them down (a signal while they were starting)
+    ignore the SIGTERM that multiprocessing's exit handler sends before it joins them: kill them."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -37,8 +67,9 @@ def _bind_to_parent(parent_pid: int) -> None:
       own watchdog notices only after up to 5 s).
     """
     signal.set_wakeup_fd(-1)  # the trainer's signal pipe, inherited through fork: its watch thread reads it
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the fork (forking()); one that came is dropped
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
