@@ -291,6 +291,32 @@ def test_a_store_being_set_up_is_waited_for_then_given_up_on(empty_store, tmp_pa
     assert isinstance(error, UserError) and "is not the lock file tracktron keeps beside store.db" in str(error)
 
 
+def test_status_timeout_covers_a_held_store_and_a_write_locked_one_is_called_busy(empty_store, tmp_path):
+    """--timeout was not applied while status waited for another job's store lock (up to 5 minutes),
+    and a database in the middle of another process's write was called 'not an MLflow tracking store'."""
+    import fcntl
+    import sqlite3
+
+    path, uri = _copy(empty_store, tmp_path)
+    with open(tmp_path / "store.db.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        start = time.monotonic()
+        out = _status("--uri", uri, "--timeout", "3", cwd=tmp_path)
+        took = time.monotonic() - start
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].endswith("no complete answer within 3s"), out.stderr
+    assert took < 20, f"{took:.0f}s"
+    writer = sqlite3.connect(path)
+    try:
+        writer.execute("BEGIN EXCLUSIVE")
+        out = _status("--uri", uri, "--timeout", "60", cwd=tmp_path)
+    finally:
+        writer.close()
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (f"error: the tracking store {path} is locked by another process's "
+                                                   "write (for over 5 s); try again when it is done")
+    assert _status("--uri", uri, cwd=tmp_path).stdout.strip() == "no tracktron jobs found"  # nothing damaged
+
+
 def _raised(fn, *args):
     try:
         return fn(*args)

@@ -27,22 +27,22 @@ def job_runs(uri: str, experiment: str | None = None, timeout: float = 120.0) ->
     create its tables there), and a server that never answers is given up on in bounded time: each
     request's read timeout, and `timeout` for them all (a server that sends a byte every few
     seconds restarts a read timeout forever)."""
-    with store_settled(uri):
-        answer: list = []
-        reader = threading.Thread(target=lambda: answer.append(_answer(_job_runs, uri, experiment)),
-                                  name="status-read", daemon=True)  # daemon: a server that hangs cannot hold the exit
-        reader.start()
-        reader.join(timeout)
-        if not answer:
-            raise UserError(f"cannot read jobs from {uri}: no complete answer within {timeout:g}s")
-        if isinstance(answer[0], BaseException):
-            raise answer[0]
-        return answer[0]
+    answer: list = []
+    reader = threading.Thread(target=lambda: answer.append(_answer(uri, experiment)),
+                              name="status-read", daemon=True)  # daemon: a server that hangs cannot hold the exit
+    reader.start()
+    reader.join(timeout)
+    if not answer:
+        raise UserError(f"cannot read jobs from {uri}: no complete answer within {timeout:g}s")
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
 
 
-def _answer(read, *args):
+def _answer(uri: str, experiment: str | None):
     try:
-        return read(*args)
+        with store_settled(uri):  # a SQLite store another job is setting up: waited for, within the timeout
+            return _job_runs(uri, experiment)
     except BaseException as e:  # raised on the caller's thread
         return e
 

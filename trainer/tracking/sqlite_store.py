@@ -129,6 +129,11 @@ def check_store(uri: str) -> None:
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.OperationalError as e:  # a database that another process is writing to
+        if "locked" not in str(e):
+            raise UserError(f"cannot read the tracking store {path}: {e}") from None
+        raise UserError(f"the tracking store {path} is locked by another process's write (for over 5 s); "
+                        "try again when it is done") from None
     except sqlite3.DatabaseError as e:  # not a database at all
         raise UserError(f"{path} is not an MLflow tracking store ({e})") from None
     if not {"experiments", "runs", "alembic_version"} <= tables:
