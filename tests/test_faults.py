@@ -183,6 +183,20 @@ def test_two_quick_signals_exit_at_once_with_the_run_killed(tmp_path, data_dir, 
     assert only_run(MlflowClient(uri), "twice-quick").info.status == "KILLED", job.stderr[-3000:]
 
 
+def test_a_short_grace_period_is_kept_to_the_exit(tmp_path, data_dir, jobs):
+    """TRAIN.PREEMPT_GRACE_S 1: the stop is done in a fraction of a second, but the interpreter's
+    teardown (torch, MLflow) took 2-3 s more, after the hard deadline could no longer act."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "short-grace",
+                                               "TRAIN.PREEMPT_GRACE_S": 1}), tmp_path)
+    wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+    job.proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    assert job.wait(30) == 128 + signal.SIGTERM, job.stderr[-3000:]
+    assert time.monotonic() - start < 1.5, "exited after the grace period"
+    assert only_run(MlflowClient(uri), "short-grace").info.status == "KILLED", job.stderr[-3000:]
+
+
 def test_a_group_signal_while_loader_workers_start_is_one_clean_stop(tmp_path, data_dir, jobs):
     """`kill -- -PGID` in the moment the loader forks its workers: a new worker still had the
     trainer's handler and signal pipe, so the one signal counted twice (an exit at once, the run left

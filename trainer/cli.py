@@ -241,11 +241,15 @@ def _train(cfg, tracker, ctx, prepared) -> None:
         sys.exit(1)
 
 
+class _Stopped(SystemExit):
+    """The exit of a job stopped by a signal: main() skips the interpreter's teardown for it."""
+
+
 def _stopped(tracker, e: Preempted | StopRequested):
     """SIGTERM or SIGINT: the run is KILLED (not FAILED), and the next start resumes it."""
-    tracker.finish("KILLED", str(e), timeout=max(1.0, e.deadline - time.monotonic() - 2.0))
+    tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
     log.warning("%s; the job resumes from its last checkpoint", e)
-    sys.exit(128 + e.signum)
+    raise _Stopped(128 + e.signum)
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
@@ -352,6 +356,11 @@ def synth(out_dir, num_images, image_size, seed):
 def main(argv=None) -> None:
     try:
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
+    except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code)
     except click.exceptions.Abort:
         sys.exit(130)
     except click.ClickException as e:  # click's own usage errors: one line too, with the same prefix

@@ -181,7 +181,7 @@ class PreemptionGuard(_OnSignal):
 def _exit_at(when: float, signum: int, grace_s: float) -> None:
     """A daemon thread that ends the process at `when` (time.monotonic()) unless it ended before."""
     def watchdog():
-        _sleep_until(when - LAST_WORDS_S)
+        _sleep_until(when - min(LAST_WORDS_S, grace_s / 2))  # a short grace period: its second half
         _speak(f"stopped by {signal.Signals(signum).name}: still running when its {grace_s:g}s grace period ended", when)
         _sleep_until(when)
         os.write(2, f"grace period of {grace_s:g}s over: exiting now\n".encode())
