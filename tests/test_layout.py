@@ -74,6 +74,7 @@ def test_every_piece_has_a_layer_and_no_file_is_past_400_lines():
 
 def test_the_package_starts_no_process_of_its_own():
     """Background work is threads of the training process (torchrun and DataLoader aside)."""
-    spawners = ("subprocess.Popen", "multiprocessing", "os.fork", "os.posix_spawn", "memfd_create")
+    spawners = ("subprocess.Popen", "multiprocessing.Process", "multiprocessing.Pool", "get_context(", "import Process",
+                "import Pool", "ProcessPoolExecutor", "os.fork", "os.posix_spawn", "memfd_create")
     found = {(p.name, s) for p in PACKAGE.rglob("*.py") for s in spawners if s in p.read_text()}
     assert not found, found
