@@ -323,7 +323,8 @@ def test_a_second_job_on_the_same_registered_model_does_not_split_its_aliases(tr
 def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_dir):
     """A job killed after model_final but before its model reached the run (here: trained with
     TRACKING.LOG_MODEL false) said 'nothing to do' when run again and never logged or registered it.
-    The rerun trains nothing, and logs and registers the model from model_final."""
+    The rerun trains nothing, logs and registers the model from model_final, and ends the run FINISHED
+    without the reason of the stop it got over."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]",
                                                  "TRACKING.REGISTERED_MODEL": "rerun"})
@@ -334,10 +335,15 @@ def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_d
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert "tracktron.model_id" not in run.data.tags and not client.search_registered_models()
+    # As a stop while the model was being logged leaves it: KILLED, with its reason.
+    client.set_terminated(run.info.run_id, "KILLED")
+    client.set_tag(run.info.run_id, "tracktron.status_reason", "stopped by SIGTERM")
     again = run_trainer(args, cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "nothing to do" in again.stdout and "logging it from model_final.pth" in again.stderr
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    assert "tracktron.status_reason" not in run.data.tags  # the stop that the rerun got over is not why it ended
     final = client.get_model_version_by_alias("rerun", "final")
     assert final.run_id == run.info.run_id == client.get_model_version_by_alias("rerun", "best").run_id
     assert run.data.tags["tracktron.model_id"] == final.source.removeprefix("models:/")

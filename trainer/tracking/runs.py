@@ -206,8 +206,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         else:
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
-                if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
-                    client.delete_tag(run.info.run_id, STATUS_REASON)
+            if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
+                client.delete_tag(run.info.run_id, STATUS_REASON)
             last_step = last_step_of(run)
     except UserError:
         raise
