@@ -36,11 +36,12 @@ def job_args(tmp: Path, data_dir: Path, **keys) -> list[str]:
 class Job:
     """The trainer as a process of its own group (so a test can signal the group as a shell does)."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict | None = None, name: str = "job"):
+    def __init__(self, args: list[str], cwd: Path, env: dict | None = None, name: str = "job",
+                 launcher: tuple[str, ...] = ()):
         cwd.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(trainer_cmd(*args), cwd=cwd, stdout=out, stderr=err,
+            self.proc = subprocess.Popen([*launcher, *trainer_cmd(*args)], cwd=cwd, stdout=out, stderr=err,
                                          env={**os.environ, **(env or {})}, start_new_session=True)
         self.pid = self.proc.pid
 

@@ -225,6 +225,32 @@ def test_a_group_signal_while_loader_workers_start_is_one_clean_stop(tmp_path, d
         raise AssertionError("processes of the job's group outlived it")
 
 
+def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_the_job_running(tmp_path, data_dir, jobs):
+    """SIGHUP to the group (the terminal or ssh session that started the job closed) killed the
+    trainer and its workers at once and left the run RUNNING. It is now a clean stop (exit 129,
+    KILLED, the iteration checkpointed); under `nohup` it is ignored and the job trains on."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "hangup",
+                                           "DATA_LOADER.NUM_THREADS": 2})
+    out, client = tmp_path / "output", MlflowClient(uri)
+    first = jobs(args, tmp_path, name="first")
+    wait_until(lambda: 1 in first.iters(), first, "iteration 1")
+    first.signal_group(signal.SIGHUP)
+    assert first.wait(60) == 128 + signal.SIGHUP, first.stderr[-3000:]
+    assert "SIGHUP received" in first.stderr and "Traceback" not in first.stderr, first.stderr[-3000:]
+    done = logged_iters(out)[-1]
+    assert load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done
+    run = only_run(client, "hangup")
+    assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGHUP"
+
+    second = jobs(args, tmp_path, name="second", launcher=("nohup",))
+    wait_until(lambda: second.iters(), second, "its first resumed iteration")
+    second.signal_group(signal.SIGHUP)
+    assert second.wait(120) == 0, second.stderr[-3000:]
+    assert second.iters()[0] == done + 1 and second.iters()[-1] == MAX_ITER - 1
+    assert only_run(client, "hangup").info.status == "FINISHED"
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10

@@ -1,4 +1,4 @@
-"""SIGTERM/SIGINT handling: finish the iteration, checkpoint it, then stop.
+"""SIGTERM/SIGINT/SIGHUP handling: finish the iteration, checkpoint it, then stop.
 
 Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
 SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 EXIT_MARGIN_S = 0.2  # the hard exit comes this long before the deadline
 LAST_WORDS_S = 3.0  # before it, this long for the run's status (one request or two)
 SECOND_WORDS_S = 1.0  # a second signal exits at once, after at most this long for the run's status
+# SIGHUP: the terminal or ssh session that started the job closed. Under nohup it stays ignored.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Preempted(Exception):
@@ -53,7 +55,7 @@ class StopRequested(BaseException):
 
 
 class _OnSignal:
-    """SIGTERM and SIGINT handlers for a `with` block (main thread only). The first signal calls
+    """Stop-signal handlers for a `with` block (main thread only). The first signal calls
     `_first` on the main thread; the watch thread arms the grace deadline and exits at once on a
     second signal. Once a signal came, the handlers stay after the block, so a second signal during
     the preemption upload or the flush still exits."""
@@ -67,7 +69,9 @@ class _OnSignal:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             _Watch.start(self.grace_s)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup: the job is to outlive its terminal
                 self._previous[sig] = signal.signal(sig, self._handle)
             _Watch.active += 1
         return self
@@ -121,7 +125,7 @@ class _Watch:
     def _run(cls, read_fd: int) -> None:
         while True:
             for signum in os.read(read_fd, 64):
-                if signum not in (signal.SIGTERM, signal.SIGINT) or not (cls.active or cls.deadline < float("inf")):
+                if signum not in STOP_SIGNALS or not (cls.active or cls.deadline < float("inf")):
                     continue
                 if cls.deadline < float("inf"):
                     os.write(2, b"second signal: exiting now\n")

@@ -13,20 +13,19 @@ import sys
 import numpy as np
 import torch
 
-from trainer.preemption import held
+from trainer.preemption import STOP_SIGNALS, held
 
 _PR_SET_PDEATHSIG = 1
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextlib.contextmanager
 def forking():
-    """Around the fork of loader workers. SIGINT and SIGTERM are blocked on this thread, so a worker
+    """Around the fork of loader workers. The stop signals are blocked on this thread, so a worker
     starts with them blocked: a signal to the whole group in that moment can neither run the
     trainer's handler in the worker nor write to the trainer's signal pipe (the trainer's watch
     thread would take it for a second signal). The trainer's own handler acts once the workers are
     up (held): run inside the fork's hooks, its StopRequested was dropped with logging's lock held."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         with held():
             yield
@@ -58,8 +57,8 @@ def init_worker(parent_pid: int, worker_id: int) -> None:
 def _bind_to_parent(parent_pid: int) -> None:
     """Workers never outlive the trainer, and a stop signal is the trainer's to handle.
 
-    - SIGINT/SIGTERM are ignored: Ctrl-C, `kill -- -PGID`, systemd, slurm or `tini -g` signal
-      the whole process group, and a worker that dies of it would turn the trainer's orderly
+    - SIGINT/SIGTERM/SIGHUP are ignored: Ctrl-C, a closed terminal, `kill -- -PGID`, systemd, slurm
+      or `tini -g` signal the whole process group, and a worker that dies of it would turn the trainer's orderly
       stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer shuts its
       workers down itself.
     - Linux: SIGKILL when the trainer's main thread (which forks the workers) dies, so a trainer
@@ -67,9 +66,9 @@ def _bind_to_parent(parent_pid: int) -> None:
       own watchdog notices only after up to 5 s).
     """
     signal.set_wakeup_fd(-1)  # the trainer's signal pipe, inherited through fork: its watch thread reads it
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the fork (forking()); one that came is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (forking()); one that came is dropped
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
