@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+from concurrent.futures import wait
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from trainer.daemon_call import daemon_call
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -60,27 +61,18 @@ def _join_group(backend: str, device: torch.device, world_size: int) -> None:
     no Python signal handler runs: on the main thread, a SIGTERM (a cancelled job, a deleted pod)
     could not stop a join whose rank 0 never comes. Here the main thread waits in Python, so the
     signal stops the job as it does anywhere else in its set-up."""
-    failed: list[BaseException] = []
-
     def join():
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
-            dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
-        except BaseException as e:  # raised on the main thread below
-            failed.append(e)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     log.info("joining the job's %d processes (rank 0 at %s)", world_size, where)
-    thread = threading.Thread(target=join, name="process-group-join", daemon=True)
-    thread.start()
-    thread.join(JOIN_NOTICE_S)
-    while thread.is_alive():
+    joined = daemon_call(join, "process-group-join")
+    while not wait([joined], JOIN_NOTICE_S).done:
         log.warning("still waiting for the job's other processes (rank 0 at %s); torch gives up after %s",
                     where, JOIN_TIMEOUT)
-        thread.join(JOIN_NOTICE_S)
-    if failed:
-        raise failed[0]
+    joined.result()
 
 
 def _warn_shared_store() -> None:

@@ -18,12 +18,16 @@ the main thread is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 import time
+from concurrent.futures import wait
 from typing import Callable
+
+from trainer.daemon_call import daemon_call
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +206,7 @@ def _sleep_until(when: float) -> None:
 def _speak(reason: str, until: float) -> None:
     """The last words (the run's status), on a thread of their own, waited for until `until` at most."""
     if _last_words is not None:
-        speaker = threading.Thread(target=_say, args=(_last_words, reason), name="last-words", daemon=True)
-        speaker.start()
-        speaker.join(max(0.0, until - time.monotonic()))
+        wait([daemon_call(functools.partial(_say, _last_words, reason), "last-words")], max(0.0, until - time.monotonic()))
 
 
 def _say(last_words: Callable[[str], None], reason: str) -> None:

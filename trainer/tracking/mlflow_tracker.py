@@ -14,11 +14,12 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of
 from trainer.config import Config
+from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
@@ -373,9 +374,8 @@ class MlflowTracker(Tracker):
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
         if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one
-            helper = threading.Thread(target=self.last_words, args=(status, reason), name="run-status", daemon=True)
-            helper.start()  # direct try, on a thread of its own so that a hung server cannot hold the exit
-            helper.join(max(0.0, deadline - time.monotonic()))
+            direct = daemon_call(lambda: self.last_words(status, reason), "run-status")  # a hung server cannot hold the exit
+            wait([direct], max(0.0, deadline - time.monotonic()))
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         return [d for d in self._uploader.failed if not self._superseded(d) and d not in done]
 

@@ -2,8 +2,9 @@
 `tracktron status` lists them."""
 from __future__ import annotations
 
-import threading
+from concurrent.futures import wait
 
+from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import JOB_TAG, bound_http
 from trainer.tracking.sqlite_store import store_settled
@@ -27,24 +28,15 @@ def job_runs(uri: str, experiment: str | None = None, timeout: float = 120.0) ->
     create its tables there), and a server that never answers is given up on in bounded time: each
     request's read timeout, and `timeout` for them all (a server that sends a byte every few
     seconds restarts a read timeout forever)."""
-    answer: list = []
-    reader = threading.Thread(target=lambda: answer.append(_answer(uri, experiment)),
-                              name="status-read", daemon=True)  # daemon: a server that hangs cannot hold the exit
-    reader.start()
-    reader.join(timeout)
-    if not answer:
+    answer = daemon_call(lambda: _answer(uri, experiment), "status-read")
+    if not wait([answer], timeout).done:
         raise UserError(f"cannot read jobs from {uri}: no complete answer within {timeout:g}s")
-    if isinstance(answer[0], BaseException):
-        raise answer[0]
-    return answer[0]
+    return answer.result()
 
 
-def _answer(uri: str, experiment: str | None):
-    try:
-        with store_settled(uri):  # a SQLite store another job is setting up: waited for, within the timeout
-            return _job_runs(uri, experiment)
-    except BaseException as e:  # raised on the caller's thread
-        return e
+def _answer(uri: str, experiment: str | None) -> list[tuple]:
+    with store_settled(uri):  # a SQLite store another job is setting up: waited for, within the timeout
+        return _job_runs(uri, experiment)
 
 
 def _job_runs(uri: str, experiment: str | None) -> list[tuple]:
