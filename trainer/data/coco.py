@@ -314,9 +314,9 @@ class _Loader(DataLoader):
 
 def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> DataLoader:
     return _Loader(dataset, num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
-                      worker_init_fn=functools.partial(init_worker, os.getpid()) if workers else None,
-                      generator=torch.Generator().manual_seed(seed), persistent_workers=persistent and workers > 0,
-                      prefetch_factor=2 if workers else None, **kwargs)
+                   worker_init_fn=functools.partial(init_worker, os.getpid()) if workers else None,
+                   generator=torch.Generator().manual_seed(seed), persistent_workers=persistent and workers > 0,
+                   prefetch_factor=2 if workers else None, **kwargs)
 
 
 def model_needs(cfg) -> dict:
