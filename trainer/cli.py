@@ -5,6 +5,7 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -17,7 +18,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
-from trainer.logs import setup_logging
+from trainer.logs import setup_logging, write_or_drop
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
@@ -232,12 +233,12 @@ def _train(cfg, tracker, ctx, prepared) -> None:
     if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
         return
     if done is not None:
-        click.echo(f"nothing to do: model_final already exists ({done.source})")
+        write_or_drop(sys.stdout, f"nothing to do: model_final already exists ({done.source})\n")
     else:
-        click.echo(f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}")
+        write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}\n")
     if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
-        click.echo(f"error: the tracking server did not get: {', '.join(missing)}. The local files are "
-                   "intact; running the same command again uploads model_final", err=True)
+        write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. The local files "
+                                  "are intact; running the same command again uploads model_final\n")
         sys.exit(1)
 
 
@@ -358,8 +359,9 @@ def main(argv=None) -> None:
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a console that is gone (a pipe, a hung-up terminal)
+                stream.flush()
         os._exit(e.code)
     except click.exceptions.Abort:
         sys.exit(130)

@@ -20,6 +20,7 @@ from typing import TextIO
 import torch
 
 from trainer.atomic_write import write_atomic
+from trainer.logs import write_or_drop
 
 try:
     import resource
@@ -191,7 +192,7 @@ class TrainingStats:
             stats = self.json_stats(cur_iter)
             self._clear_progress()
             line = json.dumps(stats, sort_keys=True)
-            print(f"json_stats: {line}", file=self.stream, flush=True)
+            write_or_drop(self.stream, f"json_stats: {line}\n")
             if self.json_log_path is not None:
                 with open(self.json_log_path, "a") as f:
                     f.write(line + "\n")
@@ -253,21 +254,18 @@ class TrainingStats:
         loss_text = f"{loss.latest:.4f}" if loss is not None else "-"
         text = (f"\riter {cur_iter + 1}/{self.max_iter}  loss {loss_text}  lr {self.lr:.6g}"
                 f"  eta {format_eta(self.eta_seconds(cur_iter))}\x1b[K")
-        self.progress_stream.write(text + ("\n" if last else ""))
-        self.progress_stream.flush()
+        write_or_drop(self.progress_stream, text + ("\n" if last else ""))
         self._line_open = not last
 
     def _clear_progress(self) -> None:
         if self._line_open:
-            self.progress_stream.write("\r\x1b[K")
-            self.progress_stream.flush()
+            write_or_drop(self.progress_stream, "\r\x1b[K")
             self._line_open = False
 
     def close(self) -> None:
         """End the progress line (kept on screen) if the loop stopped early: preemption, error."""
         if self._line_open:
-            self.progress_stream.write("\n")
-            self.progress_stream.flush()
+            write_or_drop(self.progress_stream, "\n")
             self._line_open = False
 
 

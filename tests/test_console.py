@@ -1,0 +1,66 @@
+"""The console is a view of the job: when it goes away (the reader of a pipe ended, the terminal hung
+up), the job goes on, or stops as a signal asks, with its record intact."""
+from __future__ import annotations
+
+import os
+import pty
+import signal
+import subprocess
+
+from mlflow import MlflowClient
+
+from tests.conftest import trainer_cmd
+from tests.faultkit import MAX_ITER, job_args, logged_iters, only_run
+from trainer.checkpoint.state import load as load_checkpoint
+
+
+def test_a_pipe_whose_reader_ends_does_not_fail_the_job(tmp_path, data_dir):
+    """`tracktron train ... | head`, or a `tee` or log shipper that dies: the next json_stats line
+    raised BrokenPipeError, and the job ended FAILED."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "piped"})
+    with open(tmp_path / "stderr", "w") as err:
+        job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=err)
+        for line in job.stdout:  # the reader takes the first line of stats, then goes
+            if line.startswith(b"json_stats: "):
+                break
+        job.stdout.close()
+        code = job.wait(240)
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 0, stderr[-3000:]
+    assert "the console's stdout is gone ([Errno 32] Broken pipe): the job goes on" in stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    assert logged_iters(tmp_path / "output") == list(range(MAX_ITER))
+    assert only_run(MlflowClient(uri), "piped").info.status == "FINISHED"
+
+
+def test_a_terminal_that_hangs_up_stops_the_job_cleanly(tmp_path, data_dir):
+    """The ssh session closes: the terminal goes (every write to it is EIO) and SIGHUP comes. The
+    stop used to fail on its first write to the terminal: the run FAILED, the iteration lost."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "hung-up",
+                                           "SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 100})
+    terminal, tty = pty.openpty()
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdin=tty, stdout=tty, stderr=tty,
+                           start_new_session=True)
+    os.close(tty)
+    try:
+        seen = b""
+        while seen.count(b"json_stats: ") < 2:  # the progress line is drawn too: stdout is a terminal
+            seen += os.read(terminal, 4096)
+        os.close(terminal)  # the terminal is gone
+        terminal = None
+        os.killpg(job.pid, signal.SIGHUP)
+        code = job.wait(60)
+    finally:
+        if terminal is not None:
+            os.close(terminal)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert code == 128 + signal.SIGHUP
+    out = tmp_path / "output"
+    done = logged_iters(out)[-1]
+    assert done >= 1 and load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done
+    run = only_run(MlflowClient(uri), "hung-up")
+    assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGHUP"
