@@ -6,6 +6,7 @@ import os
 import pty
 import signal
 import subprocess
+import time
 
 from mlflow import MlflowClient
 
@@ -64,3 +65,29 @@ def test_a_terminal_that_hangs_up_stops_the_job_cleanly(tmp_path, data_dir):
     assert done >= 1 and load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done
     run = only_run(MlflowClient(uri), "hung-up")
     assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGHUP"
+
+
+def test_a_job_started_with_its_console_closed_trains_and_logs_its_model(tmp_path, data_dir):
+    """`tracktron train ... >&- 2>&- <&-`: Python's sys.stdout and sys.stderr are None, and MLflow's
+    model logging failed writing to them (exit 1); the first files opened took descriptors 1 and 2,
+    where a library's C-level write to stdout would have landed."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "closed",
+                                           "TRACKING.LOG_MODEL": "true"})
+    job = subprocess.Popen(["sh", "-c", 'exec "$0" "$@" <&- >&- 2>&-', *trainer_cmd(*args)], cwd=tmp_path)
+    out = tmp_path / "output"
+    try:
+        end = time.monotonic() + 240
+        while not logged_iters(out) and job.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert job.poll() is None and logged_iters(out), f"no iteration, then exit {job.poll()}"
+        assert {os.readlink(f"/proc/{job.pid}/fd/{fd}") for fd in (0, 1, 2)} == {os.devnull}
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert code == 0
+    assert logged_iters(out) == list(range(MAX_ITER))
+    run = only_run(MlflowClient(uri), "closed")
+    assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags

@@ -18,7 +18,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
-from trainer.logs import setup_logging, write_or_drop
+from trainer.logs import hold_console_descriptors, setup_logging, write_or_drop
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
@@ -343,9 +343,7 @@ def data():
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1))
 def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
-    from trainer.data.synth import write_synthetic_dataset
-
-    from trainer.data.synth import ANNOTATIONS
+    from trainer.data.synth import ANNOTATIONS, write_synthetic_dataset
 
     if (Path(out_dir) / ANNOTATIONS).is_file():
         click.echo(f"{out_dir} already holds a dataset ({ANNOTATIONS}): nothing written")
@@ -355,6 +353,7 @@ def synth(out_dir, num_images, image_size, seed):
 
 
 def main(argv=None) -> None:
+    hold_console_descriptors()
     try:
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds

@@ -19,6 +19,25 @@ def setup_logging(level: int = logging.INFO) -> None:
     redaction.install()  # no secret in any line that leaves
 
 
+def hold_console_descriptors() -> None:
+    """A process started with its console closed (`>&- 2>&-`): the next file opened would take
+    descriptor 1 or 2, and a library's C-level write to stdout or stderr would land in it (a
+    checkpoint, the SQLite store); Python's sys.stdout and sys.stderr are None, and MLflow's model
+    logging failed writing to them. /dev/null stands in for each."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
 def write_or_drop(stream: TextIO, text: str) -> None:
     """Write to the console (stdout, stderr), a view of the job whose record json_stats.log and the
     tracking server keep. If its reader is gone (`| head` ended, a `tee` or log shipper died: EPIPE;
