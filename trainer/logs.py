@@ -1,5 +1,5 @@
 """How the job's processes log: one format on stderr, libraries that repeat themselves quietened,
-secrets redacted."""
+secrets redacted; and the console (stdout, stderr), whose loss never fails the job."""
 from __future__ import annotations
 
 import logging
