@@ -176,6 +176,23 @@ def test_a_launchers_run_id_that_does_not_exist_is_refused(here, monkeypatch):
     assert_exit_2(train(here), "MLFLOW_RUN_ID 0123456789abcdef0123456789abcdef does not exist on sqlite:///")
 
 
+def test_a_launchers_run_id_of_another_job_is_refused_and_its_run_untouched(here, monkeypatch):
+    """MLFLOW_RUN_ID (left exported, or `mlflow run --run-id`) of another job's run: the job said
+    'nothing to do' when that run was finished, and otherwise resumed the other job's checkpoint,
+    trained it at its own settings and set the other job's run FINISHED. --resume refused it."""
+    uri = f"sqlite:///{here / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("demo")
+    theirs = client.create_run(exp, tags={"tracktron.job": "0123456789abcdef"})
+    client.set_terminated(theirs.info.run_id, "KILLED")
+    monkeypatch.setenv("MLFLOW_RUN_ID", theirs.info.run_id)
+    for dry_run in (True, False):
+        assert_exit_2(train(here, dry_run=dry_run), f"MLFLOW_RUN_ID {theirs.info.run_id} is another job's (job "
+                                                     "0123456789abcdef; this config is job ")
+    after = client.get_run(theirs.info.run_id)
+    assert after.info.status == "KILLED" and not after.data.metrics and not (here / "output").exists()
+
+
 # ---- secrets ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, value, secret", [

@@ -223,6 +223,8 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
         launcher = _get_run(client, uri, launcher_id, named="MLFLOW_RUN_ID")
+        _check_ours(launcher, cfg, "MLFLOW_RUN_ID", "continue it with its own config, or unset MLFLOW_RUN_ID to start "
+                                                    "this job's run")
         exp_id = launcher.info.experiment_id
         if JOB_TAG in launcher.data.tags or not resume:
             return FoundRun(launcher, "", exp_id)
@@ -240,11 +242,15 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
     """--resume RUN_ID's run, when it is this job's (or a bare run made for it)."""
     run = _get_run(client, uri, run_id)
-    theirs, ours = run.data.tags.get(JOB_TAG), job_hash(cfg)
-    if theirs is not None and theirs != ours:  # never train into (or finish) another job's run
-        raise UserError(f"run {run_id} is another job's (job {theirs}; this config is job {ours}): "
-                        "resume it with its own config, or drop --resume to start this job's run")
+    _check_ours(run, cfg, "run", "resume it with its own config, or drop --resume to start this job's run")
     return run
+
+
+def _check_ours(run, cfg: Config, named: str, instead: str) -> None:
+    """Never train into (or finish) another job's run: a run of a job is its job's, or a bare one."""
+    theirs, ours = run.data.tags.get(JOB_TAG), job_hash(cfg)
+    if theirs is not None and theirs != ours:
+        raise UserError(f"{named} {run.info.run_id} is another job's (job {theirs}; this config is job {ours}): {instead}")
 
 
 def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> str:
