@@ -515,3 +515,16 @@ def test_a_password_in_a_dataset_path_is_not_printed(tmp_path, monkeypatch):
     result = run_cli(["train", "--config", str(DEMO), "TRAIN.DATASETS", "('https://trainer:Hunter2Secret@data.example/ds',)",
                       "TRACKING.ENABLED", "false"])
     assert result.code == 2 and "Hunter2Secret" not in result.stderr + result.stdout, result.stderr
+
+
+def test_an_eoferror_is_a_fault_not_a_ctrl_c(monkeypatch):
+    """click turns an EOFError (a loader worker's queue cut short, a short read) into Abort, which
+    the CLI reported as Ctrl-C: exit 130 and an empty last line, the error itself never shown."""
+    import trainer.status
+
+    def cut_short(*args, **kwargs):
+        raise EOFError("Ran out of input")
+
+    monkeypatch.setattr(trainer.status, "job_rows", cut_short)
+    with pytest.raises(EOFError, match="Ran out of input"):
+        cli.main(["status"])

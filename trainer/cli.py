@@ -362,7 +362,9 @@ def main(argv=None) -> None:
             with contextlib.suppress(OSError, ValueError):  # a console that is gone (a pipe, a hung-up terminal)
                 stream.flush()
         os._exit(e.code)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, EOFError):  # click takes any EOFError for an ended prompt: here it is a fault
+            raise e.__cause__ from None
         sys.exit(130)
     except click.ClickException as e:  # click's own usage errors: one line too, with the same prefix
         click.echo(f"error: {_one_line(redact_text(e.format_message()))}", err=True)
