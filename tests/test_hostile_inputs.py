@@ -101,12 +101,15 @@ def test_an_empty_resume_id_is_refused(here):
     lambda p: os.mkfifo(p),  # the resume scan hung on it
     lambda p: p.symlink_to("/dev/zero"),  # the resume scan read until the OOM killer came
 ], ids=["folder", "fifo", "link-to-dev-zero"])
-def test_a_checkpoint_name_that_is_no_file_is_refused_before_the_run(here, make):
+@pytest.mark.parametrize("name", ["model_iter1.pth", "json_stats.log", "config.yaml", "model.txt"])
+def test_an_output_name_that_is_no_file_is_refused_before_the_run(here, make, name):
+    """Found for json_stats.log, config.yaml and model.txt too: the run made, then a hang at the first
+    stats line (a FIFO) or an IsADirectoryError traceback (a folder)."""
     out = here / "output"
     out.mkdir()
-    make(out / "model_iter1.pth")
+    make(out / name)
     for dry_run in (True, False):
-        assert_exit_2(train(here, dry_run=dry_run), "model_iter1.pth there is no checkpoint file")
+        assert_exit_2(train(here, dry_run=dry_run), f"{name} there is not a regular file")
     assert not (here / "mlflow.db").exists()
 
 

@@ -202,7 +202,7 @@ def _check_output_dir(path: Path) -> None:
     from trainer.checkpoint.files import not_files
 
     if odd := not_files(path):
-        raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is no checkpoint file "
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
                         f"(a folder, a pipe, a device or a broken link); move it away")
 
 

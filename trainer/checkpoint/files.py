@@ -67,12 +67,16 @@ def local_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
 
 
+JOB_FILES = ("config.yaml", "model.txt", "json_stats.log")  # what else the job writes in OUTPUT_DIR
+
+
 def not_files(output_dir: Path) -> list[Path]:
-    """Entries named like checkpoints that are no regular file: reading one could hang (a FIFO)
-    or never end (a link to /dev/zero), and a checkpoint could not be written over a folder."""
+    """Entries named like checkpoints or the job's other files that are no regular file: reading
+    one could hang (a FIFO) or never end (a link to /dev/zero), and no file can replace a folder."""
     if not output_dir.is_dir():
         return []
-    return sorted(p for p in output_dir.iterdir() if iteration_of(p.name) >= 0 and not p.is_file())
+    return sorted(p for p in output_dir.iterdir()
+                  if (iteration_of(p.name) >= 0 or p.name in JOB_FILES) and not p.is_file())
 
 
 def remove_stale_temps(output_dir: Path) -> list[Path]:
