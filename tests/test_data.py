@@ -2,6 +2,8 @@
 import itertools
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -465,3 +467,19 @@ def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
     data["images"][0].update(width=50_000, height=50_000)
     with pytest.raises(UserError, match="is 50000x50000; at most 20000 pixels a side"):
         check(ann, data, image_dir)
+
+
+def test_reading_an_image_reserves_no_more_memory_than_the_file_holds(tmp_path):
+    """Every image read reserved 512 MB of address space (read(MAX + 1) allocates it up front): a
+    loader worker under `ulimit -v` or strict overcommit failed with MemoryError on a 1 kB PNG."""
+    png = tmp_path / "small.png"
+    Image.new("RGB", (16, 16)).save(png)
+    script = (
+        "import resource, sys\n"
+        "from trainer.data.images import read_file\n"
+        "size = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024\n"
+        "limit = size + 256 * 2**20\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+        f"assert read_file({str(png)!r}) == open({str(png)!r}, 'rb').read()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
