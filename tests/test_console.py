@@ -91,3 +91,15 @@ def test_a_job_started_with_its_console_closed_trains_and_logs_its_model(tmp_pat
     assert logged_iters(out) == list(range(MAX_ITER))
     run = only_run(MlflowClient(uri), "closed")
     assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+
+
+def test_a_console_that_cannot_encode_a_path_gets_it_escaped():
+    """PYTHONIOENCODING=ascii and OUTPUT_DIR /tmp/ündër: the job trained and FINISHED, then
+    `training finished: ...` raised UnicodeEncodeError and the job exited 1."""
+    import io
+
+    from trainer.logs import write_or_drop
+
+    console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    write_or_drop(console, "training finished: /tmp/ündër/model_final.pth\n")
+    assert console.buffer.getvalue() == b"training finished: /tmp/\\xfcnd\\xebr/model_final.pth\n"

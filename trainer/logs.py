@@ -46,6 +46,8 @@ def write_or_drop(stream: TextIO, text: str) -> None:
     try:
         stream.write(text)
         stream.flush()
+    except UnicodeEncodeError:  # PYTHONIOENCODING=ascii and a path that is not: escaped, as on Python's stderr
+        write_or_drop(stream, text.encode(stream.encoding, "backslashreplace").decode(stream.encoding))
     except OSError as e:
         try:
             fd = stream.fileno()
