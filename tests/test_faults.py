@@ -251,6 +251,21 @@ def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_the_job_running(tm
     assert only_run(client, "hangup").info.status == "FINISHED"
 
 
+def test_slurms_time_limit_warning_stops_the_job_for_its_requeue(tmp_path, data_dir, jobs):
+    """`sbatch --signal=USR1@120`: SIGUSR1 (or SIGUSR2) before the time limit, for the job to save
+    and be requeued. Its default action killed the trainer mid-iteration and left the run RUNNING."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "slurm",
+                                               "DATA_LOADER.NUM_THREADS": 1}), tmp_path)
+    wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+    job.signal_group(signal.SIGUSR1)
+    assert job.wait(60) == 128 + signal.SIGUSR1, job.stderr[-3000:]
+    done = logged_iters(tmp_path / "output")[-1]
+    assert load_checkpoint(tmp_path / "output" / f"model_iter{done}.pth")["iteration"] == done
+    run = only_run(MlflowClient(uri), "slurm")
+    assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGUSR1"
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10

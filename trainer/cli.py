@@ -247,7 +247,7 @@ class _Stopped(SystemExit):
 
 
 def _stopped(tracker, e: Preempted | StopRequested):
-    """SIGTERM, SIGINT or SIGHUP: the run is KILLED (not FAILED), and the next start resumes it."""
+    """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
     tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
     log.warning("%s; the job resumes from its last checkpoint", e)
     raise _Stopped(128 + e.signum)

@@ -1,4 +1,4 @@
-"""SIGTERM/SIGINT/SIGHUP handling: finish the iteration, checkpoint it, then stop.
+"""Stop signals (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2): finish the iteration, checkpoint it, then stop.
 
 Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
 SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 EXIT_MARGIN_S = 0.2  # the hard exit comes this long before the deadline
 LAST_WORDS_S = 3.0  # before it, this long for the run's status (one request or two)
 SECOND_WORDS_S = 1.0  # a second signal exits at once, after at most this long for the run's status
-# SIGHUP: the terminal or ssh session that started the job closed. Under nohup it stays ignored.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# SIGHUP: the terminal or ssh session that started the job closed (under nohup it stays ignored).
+# SIGUSR1/2: Slurm's warning before a time limit (`--signal=USR1@120`), for a requeued job to resume.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(Exception):

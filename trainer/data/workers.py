@@ -57,8 +57,8 @@ def init_worker(parent_pid: int, worker_id: int) -> None:
 def _bind_to_parent(parent_pid: int) -> None:
     """Workers never outlive the trainer, and a stop signal is the trainer's to handle.
 
-    - SIGINT/SIGTERM/SIGHUP are ignored: Ctrl-C, a closed terminal, `kill -- -PGID`, systemd, slurm
-      or `tini -g` signal the whole process group, and a worker that dies of it would turn the trainer's orderly
+    - The stop signals are ignored: Ctrl-C, a closed terminal, `kill -- -PGID`, systemd, slurm or
+      `tini -g` signal the whole process group, and a worker that dies of it would turn the trainer's orderly
       stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer shuts its
       workers down itself.
     - Linux: SIGKILL when the trainer's main thread (which forks the workers) dies, so a trainer
