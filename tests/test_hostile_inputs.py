@@ -113,6 +113,16 @@ def test_an_output_name_that_is_no_file_is_refused_before_the_run(here, make, na
     assert not (here / "mlflow.db").exists()
 
 
+def test_an_output_dir_too_long_for_the_names_inside_is_refused_before_the_run(here):
+    """4,080 bytes passed the checks (the system allows 4,096), then the run was made and writing
+    `.config.yaml.tmp.<pid>` in it failed with ENAMETOOLONG: a traceback, the run FAILED."""
+    deep = here.joinpath(*["d" * 200] * ((4080 - len(str(here))) // 201))
+    deep = deep / ("e" * (4080 - len(str(deep)) - 1))  # 4,080 bytes in all
+    for dry_run in (True, False):
+        assert_exit_2(train(here, "OUTPUT_DIR", str(deep), dry_run=dry_run), "OUTPUT_DIR is too long: ")
+    assert not (here / "mlflow.db").exists() and not (here / ("d" * 200)).exists()
+
+
 def test_another_jobs_checkpoint_is_refused_before_the_run_and_by_dry_run(here, data_dir):
     first = train(here, "TRACKING.ENABLED", "false", "SOLVER.MAX_ITER", "1", data_dir=data_dir)
     assert first.code is None, first.stderr

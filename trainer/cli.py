@@ -184,6 +184,9 @@ def _torchrun_environment() -> tuple[int, int]:
     return rank, world_size
 
 
+_NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
+
+
 def _check_output_dir(path: Path) -> None:
     """Before a run is made for the job, and without writing anything: an OUTPUT_DIR that cannot
     be made or written is the user's to fix."""
@@ -197,6 +200,10 @@ def _check_output_dir(path: Path) -> None:
                         "which does not exist")
     if not existing.is_dir():
         raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
+    longest = os.pathconf(existing, "PC_PATH_MAX") - _NAMES_INSIDE
+    if (length := len(os.fsencode(path.absolute()))) > longest:  # its files' names would not fit, once the run is made
+        raise UserError(f"OUTPUT_DIR is too long: {length} bytes, where at most {longest} leave room for the names "
+                        "of the files the job writes in it")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"cannot write to OUTPUT_DIR {path}: permission denied on {existing}")
     from trainer.checkpoint.files import not_files
