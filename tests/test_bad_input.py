@@ -201,6 +201,10 @@ def test_bad_input_exit_status_seen_by_the_shell(tmp_path):
     assert result.stderr.strip() == "error: SOLVER.BASE_LR must be > 0, got -1.0" or \
         result.stderr.strip().startswith("error: SOLVER.BASE_LR must be > 0")
     assert len(result.stderr.strip().splitlines()) == 1
+    with open("/dev/full", "w") as full:  # a stderr that cannot take the line: still 2 (it was 1)
+        no_room = subprocess.run(trainer_cmd("TRACKING.ENABLED", "false", config=bad), cwd=tmp_path,
+                                 stdout=subprocess.DEVNULL, stderr=full, timeout=120)
+    assert no_room.returncode == 2
 
 
 @pytest.mark.parametrize("below", ["", "sub/dir"])
@@ -459,10 +463,18 @@ def _dangling(tmp_path):
     return str(link)
 
 
+def _loop(tmp_path):
+    (tmp_path / "l1").symlink_to(tmp_path / "l2")
+    (tmp_path / "l2").symlink_to(tmp_path / "l1")
+    return str(tmp_path / "l1")
+
+
 @pytest.mark.parametrize("case, opts, env, message", [
     ("output-dir-dangling-symlink", lambda t: ["OUTPUT_DIR", _dangling(t)], {}, "cannot make OUTPUT_DIR"),
     ("output-dir-dangling-symlink-dry-run", lambda t: ["--dry-run", "OUTPUT_DIR", _dangling(t)], {},
      "which does not exist"),  # --dry-run said all was well
+    ("output-dir-symlink-loop", lambda t: ["OUTPUT_DIR", _loop(t)], {},
+     "is a link to {t}/l2, links that lead back to themselves"),  # said l2 "does not exist"
     ("output-dir-in-proc", lambda t: ["OUTPUT_DIR", "/proc/tracktron-out"], {}, "OUTPUT_DIR /proc/tracktron-out"),
     ("tracking-uri-broken-ipv6", lambda t: ["TRACKING.URI", "http://[::1"], {}, "is not a URL"),
     ("torchrun-superscript-digit", lambda t: [], {"RANK": "1\u00b2"}, "torchrun environment: RANK="),
@@ -472,7 +484,7 @@ def test_inputs_from_the_adversarial_pass_are_one_line(tmp_path, monkeypatch, ca
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     result = run_cli(["train", "--config", str(DEMO), "DATA_DIR", str(tmp_path / "data"), *opts(tmp_path)])
-    assert_exit_2(result, message)
+    assert_exit_2(result, message.format(t=tmp_path))
 
 
 def test_synth_into_an_unwritable_place_or_with_a_negative_seed_is_one_line(tmp_path):

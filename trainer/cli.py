@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -196,8 +197,9 @@ def _check_output_dir(path: Path) -> None:
     except (OSError, ValueError) as e:  # a NUL in the name, a name too long
         raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
     if dangling is not None:  # mkdir would fail on it after the run was made
-        raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {os.readlink(dangling)}, "
-                        "which does not exist")
+        target = os.readlink(dangling)
+        why = "links that lead back to themselves" if _loops(dangling) else "which does not exist"
+        raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {target}, {why}")
     if not existing.is_dir():
         raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
     longest = os.pathconf(existing, "PC_PATH_MAX") - _NAMES_INSIDE
@@ -211,6 +213,14 @@ def _check_output_dir(path: Path) -> None:
     if odd := not_files(path):
         raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
                         f"(a folder, a pipe, a device or a broken link); move it away")
+
+
+def _loops(link: Path) -> bool:
+    try:
+        os.stat(link)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _write_run_id(run_id: str) -> None:
@@ -374,10 +384,10 @@ def main(argv=None) -> None:
             raise e.__cause__ from None
         sys.exit(130)
     except click.ClickException as e:  # click's own usage errors: one line too, with the same prefix
-        click.echo(f"error: {_one_line(redact_text(e.format_message()))}", err=True)
+        write_or_drop(sys.stderr, f"error: {_one_line(redact_text(e.format_message()))}\n")
         sys.exit(2)
     except UserError as e:
-        click.echo(f"error: {_one_line(redact_text(str(e)))}", err=True)
+        write_or_drop(sys.stderr, f"error: {_one_line(redact_text(str(e)))}\n")
         sys.exit(2)
 
 
