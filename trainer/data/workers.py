@@ -58,9 +58,9 @@ def _bind_to_parent(parent_pid: int) -> None:
     """Workers never outlive the trainer, and a stop signal is the trainer's to handle.
 
     - The stop signals are ignored: Ctrl-C, a closed terminal, `kill -- -PGID`, systemd, slurm or
-      `tini -g` signal the whole process group, and a worker that dies of it would turn the trainer's orderly
-      stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer shuts its
-      workers down itself.
+      `tini -g` signal the whole process group, and a worker that dies of it would turn the
+      trainer's orderly stop (finish the iteration, checkpoint, KILLED) into a crash. The trainer
+      shuts its workers down itself.
     - Linux: SIGKILL when the trainer's main thread (which forks the workers) dies, so a trainer
       killed with SIGKILL or exiting at once on a second signal leaves no worker behind (torch's
       own watchdog notices only after up to 5 s).
