@@ -266,6 +266,22 @@ def test_slurms_time_limit_warning_stops_the_job_for_its_requeue(tmp_path, data_
     assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGUSR1"
 
 
+def test_sigterm_after_model_final_lets_the_job_complete_within_its_grace_period(tmp_path, data_dir, jobs):
+    """A signal during the final evaluation and model logging: the job completes them (exit 0,
+    FINISHED, the model logged) and says so; it said 'finishing this iteration, then checkpointing'."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "last-steps",
+                                               "TEST.DATASETS": "('synth_shapes_val',)",
+                                               "TRACKING.LOG_MODEL": "true"}), tmp_path)
+    wait_until(lambda: "model_final.pth" in job.stderr, job, "model_final", poll=0.01)
+    time.sleep(0.3)  # the final evaluation has begun
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 0, job.stderr[-3000:]
+    assert "SIGTERM received: model_final is saved; finishing the final evaluation and model logging" in job.stderr
+    run = only_run(MlflowClient(uri), "last-steps")
+    assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10

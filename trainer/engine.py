@@ -122,6 +122,7 @@ def train_model(job: Job) -> StartPoint | None:
             save_snapshot(job, s, None)
             if s.writer:
                 s.writer.close()
+            guard.finishing = True  # model_final is safe: a signal now lets the job complete
             if cfg.TEST.DATASETS:
                 evaluate_checkpoint(job, s, None)
             if job.ctx.is_main:

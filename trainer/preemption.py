@@ -173,7 +173,10 @@ class StopOnSignal(_OnSignal):
 
 
 class PreemptionGuard(_OnSignal):
-    """Around the loop: a signal sets a flag that the loop checks between iterations."""
+    """Around the loop: a signal sets a flag that the loop checks between iterations. Once the loop
+    is over (`finishing`), the job completes its last steps within the grace period instead."""
+
+    finishing = False
 
     @property
     def requested(self) -> bool:
@@ -183,8 +186,12 @@ class PreemptionGuard(_OnSignal):
         return Preempted(self.signum or signal.SIGTERM, min(self.deadline, time.monotonic() + self.grace_s))
 
     def _first(self, signum: int) -> None:
-        log.warning("%s received: finishing this iteration, then checkpointing and stopping",
-                    signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if self.finishing:
+            log.warning("%s received: model_final is saved; finishing the final evaluation and model logging "
+                        "(the grace period of %gs ends the job if they take longer)", name, self.grace_s)
+        else:
+            log.warning("%s received: finishing this iteration, then checkpointing and stopping", name)
 
 
 def _exit_at(when: float, signum: int, grace_s: float) -> None:
