@@ -80,7 +80,7 @@ def run_cli(argv: list[str]) -> Outcome:
 def train(tmp_path, monkeypatch, data_dir):
     """Train the demo config with overrides, tracking off, in a fresh OUTPUT_DIR."""
     monkeypatch.chdir(tmp_path)
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
 
     def run(*opts: str, config: Path = DEMO, tracking: bool = False) -> Outcome:

@@ -25,7 +25,7 @@ from trainer.redaction import redact_text
 @pytest.fixture
 def here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path
 
@@ -204,6 +204,26 @@ def test_a_launchers_run_id_of_another_job_is_refused_and_its_run_untouched(here
                                                      "0123456789abcdef; this config is job ")
     after = client.get_run(theirs.info.run_id)
     assert after.info.status == "KILLED" and not after.data.metrics and not (here / "output").exists()
+
+
+def test_mlflow_experiment_id_is_read_as_mlflow_reads_it(here, monkeypatch, data_dir):
+    """MLFLOW_EXPERIMENT_ID was ignored: the job went to the experiment named after its config."""
+    uri = f"sqlite:///{here / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "999")
+    assert_exit_2(train(here), f"MLFLOW_EXPERIMENT_ID 999 does not exist on {uri} (there is no store yet)")
+    assert not (here / "mlflow.db").exists()
+    client = MlflowClient(uri)
+    chosen = client.create_experiment("chosen")
+    for dry_run in (True, False):
+        assert_exit_2(train(here, dry_run=dry_run), f"MLFLOW_EXPERIMENT_ID 999 does not exist on {uri}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", chosen)
+    assert "experiment chosen, a new run" in train(here, "SOLVER.MAX_ITER", "1", dry_run=True).stdout
+    done = train(here, "SOLVER.MAX_ITER", "1", data_dir=data_dir)
+    assert done.code is None, done.stderr
+    (run,) = client.search_runs([chosen])
+    assert run.info.status == "FINISHED"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "by-name")  # a name comes first, as in MLflow
+    assert "experiment by-name (new), a new run" in train(here, "SOLVER.MAX_ITER", "1", dry_run=True).stdout
 
 
 # ---- secrets ----------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def trap(tmp_path) -> tuple[Path, Path]:
 @pytest.fixture
 def train(tmp_path, monkeypatch, data_dir):
     monkeypatch.chdir(tmp_path)
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
 
     def run(*opts: str, command: str = "train", tracking: bool = False) -> Outcome:

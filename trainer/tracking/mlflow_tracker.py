@@ -27,8 +27,9 @@ from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, detector_folder, link_evaluation, set_alias
 from trainer.tracking.checkpoint_models import update_best
 from trainer.tracking.prefetch import Prefetch, verified
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, experiment_name,
-                                   find_run, open_run, retryable, run_url, safe_params, sha_tag, start_error, tracking_uri)
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, env_experiment_id,
+                                   experiment_name, find_run, open_run, retryable, run_url, safe_params, sha_tag,
+                                   start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
@@ -115,7 +116,7 @@ class MlflowTracker(Tracker):
 
     def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
         """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
-        if not_made_yet(self.uri, resume_run_id):
+        if not_made_yet(self.uri, resume_run_id, env_experiment_id(cfg)):
             return FoundRun(None, experiment_name(cfg), None)
         with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
             self._make_client()
@@ -373,9 +374,8 @@ class MlflowTracker(Tracker):
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
-        if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one
-            direct = daemon_call(lambda: self.last_words(status, reason), "run-status")  # a hung server cannot hold the exit
-            wait([direct], max(0.0, deadline - time.monotonic()))
+        if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one direct try
+            wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(0.0, deadline - time.monotonic()))
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         return [d for d in self._uploader.failed if not self._superseded(d) and d not in done]
 

@@ -91,6 +91,13 @@ def experiment_name(cfg: Config) -> str:
     return redact_urls(cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.NAME or "tracktron")
 
 
+def env_experiment_id(cfg: Config) -> str | None:
+    """MLFLOW_EXPERIMENT_ID, read as MLflow reads it: only when no experiment is named."""
+    if cfg.TRACKING.EXPERIMENT or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return None
+    return os.environ.get("MLFLOW_EXPERIMENT_ID") or None
+
+
 def checkpoints_of(run) -> list[str]:
     """Complete checkpoints of a run (those whose sha256 tag was set), newest first."""
     return checkpoints_from(run.data.tags)
@@ -233,9 +240,11 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
             return FoundRun(launcher, "", exp_id)
         note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
         return FoundRun(earlier, "", exp_id, (launcher_id, earlier.info.run_id, note))
-    name = experiment_name(cfg)
-    exp = client.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else None
+    if given_id := env_experiment_id(cfg):
+        exp = _get_experiment(client, uri, given_id)
+    else:
+        exp = client.get_experiment_by_name(experiment_name(cfg))
+    name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
     return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id)
 
 
@@ -258,7 +267,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     from mlflow import MlflowClient
 
     name = experiment_name(cfg)
-    if not_made_yet(uri, resume_run_id):
+    if not_made_yet(uri, resume_run_id, env_experiment_id(cfg)):
         return f"a new store, experiment {name}, a new run"
     if uri.startswith("sqlite:///"):
         check_store(uri)
@@ -291,6 +300,17 @@ def _experiment(client, name: str) -> str:
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) or not (exp := client.get_experiment_by_name(name)):
             raise
         return exp.experiment_id
+
+
+def _get_experiment(client, uri: str, experiment_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_experiment(experiment_id)
+    except MlflowException as e:
+        if e.get_http_status_code() in (400, 404):  # no such experiment, or no such id at all
+            raise UserError(f"MLFLOW_EXPERIMENT_ID {experiment_id} does not exist on {uri}") from None
+        raise
 
 
 def _get_run(client, uri: str, run_id: str, named: str = "run"):

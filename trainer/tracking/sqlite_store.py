@@ -19,14 +19,16 @@ def sqlite_path(uri: str) -> Path:
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
 
 
-def not_made_yet(uri: str, resume_run_id: str | None) -> bool:
+def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None = None) -> bool:
     """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
-    named by --resume or by a launcher (MLFLOW_RUN_ID) is the user's mistake, said now."""
+    named by --resume or by a launcher (MLFLOW_RUN_ID), or an experiment named by its id, is the
+    user's mistake, said now."""
     if not uri.startswith("sqlite:///") or sqlite_path(uri).exists():
         return False
-    for named, run_id in (("run", resume_run_id), ("MLFLOW_RUN_ID", os.environ.get("MLFLOW_RUN_ID"))):
-        if run_id:
-            raise UserError(f"{named} {run_id} does not exist on {uri} (there is no store yet)")
+    for named, given in (("run", resume_run_id), ("MLFLOW_RUN_ID", os.environ.get("MLFLOW_RUN_ID")),
+                         ("MLFLOW_EXPERIMENT_ID", experiment_id)):
+        if given:
+            raise UserError(f"{named} {given} does not exist on {uri} (there is no store yet)")
     return True
 
 
