@@ -25,6 +25,9 @@ JOB = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": MAX_ITER, "TRAIN.SNAPSHOT_ITE
        # Not part of the job (its hash): no evaluation, no pickled model at the end, to save time.
        "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "false"}
 TMP_RE = re.compile(r"^\.model_(iter\d+|final)\.pth\.tmp")
+# A job that is to get SIGHUP starts with its default action: the tests themselves may run under
+# nohup, whose ignored SIGHUP every child inherits (and the trainer then keeps ignoring, as it should).
+HUP_DEFAULT = ("env", "--default-signal=HUP")
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 from mlflow import MlflowClient
 
 from tests.conftest import trainer_cmd
-from tests.faultkit import MAX_ITER, job_args, logged_iters, only_run
+from tests.faultkit import HUP_DEFAULT, MAX_ITER, job_args, logged_iters, only_run
 from trainer.checkpoint.state import load as load_checkpoint
 
 
@@ -42,7 +42,7 @@ def test_a_terminal_that_hangs_up_stops_the_job_cleanly(tmp_path, data_dir):
     args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "hung-up",
                                            "SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 100})
     terminal, tty = pty.openpty()
-    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdin=tty, stdout=tty, stderr=tty,
+    job = subprocess.Popen([*HUP_DEFAULT, *trainer_cmd(*args)], cwd=tmp_path, stdin=tty, stdout=tty, stderr=tty,
                            start_new_session=True)
     os.close(tty)
     try:

@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import run_trainer
 from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file are fixtures
-    assert_gone, assert_same_weights, flip_bytes, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
+    assert_gone, assert_same_weights, flip_bytes, HUP_DEFAULT, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
     only_run, reference, sha_tag, steps, temp_files, wait_until)
 from tests.servers import FaultProxy
 from trainer.checkpoint.files import iteration_of, local_checkpoints, sha256_of
@@ -233,7 +233,7 @@ def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_the_job_running(tm
     args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "hangup",
                                            "DATA_LOADER.NUM_THREADS": 2})
     out, client = tmp_path / "output", MlflowClient(uri)
-    first = jobs(args, tmp_path, name="first")
+    first = jobs(args, tmp_path, name="first", launcher=HUP_DEFAULT)
     wait_until(lambda: 1 in first.iters(), first, "iteration 1")
     first.signal_group(signal.SIGHUP)
     assert first.wait(60) == 128 + signal.SIGHUP, first.stderr[-3000:]
