@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pty
+import select
 import signal
 import subprocess
 import time
@@ -46,8 +47,9 @@ def test_a_terminal_that_hangs_up_stops_the_job_cleanly(tmp_path, data_dir):
                            start_new_session=True)
     os.close(tty)
     try:
-        seen = b""
+        seen, end = b"", time.monotonic() + 240
         while seen.count(b"json_stats: ") < 2:  # the progress line is drawn too: stdout is a terminal
+            assert select.select([terminal], [], [], max(0.0, end - time.monotonic()))[0], "no second iteration"
             seen += os.read(terminal, 4096)
         os.close(terminal)  # the terminal is gone
         terminal = None
