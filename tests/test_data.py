@@ -483,3 +483,32 @@ def test_reading_an_image_reserves_no_more_memory_than_the_file_holds(tmp_path):
         f"assert read_file({str(png)!r}) == open({str(png)!r}, 'rb').read()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _train_with_open_files(tmp_path, data_dir, ulimit: str, *flags: str) -> subprocess.CompletedProcess:
+    """The demo with 2 loader workers, started from a shell whose `ulimit -n` is `ulimit`."""
+    from tests.conftest import demo_overrides, trainer_cmd
+
+    cmd = trainer_cmd(*flags, *demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 2,
+                                                                    "DATA_LOADER.NUM_THREADS": 2}))
+    return subprocess.run(["bash", "-c", f'ulimit {ulimit} && exec "$@"', "bash", *cmd], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags", [(), ("--dry-run",)])
+def test_too_few_open_files_for_the_loader_workers_is_one_line_before_anything_is_written(tmp_path, data_dir, flags):
+    """`ulimit -n 32`: a worker's feeder thread died of EMFILE and the trainer waited for its batch
+    without end (48 or 64: a traceback mid-job)."""
+    done = _train_with_open_files(tmp_path, data_dir, "-n 40", *flags)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "DATA_LOADER.NUM_THREADS 2 needs about" in lines[0] and "limit is 40" in lines[0]
+    assert sorted(os.listdir(tmp_path)) == []  # no OUTPUT_DIR, no mlflow.db
+
+
+def test_a_low_soft_open_files_limit_is_raised_and_the_job_trains(tmp_path, data_dir):
+    """Only the soft limit low (the hard one as the system set it): raised as `ulimit -n` would."""
+    done = _train_with_open_files(tmp_path, data_dir, "-Sn 40")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "open files limit raised from 40 to" in done.stderr
+    assert (tmp_path / "output" / "model_final.pth").is_file()

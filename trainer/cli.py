@@ -20,6 +20,7 @@ from trainer.atomic_write import write_atomic
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import hold_console_descriptors, setup_logging, write_or_drop
+from trainer.open_files import check_open_files
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
@@ -65,6 +66,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     _check_output_dir(Path(cfg.OUTPUT_DIR))
+    check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
     from trainer.tracking.model_uris import check_source
 
     check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
@@ -285,6 +287,7 @@ def eval_(config_file, weights, opts):
     _setup_logging()
     cfg = load_config(config_file, list(opts))
     _check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
+    check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TEST.IMS_PER_BATCH)
     _torchrun_environment()
     try:
         ctx = distributed.setup()

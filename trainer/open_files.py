@@ -1,0 +1,36 @@
+"""Enough file descriptors for the loader workers, checked before anything starts.
+
+Loader workers pass every tensor of a batch to the trainer as a file descriptor (torch's
+file_descriptor sharing). A trainer that runs out of them waits for its next batch without end, or
+fails mid-job (torch's "Too many open files"). So the soft limit is raised to what the job needs
+where the hard limit allows, as `ulimit -n` would, and a job the hard limit is too low for is
+refused in one line. Imports no torch: it runs before the job's checks."""
+from __future__ import annotations
+
+import logging
+import resource
+
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def needed(workers: int, images_per_batch: int) -> int:
+    """A generous bound (about 3x what the demo holds, measured from /proc/PID/fd): each worker has
+    2 batches in flight and the trainer holds 2 more, a few tensors per image."""
+    return 128 + 16 * images_per_batch * (workers + 1)
+
+
+def check_open_files(workers: int, images_per_batch: int) -> None:
+    """Without workers the batches never cross a process boundary: nothing to check."""
+    if workers <= 0:
+        return
+    need = needed(workers, images_per_batch)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise UserError(f"DATA_LOADER.NUM_THREADS {workers} needs about {need} open files and the limit is {hard} "
+                        "(ulimit -n): raise it, or set DATA_LOADER.NUM_THREADS 0 to load the batches in the trainer")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("open files limit raised from %d to %d for %d loader workers", soft, need, workers)
