@@ -207,6 +207,22 @@ def test_bad_input_exit_status_seen_by_the_shell(tmp_path):
     assert no_room.returncode == 2
 
 
+def test_warnings_made_errors_are_named_and_the_folders_the_job_made_go(tmp_path, data_dir):
+    """PYTHONWARNINGS=error turns a deprecation warning inside MLflow's client into an exception: it
+    was reported as the tracking server's error. A job that stops before it wrote anything leaves no
+    OUTPUT_DIR, nor the parents it made for it (`out/` of `out/demo` stayed)."""
+    from tests.conftest import demo_overrides
+
+    args = demo_overrides(tmp_path, data_dir, OUTPUT_DIR=tmp_path / "out" / "demo")
+    done = subprocess.run(trainer_cmd(*args), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "error"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: tracking store sqlite:///mlflow.db: a warning raised as an error (PYTHONWARNINGS")
+    assert "Warning: " in last
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.parametrize("below", ["", "sub/dir"])
 def test_output_dir_that_is_a_file(train, tmp_path, below):
     blocker = tmp_path / "not-a-dir"

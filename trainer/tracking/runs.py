@@ -229,7 +229,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         return FoundRun(run, "", run.info.experiment_id)
     resume = cfg.TRAIN.AUTO_RESUME and not new_run
     if launcher_id := os.environ.get("MLFLOW_RUN_ID"):
-        launcher = _get_run(client, uri, launcher_id, named="MLFLOW_RUN_ID")
+        launcher = _get(client.get_run, uri, "MLFLOW_RUN_ID", launcher_id)
         _check_ours(launcher, cfg, "MLFLOW_RUN_ID", "continue it with its own config, or unset MLFLOW_RUN_ID to start "
                                                     "this job's run")
         exp_id = launcher.info.experiment_id
@@ -241,7 +241,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
         return FoundRun(earlier, "", exp_id, (launcher_id, earlier.info.run_id, note))
     if given_id := env_experiment_id(cfg):
-        exp = _get_experiment(client, uri, given_id)
+        exp = _get(client.get_experiment, uri, "MLFLOW_EXPERIMENT_ID", given_id, missing=(400, 404))  # 400: no such id at all
     else:
         exp = client.get_experiment_by_name(experiment_name(cfg))
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
@@ -250,7 +250,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
     """--resume RUN_ID's run, when it is this job's (or a bare run made for it)."""
-    run = _get_run(client, uri, run_id)
+    run = _get(client.get_run, uri, "run", run_id)
     _check_ours(run, cfg, "run", "resume it with its own config, or drop --resume to start this job's run")
     return run
 
@@ -302,25 +302,15 @@ def _experiment(client, name: str) -> str:
         return exp.experiment_id
 
 
-def _get_experiment(client, uri: str, experiment_id: str):
+def _get(get, uri: str, named: str, key: str, missing: tuple = (404,)):
+    """client.get_run or get_experiment; one that does not exist is said in one line."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return client.get_experiment(experiment_id)
+        return get(key)
     except MlflowException as e:
-        if e.get_http_status_code() in (400, 404):  # no such experiment, or no such id at all
-            raise UserError(f"MLFLOW_EXPERIMENT_ID {experiment_id} does not exist on {uri}") from None
-        raise
-
-
-def _get_run(client, uri: str, run_id: str, named: str = "run"):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_run(run_id)
-    except MlflowException as e:
-        if e.get_http_status_code() == 404 or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
-            raise UserError(f"{named} {run_id} does not exist on {uri}") from None
+        if e.get_http_status_code() in missing or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
+            raise UserError(f"{named} {key} does not exist on {uri}") from None
         raise
 
 
@@ -394,6 +384,9 @@ def start_error(uri: str, e: BaseException) -> str:
 
     if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
         return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
+    if isinstance(e, Warning):  # PYTHONWARNINGS=error (or python -W error) made the client's warning an exception
+        return (f"tracking store {uri}: a warning raised as an error (PYTHONWARNINGS or python -W): "
+                f"{type(e).__name__}: {first_line(e)}")
     if "filesystem tracking backend" in text:  # MLflow 3 refuses new file stores: say what works
         return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
                 "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
