@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -145,3 +147,30 @@ def test_full_disk_while_writing_a_checkpoint_fails_clearly_and_damages_nothing(
         assert "model_iter2.pth at iteration 3" in resumed.stderr
     assert only_run(client, "disk").info.status == "FINISHED"
     assert_same_weights(reference, out / "model_final.pth")
+
+
+def test_a_working_folder_deleted_mid_run_fails_in_a_few_clear_lines(tmp_path, data_dir):
+    """`rm -rf` of the folder a job runs in, relative OUTPUT_DIR and SQLite store inside it: every
+    retry of the metric sender put MLflow's logged traceback of the SQLite error on stderr (about
+    1,000 lines), and the lock's release then failed on the missing OUTPUT_DIR, so its traceback
+    replaced the job's own error."""
+    work, err_path = tmp_path / "work", tmp_path / "job.stderr"
+    work.mkdir()
+    args = job_args(work, data_dir, **{"OUTPUT_DIR": "output", "SOLVER.MAX_ITER": 2000, "TRAIN.SNAPSHOT_ITERS": 5,
+                                       "TRACKING.FLUSH_TIMEOUT_S": 5})
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(trainer_cmd(*args), cwd=work, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 240
+        while not (work / "output" / "model_iter4.pth").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-2000:]
+            time.sleep(0.05)
+        while work.exists():  # the trainer may write a file into it meanwhile: rm -rf again
+            shutil.rmtree(work, ignore_errors=True)
+        assert proc.wait(timeout=240) == 1  # a fault: OUTPUT_DIR is gone
+    finally:
+        proc.kill()
+    stderr = err_path.read_text()
+    assert "SQLAlchemy database error" not in stderr and len(stderr.splitlines()) < 120, stderr[-3000:]
+    assert "No such file or directory" in stderr.strip().splitlines()[-1]
+    assert "output_lock" not in stderr

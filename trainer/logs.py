@@ -13,8 +13,10 @@ from trainer import redaction
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
-    for noisy in ("alembic", "botocore", "mlflow.store.db.utils"):
+    for noisy in ("alembic", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # It logs every SQLite error with its traceback (~90 lines), then raises it: our retries say it in one line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
     redaction.install()  # no secret in any line that leaves
 

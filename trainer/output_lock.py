@@ -21,10 +21,10 @@ class OutputLock:
         self.dir = Path(output_dir)
         self.path = self.dir / LOCK_NAME
         self._fd: int | None = None
-        self._made_dir = False
+        self._made: list[Path] = []  # the folders acquire() made, OUTPUT_DIR first, then its new parents
 
     def acquire(self) -> OutputLock:
-        self._made_dir = not self.dir.exists()
+        self._made = [p for p in (self.dir, *self.dir.parents) if not os.path.lexists(p)]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a dangling symlink, a special file system
@@ -70,11 +70,19 @@ class OutputLock:
             return False
 
     def release(self) -> None:
-        """Drop the lock; an OUTPUT_DIR this job made and wrote nothing to goes too."""
+        """Drop the lock; an OUTPUT_DIR this job made and wrote nothing to goes too, with the parents it made."""
         if self._fd is None:
             return
-        if self._made_dir and [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
+        try:
+            untouched = bool(self._made) and [p.name for p in self.dir.iterdir()] == [LOCK_NAME]
+        except OSError:  # OUTPUT_DIR was deleted or made unreadable meanwhile: nothing to tidy
+            untouched = False
+        if untouched:
             self.path.unlink(missing_ok=True)
-            self.dir.rmdir()
+            for folder in self._made:  # `output/` of `output/demo` too; one that got a file meanwhile stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         os.close(self._fd)  # closing the descriptor drops the lock
         self._fd = None

@@ -127,7 +127,7 @@ class MetricSender:
                 self.failures += 1
                 delay = backoff.failed()
                 if time.monotonic() + delay > self._deadline:
-                    log.warning("metrics: giving up on %d points: %s", len(batch), e)
+                    log.warning("metrics: giving up on %d points: %s", len(batch), first_line(e))
                     return
                 # One warning per outage, not one per retry: logs stay readable, stderr never floods.
                 (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
@@ -208,7 +208,7 @@ class Uploader:
                 if self._abandoned:  # close() has reported it; the job is exiting
                     return
                 if not self._retryable(e) or time.monotonic() + delay > self._deadline:
-                    log.warning("tracking: %s failed: %s", description, e)
+                    log.warning("tracking: %s failed: %s", description, first_line(e))
                     self.failed.append(description)
                     return
                 first = backoff.delay == backoff.first * 2
