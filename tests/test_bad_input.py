@@ -207,6 +207,20 @@ def test_bad_input_exit_status_seen_by_the_shell(tmp_path):
     assert no_room.returncode == 2
 
 
+def test_a_path_the_locale_cannot_decode_is_one_line_that_says_what_to_change(tmp_path):
+    """`LC_ALL=C PYTHONUTF8=0` and a UTF-8 folder name: Python keeps its bytes as lone surrogates,
+    and the line said `OUTPUT_DIR must be printable (no newline or control character)`."""
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    done = subprocess.run(trainer_cmd("--dry-run", "OUTPUT_DIR", str(tmp_path / "d\u00e9mo")), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: '{tmp_path}/d\\udcc3\\udca9mo' is not text in this locale's encoding (ascii): "
+        "use a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_warnings_made_errors_are_named_and_the_folders_the_job_made_go(tmp_path, data_dir):
     """PYTHONWARNINGS=error turns a deprecation warning inside MLflow's client into an exception: it
     was reported as the tracking server's error. A job that stops before it wrote anything leaves no

@@ -19,7 +19,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
-from trainer.logs import hold_console_descriptors, setup_logging, write_or_drop
+from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
@@ -375,6 +375,7 @@ def synth(out_dir, num_images, image_size, seed):
 def main(argv=None) -> None:
     hold_console_descriptors()
     try:
+        check_arguments_are_text(sys.argv[1:] if argv is None else argv)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
         logging.shutdown()
@@ -386,11 +387,9 @@ def main(argv=None) -> None:
         if isinstance(e.__cause__, EOFError):  # click takes any EOFError for an ended prompt: here it is a fault
             raise e.__cause__ from None
         sys.exit(130)
-    except click.ClickException as e:  # click's own usage errors: one line too, with the same prefix
-        write_or_drop(sys.stderr, f"error: {_one_line(redact_text(e.format_message()))}\n")
-        sys.exit(2)
-    except UserError as e:
-        write_or_drop(sys.stderr, f"error: {_one_line(redact_text(str(e)))}\n")
+    except (UserError, click.ClickException) as e:  # click's own usage errors: one line too, with the same prefix
+        text = e.format_message() if isinstance(e, click.ClickException) else str(e)
+        write_or_drop(sys.stderr, f"error: {_one_line(redact_text(text))}\n")
         sys.exit(2)
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import TextIO
 
 from trainer import redaction
+from trainer.errors import UserError
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -64,3 +65,15 @@ def write_or_drop(stream: TextIO, text: str) -> None:
 
 def _name(fd: int) -> str:
     return {1: "stdout", 2: "stderr"}.get(fd, f"descriptor {fd}")
+
+
+def check_arguments_are_text(args: list[str]) -> None:
+    """With `LC_ALL=C PYTHONUTF8=0`, Python keeps an argument's non-ASCII bytes (a path's) as lone
+    surrogates, which MLflow, SQLite and JSON cannot store: the job would fail at its first write
+    of it, or call it unprintable. One line that says what to change instead."""
+    for arg in args:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{ascii(arg)} is not text in this locale's encoding ({sys.getfilesystemencoding()}): "
+                            "use a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1") from None
