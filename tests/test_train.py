@@ -229,3 +229,21 @@ def test_dry_run_checks_everything_says_what_it_would_do_and_writes_nothing(tmp_
 
     bad = run_trainer(["--dry-run", *args, "TEST.DATASETS", "('synth_shapes_vall',)"], cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: unknown dataset")
+
+
+def test_a_new_job_trains_from_a_local_weights_file(tmp_path, data_dir):
+    """TRAIN.WEIGHTS a file (a checkpoint, a Detectron .pkl, a torchvision name: what preflight
+    loads): every such job failed at its start with a TypeError, after its run was made, while
+    --dry-run passed. One iteration later its weights are the file's, but for that step."""
+    first = run_trainer(demo_overrides(tmp_path / "a", data_dir, **{"SOLVER.MAX_ITER": 4, "TEST.DATASETS": "()",
+                                                                     "TRACKING.ENABLED": "false"}), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    weights = tmp_path / "a" / "output" / "model_final.pth"
+    tuned = run_trainer(demo_overrides(tmp_path / "b", data_dir, **{"SOLVER.MAX_ITER": 1, "RNG_SEED": 7, "TEST.DATASETS": "()",
+                                                                     "TRAIN.WEIGHTS": weights}), cwd=tmp_path)
+    assert tuned.returncode == 0, tuned.stderr[-2000:]
+    assert f"weights {weights}: loaded" in tuned.stderr
+    given, got = load_checkpoint(weights)["model"], load_checkpoint(tmp_path / "b" / "output" / "model_final.pth")["model"]
+    common = [k for k in got if k in given]  # fine-tuning freezes BatchNorm: no num_batches_tracked
+    assert len(common) == len(got) and all((got[k].float() - given[k].float()).abs().max() < 0.01 for k in common)
+    assert sum(torch.equal(got[k], given[k]) for k in common) > len(common) // 2  # the frozen layers, untouched

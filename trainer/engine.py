@@ -209,11 +209,11 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     cfg, ctx, start = job.cfg, job.ctx, created.start
     loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
     model, parent = created.model.to(ctx.device), {}
-    if start.state is None and not created.weights_loaded:
-        with initial_weights(cfg) as (weights, parent):  # from MLflow (the others were loaded by prepare)
-            load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
-    else:
+    if start.state is not None:  # a resume: the checkpoint's weights
         model.load_state_dict(start.state["model"])
+    elif not created.weights_loaded:  # TRAIN.WEIGHTS from MLflow (prepare loaded the others)
+        with initial_weights(cfg) as (weights, parent):
+            load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     if ctx.is_main:
         write_run_files(job, model, parent)
     model.train()
