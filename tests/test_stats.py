@@ -220,3 +220,13 @@ def test_progress_line_is_cleared_before_json_stats(clock):
     assert "\r\x1b[K" in progress.getvalue()
     stats.close()
     assert progress.getvalue().endswith("\n")
+
+
+def test_a_resume_drops_the_entries_it_logs_again_and_lines_that_are_no_utf8_json(tmp_path):
+    """A byte that is not UTF-8 in json_stats.log (appended by hand, a disk error) failed every
+    resume of the job with a UnicodeDecodeError, after its run was reopened."""
+    log = tmp_path / "json_stats.log"
+    entries = [json.dumps({"iter": i, "loss": 1.0}).encode() for i in range(4)]
+    log.write_bytes(b"\n".join([*entries, b'{"iter": 1, "note": "caf\xe9"}', b'{"iter": 3, "lo']) + b"\n")
+    stats_mod.drop_entries_from(log, 2)
+    assert log.read_bytes() == entries[0] + b"\n" + entries[1] + b"\n"

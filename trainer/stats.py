@@ -108,15 +108,16 @@ def drop_entries_from(path: Path, start_iter: int) -> None:
     """Rewrite a json_stats log without the entries a resumed job will log again."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()  # bytes: a line that is not UTF-8 is one more line to drop
     kept = [line for line in lines if _iter_of(line) < start_iter]
     if len(kept) == len(lines):
         return
-    write_atomic(path, "".join(line + "\n" for line in kept))  # a kill mid-write leaves the old log
+    write_atomic(path, b"".join(line + b"\n" for line in kept))  # a kill mid-write leaves the old log
 
 
-def _iter_of(line: str) -> float:
-    """The entry's iteration; +inf (always dropped) for a line cut short when the job was killed."""
+def _iter_of(line: bytes) -> float:
+    """The entry's iteration; +inf (always dropped) for a line cut short when the job was killed, or
+    one that is not JSON in UTF-8."""
     try:
         entry = json.loads(line)
     except ValueError:
