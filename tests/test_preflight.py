@@ -3,7 +3,10 @@ tracking store as it was (no run, no experiment, not even a store file), and a f
 has nothing to do whatever became of its data."""
 from __future__ import annotations
 
+import json
 import shutil
+import signal
+from pathlib import Path
 
 from mlflow import MlflowClient
 
@@ -52,3 +55,64 @@ def test_a_finished_job_has_nothing_to_do_whatever_became_of_its_data(tmp_path, 
     shutil.rmtree(tmp_path / "output")  # another machine: only the tracking server knows the job finished
     again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
+
+
+def _with_a_star(data_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the synthetic data whose training set has a fourth category."""
+    other = tmp_path / "other-data"
+    shutil.copytree(data_dir, other)
+    ann = other / "synth_shapes" / "train" / "annotations.json"
+    data = json.loads(ann.read_text())
+    data["categories"].append({"id": 4, "name": "star", "keypoints": data["categories"][0]["keypoints"]})
+    ann.write_text(json.dumps(data))
+    return other
+
+
+def test_a_resume_on_a_training_set_with_other_categories_is_refused_before_the_run(tmp_path, data_dir):
+    """DATA_DIR is not part of the job: the same job resumed on a copy of its data with a category
+    more loaded the checkpoint into a model it did not fit, after its run was reopened (exit 1, a
+    size-mismatch traceback, the run FAILED)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys = {"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 2, "TEST.DATASETS": "()"}
+    first = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = tmp_path / "output"
+    (out / "model_final.pth").unlink()  # as if killed after model_iter1
+    other = _with_a_star(data_dir, tmp_path)
+    before = [(r.info.run_id, r.info.status, r.data.tags, r.data.metrics) for r in _runs(uri)]
+    files = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != ".lock"}  # the lock: each trainer's
+    again = run_trainer(demo_overrides(tmp_path, other, **keys), cwd=tmp_path)
+    assert again.returncode == 2, again.stderr[-2000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out / 'model_iter1.pth'} was trained on 3 categories (square, circle, triangle) "
+                           "and the training set now has 4 (square, circle, triangle, star)"), line
+    assert [(r.info.run_id, r.info.status, r.data.tags, r.data.metrics) for r in _runs(uri)] == before
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != ".lock"} == files
+
+
+def test_a_resume_from_the_run_on_other_categories_is_one_line(tmp_path, data_dir):
+    """The same, on another machine: the checkpoint comes from the run, after the run was reopened;
+    one line and exit 2 instead of a size-mismatch traceback, and no iteration trained."""
+    from tests.faultkit import Job, sha_tag, steps, wait_until
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys = {"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "cats", "SOLVER.MAX_ITER": 400, "TRAIN.SNAPSHOT_ITERS": 2,
+            "TEST.DATASETS": "()", "LOG_PERIOD": 1}
+    job = Job(demo_overrides(tmp_path, data_dir, **keys), tmp_path)
+    wait_until(lambda: (tmp_path / "output" / "model_iter3.pth").exists(), job, "model_iter3")  # the store is made
+    client = MlflowClient(uri)
+
+    def tagged():
+        exp = client.get_experiment_by_name("cats")
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        return runs and sha_tag("model_iter3.pth") in runs[0].data.tags and runs[0]
+    run = wait_until(tagged, job, "model_iter3 on the server")
+    job.signal_group(signal.SIGTERM)
+    assert job.wait() == 128 + signal.SIGTERM, job.stderr[-2000:]
+    shutil.rmtree(tmp_path / "output")  # another machine
+    logged = steps(client, run.info.run_id)
+    again = run_trainer(demo_overrides(tmp_path, _with_a_star(data_dir, tmp_path), **keys), cwd=tmp_path)
+    assert again.returncode == 2, again.stderr[-2000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: run {run.info.run_id}'s model_iter") and "was trained on 3 categories" in line, line
+    assert steps(client, run.info.run_id) == logged

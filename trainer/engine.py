@@ -35,7 +35,7 @@ from trainer.errors import UserError
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
-from trainer.preflight import Prepared, check_local, prepare
+from trainer.preflight import Prepared, check_local, check_same_categories, prepare
 from trainer.models import describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
 from trainer.publish import complete_finished_run, log_final_model
@@ -197,6 +197,8 @@ def find_start_point(job: Job) -> StartPoint:
         except CheckpointError as e:
             log.warning("skipping %s", e)
             continue
+        if job.prepared is not None:
+            check_same_categories(f"run {run.run_id}'s {name}", state, job.prepared.dataset)
         if not (job.output_dir / "json_stats.log").exists():
             job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")

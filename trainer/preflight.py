@@ -1,6 +1,7 @@
 """The checks of a job that need its data and its network, made before a run is made for it: the
 training datasets built, the test datasets read, the batch against the set, the network built and
-its initial weights loaded (those named in MLflow were found by check_source and load later). The
+its initial weights loaded (those named in MLflow were found by check_source and load later), and
+the checkpoint it would resume from is its own, trained on its categories. The
 engine then trains on what was built here, so nothing is built twice."""
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.checkpoint.files import FINAL
 from trainer.checkpoint.state import newest_valid
 from trainer.config import Config, job_keys
 from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.coco import check_batch_size
+from trainer.inference import categories_of
 from trainer.models import build_model, load_weights
 from trainer.tracking.model_uris import MLFLOW_URIS
 
@@ -62,6 +65,8 @@ def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, di
     local = newest_valid(Path(cfg.OUTPUT_DIR))
     if local:
         check_same_job(cfg, *local)
+        if prepared is not None and local[0].name != FINAL:  # a finished job needs no data
+            check_same_categories(*local, prepared.dataset)
     if prepared is not None:
         prepared.local, prepared.local_checked = local, True
     return local
@@ -74,3 +79,20 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
         diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
         raise UserError(f"{path} is from another job ({', '.join(diff[:4])} differ): use another "
                         "OUTPUT_DIR, or --no-resume to start this job over in it")
+
+
+def check_same_categories(path, state: dict, dataset) -> None:
+    """A checkpoint's labels mean its categories: resumed on a training set with others, its
+    classifier would not fit them (a size mismatch, after the run was reopened) or would learn
+    another class under an old label."""
+    theirs = [(c["id"], c["name"]) for c in state.get("categories", {}).get("categories", [])]
+    ours = [(c["id"], c["name"]) for c in categories_of(dataset)["categories"]]
+    if theirs and theirs != ours:
+        raise UserError(f"{path} was trained on {len(theirs)} categories ({_names(theirs)}) and the training set now "
+                        f"has {len(ours)} ({_names(ours)}): resume it on its own data, or use another OUTPUT_DIR, or "
+                        "--no-resume to start this job over")
+
+
+def _names(categories: list, shown: int = 5) -> str:
+    names = ", ".join(str(name) for _, name in categories[:shown])
+    return names + (f" and {len(categories) - shown} more" if len(categories) > shown else "")
