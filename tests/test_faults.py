@@ -493,3 +493,20 @@ def test_an_outage_never_lets_local_pruning_delete_an_evaluated_checkpoint_befor
     for name in ("model_iter2.pth", "model_iter5.pth", "model_iter8.pth", "model_final.pth"):
         assert sha_tag(name) in run.data.tags, f"{name} never reached the run"
     assert {"model_final.pth", "model_iter8.pth"} <= {p.name for p in local_checkpoints(out)}
+
+
+def test_a_resume_into_a_run_that_lacks_iterations_says_so(tmp_path, data_dir, jobs):
+    """A job stopped while it trained untracked, resumed with tracking on: its new run has no
+    metrics before the checkpoint, and nothing said so (the same when a SIGKILL comes before the
+    metric sender's next batch). One warning names the missing iterations."""
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.ENABLED": "false", "SOLVER.MAX_ITER": 40}), tmp_path)
+    wait_until(lambda: (tmp_path / "output" / "model_iter5.pth").exists(), job, "model_iter5")
+    job.signal_group(signal.SIGTERM)
+    assert job.wait() == 128 + signal.SIGTERM
+    stopped_at = max(iteration_of(p.name) for p in local_checkpoints(tmp_path / "output"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracked = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 40}), cwd=tmp_path)
+    assert tracked.returncode == 0, tracked.stderr[-2000:]
+    run = only_run(MlflowClient(uri), "demo")
+    assert f"run {run.info.run_id} has no metrics for iterations 0-{stopped_at} " in tracked.stderr
+    assert steps(MlflowClient(uri), run.info.run_id) == list(range(stopped_at + 1, 40))

@@ -163,7 +163,18 @@ def create_model(job: Job) -> CreatedModel:
         raise failed
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
+        warn_of_missing_metrics(job.tracker.run, start.iteration)
     return CreatedModel(start, dataset, model, prepared.weights_loaded if dataset is not None else False)
+
+
+def warn_of_missing_metrics(run, start_iter: int) -> None:
+    """Metrics go out every few seconds: a job killed (SIGKILL, OOM) soon after a checkpoint it
+    then resumes from never sent the last iterations before it, and a job resumed into a new run
+    (tracking turned on, another experiment) sent none. Said once, not papered over."""
+    if run.run_id and run.last_step < start_iter - 1:
+        log.warning("run %s has no metrics for iterations %d-%d (the job stopped before it sent them, or trained "
+                    "them outside this run); json_stats.log has every LOG_PERIOD-th", run.run_id, run.last_step + 1,
+                    start_iter - 1)
 
 
 def find_start_point(job: Job) -> StartPoint:

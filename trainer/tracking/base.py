@@ -17,6 +17,7 @@ class RunInfo:
     checkpoints: list[str] = field(default_factory=list)  # complete checkpoints, newest first
     experiment_id: str | None = None
     model_logged: bool = False  # the servable model is in the run (and registered, if asked)
+    last_step: int = -1  # the newest iteration whose metrics the run had when the job started (-1: none)
 
 
 class Tracker:

@@ -146,7 +146,7 @@ class MlflowTracker(Tracker):
             run_id = found.run.info.run_id
             self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
-                                checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags)
+                                checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags, found.last_step)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
             self._log_params(cfg, set(found.run.data.params))
         except BaseException as e:  # a UserError, or one line for what the client could not do
