@@ -510,3 +510,30 @@ def test_a_resume_into_a_run_that_lacks_iterations_says_so(tmp_path, data_dir, j
     run = only_run(MlflowClient(uri), "demo")
     assert f"run {run.info.run_id} has no metrics for iterations 0-{stopped_at} " in tracked.stderr
     assert steps(MlflowClient(uri), run.info.run_id) == list(range(stopped_at + 1, 40))
+
+
+def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_path, data_dir, jobs):
+    """--no-resume in a folder with a finished job's files left its model_final in place: the new
+    start, stopped and run again, took it for its own (nothing to do) and closed its new run with
+    the earlier job's model."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 40})
+    assert run_trainer(args, cwd=tmp_path).returncode == 0
+    out = tmp_path / "output"
+    earlier_final = sha256_of(out / "model_final.pth")
+    plan = run_trainer(["--no-resume", "--dry-run", *args], cwd=tmp_path)
+    assert plan.stdout.strip().endswith("starts over: its 11 checkpoints move to earlier-<time>/"), plan.stdout
+    again = jobs(["--no-resume", *args], tmp_path)
+    wait_until(lambda: (out / "model_iter5.pth").exists(), again, "the new start's model_iter5")
+    again.signal_group(signal.SIGTERM)
+    assert again.wait() == 128 + signal.SIGTERM
+    [aside] = list(out.glob("earlier-*"))
+    assert sha256_of(aside / "model_final.pth") == earlier_final and (aside / "json_stats.log").is_file()
+    assert "model_final.pth" not in os.listdir(out)
+    rerun = run_trainer(args, cwd=tmp_path)
+    assert rerun.returncode == 0 and "training finished" in rerun.stdout, rerun.stderr[-2000:]
+    assert re.search(r"resuming from .*model_iter\d+\.pth.* at iteration", rerun.stderr)  # the new start's own
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id], order_by=["attributes.start_time ASC"])
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    assert steps(client, runs[1].info.run_id) == list(range(40))

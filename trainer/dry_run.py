@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL
+from trainer.checkpoint.files import FINAL, local_checkpoints
 from trainer.config import Config, job_hash
 from trainer.lineage import initial_weights
 from trainer.data.coco import CocoDetection, resolve_dataset
@@ -64,7 +64,10 @@ def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> str:
 
 
 def _local_start(cfg: Config) -> str:
-    local = check_local(cfg) if cfg.TRAIN.AUTO_RESUME else None  # another job's: UserError
+    if not cfg.TRAIN.AUTO_RESUME:
+        found = local_checkpoints(Path(cfg.OUTPUT_DIR))
+        return f"starts over: its {len(found)} checkpoints move to earlier-<time>/" if found else "no checkpoint here"
+    local = check_local(cfg)  # another job's: UserError
     if local is None:
         return "no checkpoint here"
     path, state = local

@@ -24,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune, remove_stale_temps
+from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune, remove_stale_temps, set_aside
 from trainer.checkpoint.state import CheckpointError, capture_rng, load, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, redacted, write_config
@@ -185,6 +185,8 @@ def find_start_point(job: Job) -> StartPoint:
     """
     run = job.tracker.run
     if not (job.cfg.TRAIN.AUTO_RESUME or run.resumed):
+        if folder := set_aside(job.output_dir):  # a start over: a later resume must not take them for its own
+            log.info("starting over: the checkpoints already in %s moved to %s", job.output_dir, folder)
         return StartPoint()
     remove_stale_temps(job.output_dir)
     checked = job.prepared is not None and job.prepared.local_checked

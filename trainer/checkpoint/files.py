@@ -131,3 +131,18 @@ def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset())
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
+
+
+def set_aside(output_dir: Path) -> Path | None:
+    """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
+    they move to `earlier-<time>/` with json_stats.log, kept but out of the way. Left in place, a
+    later resume of the new start took their model_final for its own (nothing to do) or their
+    newest model_iter for its newest. The folder, or None when there was nothing to move."""
+    found = local_checkpoints(output_dir)
+    if not found:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix=time.strftime("earlier-%Y%m%d-%H%M%S-"), dir=output_dir))
+    log_file = output_dir / "json_stats.log"
+    for path in [*found, *([log_file] if log_file.is_file() else [])]:
+        os.replace(path, folder / path.name)
+    return folder
