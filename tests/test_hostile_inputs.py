@@ -131,6 +131,7 @@ def test_another_jobs_checkpoint_is_refused_before_the_run_and_by_dry_run(here, 
     for dry_run in (True, False):  # --dry-run said "model_final.pth is here: nothing to do"
         result = train(here, "SOLVER.BASE_LR", "0.001", "SOLVER.MAX_ITER", "1", data_dir=data_dir, dry_run=dry_run)
         assert_exit_2(result, "model_final.pth is from another job (SOLVER.BASE_LR differ)")
+        assert result.stderr.strip().splitlines() == [result.last_line]  # the dataset's INFO line came first
     assert not (here / "mlflow.db").exists()  # a FAILED run was made in a new store first
     assert digest(final) == before
 

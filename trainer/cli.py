@@ -19,7 +19,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
-from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
+from trainer.logs import check_arguments_are_text, held_while_checking, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
@@ -113,6 +113,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
             lock.release()
 
 
+@held_while_checking()
 def _check_job(cfg, tracker, resumable: bool):
     """The job's datasets and network, and the checkpoint in OUTPUT_DIR it would resume from (not
     another job's), checked and built before a run is made for it: a job that fails a check leaves

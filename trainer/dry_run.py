@@ -8,6 +8,7 @@ from pathlib import Path
 from trainer.checkpoint.files import FINAL, local_checkpoints
 from trainer.config import Config, job_hash
 from trainer.lineage import initial_weights
+from trainer.logs import held_while_checking
 from trainer.data.coco import CocoDetection, resolve_dataset
 from trainer.models import load_weights
 from trainer.output_lock import OutputLock
@@ -17,6 +18,7 @@ from trainer.solver import lr_at_iter
 from trainer.tracking.runs import find_job_run, tracking_uri
 
 
+@held_while_checking()
 def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int) -> str:
     """The job as it would run, in a few lines; UserError for the first thing that would stop it."""
     OutputLock(Path(cfg.OUTPUT_DIR)).check()

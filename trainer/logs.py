@@ -2,7 +2,9 @@
 secrets redacted; and the console (stdout, stderr), whose loss never fails the job."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import logging.handlers
 import os
 import sys
 from typing import TextIO
@@ -20,6 +22,27 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
     redaction.install()  # no secret in any line that leaves
+
+
+@contextlib.contextmanager
+def held_while_checking():
+    """Around a job's checks: what is logged meanwhile is held, then shown in order once they all
+    passed. When one fails, the INFO lines (a dataset's summary, the weights loaded) are dropped and
+    the warnings shown, so that bad input ends in its one `error:` line, not after a dataset's news."""
+    root = logging.getLogger()
+    shown, held = root.handlers[:], logging.handlers.BufferingHandler(capacity=sys.maxsize)
+    root.handlers = [held]
+    passed = False
+    try:
+        yield
+        passed = True
+    finally:
+        root.handlers = shown
+        for record in held.buffer:
+            if passed or record.levelno >= logging.WARNING:
+                for handler in shown:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
 
 
 def hold_console_descriptors() -> None:
