@@ -48,7 +48,6 @@ class MlflowTracker(Tracker):
         self.world_size = world_size
         self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
         self.client = None  # MLflow's client, made by start() (MLflow is imported there)
-        self._skip_until = -1  # steps already logged by an earlier process of this run
         self._tags: dict[str, str] = {}
         self._run = RunInfo()
         self._opening: Future | None = None  # the run, made or reopened
@@ -144,7 +143,7 @@ class MlflowTracker(Tracker):
                 self._make_client()
                 found = open_run(self.client, self.uri, cfg, self.world_size, self._found.result())
             run_id = found.run.info.run_id
-            self._tags, self._skip_until = dict(found.run.data.tags), found.last_step
+            self._tags = dict(found.run.data.tags)
             self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
                                 checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags, found.last_step)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
@@ -202,7 +201,7 @@ class MlflowTracker(Tracker):
     def log_metrics(self, metrics: dict, step: int) -> None:
         if self._sender is None:  # called before the run was asked for: the lookup makes the sender
             self.run
-        if step > self._skip_until:
+        if step > self._run.last_step:  # steps an earlier process of this run logged are not sent twice
             self._sender.put(metrics, step)
 
     def _send_metrics(self, points: list) -> None:
