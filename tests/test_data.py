@@ -512,3 +512,18 @@ def test_a_low_soft_open_files_limit_is_raised_and_the_job_trains(tmp_path, data
     assert done.returncode == 0, done.stderr[-2000:]
     assert "open files limit raised from 40 to" in done.stderr
     assert (tmp_path / "output" / "model_final.pth").is_file()
+
+
+def test_an_unlimited_hard_open_files_limit_above_the_kernels_ceiling_is_one_error(monkeypatch):
+    """`ulimit -Hn unlimited` still stops at fs.nr_open: raising the soft limit past it is refused
+    by the kernel, which must read as the same one-line error, not a traceback."""
+    import resource
+
+    from trainer.errors import UserError
+    from trainer.open_files import check_open_files
+
+    nr_open = int(open("/proc/sys/fs/nr_open").read())
+    workers = nr_open // 16  # needs more than the kernel allows any process
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (40, resource.RLIM_INFINITY))
+    with pytest.raises(UserError, match=f"DATA_LOADER.NUM_THREADS {workers} needs about .* the limit is 40"):
+        check_open_files(workers, 1)

@@ -30,7 +30,14 @@ def check_open_files(workers: int, images_per_batch: int) -> None:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
     if hard != resource.RLIM_INFINITY and hard < need:
-        raise UserError(f"DATA_LOADER.NUM_THREADS {workers} needs about {need} open files and the limit is {hard} "
-                        "(ulimit -n): raise it, or set DATA_LOADER.NUM_THREADS 0 to load the batches in the trainer")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        raise too_few(workers, need, hard)
+    try:  # an unlimited hard limit still stops at the kernel's fs.nr_open
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    except (ValueError, OSError) as e:
+        raise too_few(workers, need, soft) from e
     log.info("open files limit raised from %d to %d for %d loader workers", soft, need, workers)
+
+
+def too_few(workers: int, need: int, limit: int) -> UserError:
+    return UserError(f"DATA_LOADER.NUM_THREADS {workers} needs about {need} open files and the limit is {limit} "
+                     "(ulimit -n): raise it, or set DATA_LOADER.NUM_THREADS 0 to load the batches in the trainer")
