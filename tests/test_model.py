@@ -186,13 +186,13 @@ def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, da
     np.testing.assert_allclose(order(got), order(want), atol=1e-3)
 
 
-def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir):
+def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir, monkeypatch):
     """An MLflow pytorch model logged as a pickle (as tracktron once did): loading it would run code."""
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the run's local artifacts land here; the next test starts where it was
     with mlflow.start_run():
         mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", serialization_format="pickle",
                                  pip_requirements=["torch"], registered_model_name="pickled")
