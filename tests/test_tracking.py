@@ -135,6 +135,7 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     resumed = run_trainer(tracked(second, data_dir, mlflow_server, exp, **keys), cwd=second, env=s3_server.env)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from run {run.info.run_id} (model_iter" in resumed.stderr
+    assert "watching it" not in resumed.stderr  # its trainer, on this machine, is known to be gone
     run = only_run(client, exp)  # the same run, continued
     assert run.info.status == "FINISHED"
     assert steps(client, run.info.run_id) == list(range(60))  # one unbroken curve, no step twice

@@ -1,8 +1,7 @@
 """Command line: `tracktron train|eval|predict|config|status|data synth`, also `python -m trainer`.
 
 Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a preempted job
-128 + the signal number (143 for SIGTERM), after its checkpoint is safe.
-"""
+128 + the signal number (143 for SIGTERM), after its checkpoint is safe."""
 from __future__ import annotations
 
 import contextlib
@@ -136,6 +135,7 @@ def _check_job(cfg, tracker, resumable: bool):
     try:
         if resumable:
             check_local(cfg, prepared)
+        tracker.check_found()  # the run it would continue, free to be trained by this job
     except UserError:
         tracker.finish(None)
         raise

@@ -38,8 +38,11 @@ class Backoff:
 class MetricSender:
     """Batches metric points to `send(list_of_(key, value, timestamp_ms, step))`."""
 
-    def __init__(self, send: Callable[[list], None], max_pending: int = 200_000, interval: float = 1.0):
+    def __init__(self, send: Callable[[list], None], max_pending: int = 200_000, interval: float = 1.0,
+                 beat: bool = False):
         self._send = send
+        self._beat = beat  # send([]) when an interval passes with nothing to send: the run's heartbeat
+        self._last_send = -float("inf")
         self._pending: collections.deque = collections.deque(maxlen=max_pending)
         self._interval = interval
         self._stop = threading.Event()
@@ -115,11 +118,14 @@ class MetricSender:
             if not batch:
                 if self._stop.is_set():
                     return
+                if self._beat and time.monotonic() - self._last_send >= self._interval:
+                    self._send_beat()
                 self._nudge.wait(self._interval)
                 self._nudge.clear()
                 continue
             try:
                 self._send(batch)
+                self._last_send = time.monotonic()
                 batch = []
                 self._inflight_from = None
                 backoff.reset()
@@ -133,6 +139,14 @@ class MetricSender:
                 (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
                     "metrics: send failed (%s), retrying in %.1fs", first_line(e, 200), delay)
                 time.sleep(delay)
+
+
+    def _send_beat(self) -> None:
+        self._last_send = time.monotonic()
+        try:
+            self._send([])
+        except Exception as e:  # the next batch retries; a missed beat only makes a watcher wait
+            log.debug("metrics: heartbeat not sent: %s", first_line(e))
 
 
 class Uploader:

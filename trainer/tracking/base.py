@@ -39,6 +39,10 @@ class Tracker:
         """Whether the run start() found already has model_final (waits for the lookup)."""
         return False
 
+    def check_found(self) -> None:
+        """Wait for start()'s lookup and raise its UserError: a store that cannot be used, or another
+        live trainer of the job's run (the lookup watches its heartbeat)."""
+
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
         """Download a complete checkpoint of the run and verify it; None if it is unusable."""
         return None

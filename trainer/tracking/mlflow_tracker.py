@@ -1,17 +1,14 @@
 """The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
 
-`start()` finds the job's run on a thread while the caller imports torch and checks the job (and
-starts downloading a resumed job's newest checkpoint), then makes or reopens it; `run` waits for
-it. Everything after goes through two background threads with MLflow's own client: the
-MetricSender (one `log_batch` every few seconds) and the Uploader (artifacts, checkpoints and their
-tags, the pruning of older checkpoints in the run, the status).
-"""
+`start()` finds the job's run on a thread while the caller imports torch and checks the job, then
+makes or reopens it; `run` waits for it. Everything after goes through two background threads with
+MLflow's own client: the MetricSender (one `log_batch` every few seconds, the run's heartbeat with
+it) and the Uploader (artifacts, checkpoints and their tags, pruning in the run, the status)."""
 from __future__ import annotations
 
 import importlib
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, wait
@@ -24,8 +21,9 @@ from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, detector_folder, link_evaluation, set_alias
+from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias
 from trainer.tracking.checkpoint_models import update_best
+from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, env_experiment_id,
                                    experiment_name, find_run, open_run, retryable, run_url, safe_params, sha_tag,
@@ -53,7 +51,7 @@ class MlflowTracker(Tracker):
         self._opening: Future | None = None  # the run, made or reopened
         self._found: Future | None = None  # the lookup before it
         self._checked = threading.Event()  # the job's checks passed: the run may be written
-        self._abandoned = False  # the job ended before they did
+        self._abandoned = threading.Event()  # the job ended before they did
         self._status_set = False  # finish() has recorded the run's end
         self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
@@ -75,9 +73,8 @@ class MlflowTracker(Tracker):
     def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
               wait_for_checks: bool = False) -> None:
         if self._opening is None:
-            # MLflow's import (a second of Python) here, before the caller imports torch: the two
-            # hold the GIL either way, but one after the other the lookup and a resumed job's
-            # download start a second sooner, and wait on the network while torch loads.
+            # MLflow's import (a second of Python) before the caller imports torch: the lookup and a
+            # resumed job's download start a second sooner, and wait on the network while torch loads.
             importlib.import_module("mlflow")
             self._opening, self._found = Future(), Future()
             if not wait_for_checks:
@@ -90,6 +87,10 @@ class MlflowTracker(Tracker):
 
     def found_final(self) -> bool:
         return self._found is not None and self._found.result().final
+
+    def check_found(self) -> None:
+        if self._found is not None:
+            self._found.result()
 
     @property
     def run(self) -> RunInfo:
@@ -108,7 +109,6 @@ class MlflowTracker(Tracker):
     def _make_client(self) -> None:
         try:
             from mlflow import MlflowClient
-
             self.client = MlflowClient(tracking_uri=self.uri)
         except Exception as e:  # a URI MLflow has no store for: the user's to fix
             raise UserError(start_error(self.uri, e)) from None
@@ -122,43 +122,48 @@ class MlflowTracker(Tracker):
             return find_run(self.client, self.uri, cfg, resume_run_id, new_run)
 
     def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
-        """On a thread: find the run (and start a resumed job's download); once the job's checks
-        passed, make or reopen it."""
+        """On a thread: find the run (start a resumed job's download, make sure no other trainer is
+        training it); once the job's checks passed, make or reopen it."""
+        def failed(e: BaseException) -> None:  # a UserError, or one line for what the client could not do
+            error = e if isinstance(e, UserError) else UserError(start_error(self.uri, e))
+            for future in (self._found, self._opening):
+                if not future.done():
+                    future.set_exception(error)
+
         try:
-            self._found.set_result(self._look_up(cfg, resume_run_id, new_run))
-        except BaseException as e:  # a UserError, or one line for what the client could not do
-            self._found.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
-            self._opening.set_exception(self._found.exception())
-            return
-        if self._found.result().resumes:  # reading only, into a hidden folder: it overlaps the checks
-            try:
-                self._prefetched = Prefetch.newest(self.uri, self._found.result().run, Path(cfg.OUTPUT_DIR))
-            except Exception as e:  # no loss: the resume downloads what it needs itself
-                log.warning("could not start the checkpoint's download early: %s", first_line(e))
+            found = self._look_up(cfg, resume_run_id, new_run)
+            if found.resumes:  # reading only, into a hidden folder: it overlaps the checks
+                try:
+                    self._prefetched = Prefetch.newest(self.uri, found.run, Path(cfg.OUTPUT_DIR))
+                except Exception as e:  # no loss: the resume downloads what it needs itself
+                    log.warning("could not start the checkpoint's download early: %s", first_line(e))
+            if found.run is not None:  # may watch the run for a while, as the job is checked
+                check_not_held(self.client, found.run, stop=self._abandoned)
+            self._found.set_result(found)
+        except BaseException as e:
+            return failed(e)
         self._checked.wait()
         try:
-            if self._abandoned:
+            if self._abandoned.is_set():
                 raise UserError("the job stopped before its run was made")
             with first_use_guard(self.uri):
                 self._make_client()
-                found = open_run(self.client, self.uri, cfg, self.world_size, self._found.result())
-            run_id = found.run.info.run_id
-            self._tags = dict(found.run.data.tags)
-            self._run = RunInfo(run_id, run_url(self.uri, found.experiment_id, run_id), found.resumed,
-                                checkpoints_from(self._tags), found.experiment_id, MODEL_TAG in self._tags, found.last_step)
-            self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
-            self._log_params(cfg, set(found.run.data.params))
-        except BaseException as e:  # a UserError, or one line for what the client could not do
-            self._opening.set_exception(e if isinstance(e, UserError) else UserError(start_error(self.uri, e)))
-            return
-        if found.note:
-            log.info("%s", found.note)
+                opened = open_run(self.client, self.uri, cfg, self.world_size, found)
+            run_id = opened.run.info.run_id
+            self._tags = dict(opened.run.data.tags)
+            self._run = RunInfo(run_id, run_url(self.uri, opened.experiment_id, run_id), opened.resumed,
+                                checkpoints_from(self._tags), opened.experiment_id, MODEL_TAG in self._tags,
+                                opened.last_step)
+            self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S, beat=True)
+            self._log_params(cfg, set(opened.run.data.params))
+        except BaseException as e:
+            return failed(e)
+        if opened.note:
+            log.info("%s", opened.note)
         self._opening.set_result(None)
 
     def _log_params(self, cfg: Config, logged: set) -> None:
-        # A param cannot change value within a run: a restart on another machine (other paths)
-        # keeps the values the run started with.
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # a param cannot change: a restart keeps the run's first values
 
         items = [Param(k, v) for k, v in safe_params(cfg).items() if k not in logged]
         for i in range(0, len(items), 100):
@@ -205,10 +210,11 @@ class MlflowTracker(Tracker):
             self._sender.put(metrics, step)
 
     def _send_metrics(self, points: list) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]  # (key, value, ms, step) each
-        self.client.log_batch(self._run.run_id, metrics=metrics, synchronous=True)
+        tags = [] if self._attached else [RunTag(HEARTBEAT_TAG, beat())]  # eval in a run is not its trainer
+        self.client.log_batch(self._run.run_id, metrics=metrics, tags=tags, synchronous=True)
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._uploader.submit(f"upload {path.name}",
@@ -243,9 +249,8 @@ class MlflowTracker(Tracker):
 
         self._uploader.submit(f"upload checkpoint {path.name}", upload)
 
-    def uploading(self) -> set[str]:
-        return {name for name in list(self._queued)  # (a copy: the uploader thread changes the set)
-                if name in self._evaluated or iteration_of(name) >= self._newest_checkpoint}
+    def uploading(self) -> set[str]:  # list(): a copy, the uploader thread changes the set
+        return {n for n in list(self._queued) if n in self._evaluated or iteration_of(n) >= self._newest_checkpoint}
 
     def _artifacts(self):
         if self._repo is None:
@@ -269,8 +274,7 @@ class MlflowTracker(Tracker):
         self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))
 
     def log_table(self, table: dict, artifact_file: str) -> None:
-        self._uploader.submit(f"table {artifact_file}",
-                              lambda: self.client.log_table(self.run.run_id, table, artifact_file))
+        self._uploader.submit(f"table {artifact_file}", lambda: self.client.log_table(self.run.run_id, table, artifact_file))
 
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
         from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, RunTag
@@ -342,19 +346,16 @@ class MlflowTracker(Tracker):
             if best is None:
                 log.info("nothing was evaluated: @best is the final model")
             return final.registered_model_version
-        from trainer.tracking.logged_model import log_detector
+        from trainer.tracking.logged_model import log_checkpoint
 
-        with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-            folder = detector_folder(self.client, self._run.run_id, self._output_dir / name, Path(tmp))
-            return log_detector(self.uri, self._run.run_id, folder, name=f"best-{name.removesuffix('.pth')}",
-                                registered_model_name=registered).registered_model_version
+        return log_checkpoint(self.client, self.uri, self._run.run_id, self._output_dir / name, registered)
 
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
 
     def finish(self, status: str | None, reason: str = "", timeout: float | None = None) -> list[str]:
         if not self._checked.is_set():  # the job ended before its checks passed: no run was made
-            self._abandoned = True
+            self._abandoned.set()
             self._checked.set()
         try:
             run_id = self.run.run_id

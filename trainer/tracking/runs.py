@@ -15,6 +15,7 @@ from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text, redact_urls, remember
+from trainer.tracking.heartbeat import last_seen
 from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -285,7 +286,8 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     done = checkpoints_of(run)
     if FINAL in done:
         return f"run {run.info.run_id} has model_final: nothing to do"
-    return f"continues run {run.info.run_id} ({run.info.status}) from {done[0] if done else 'its start'}"
+    return (f"continues run {run.info.run_id} ({run.info.status}{last_seen(run)}) from "
+            f"{done[0] if done else 'its start'}")
 
 
 def _experiment(client, name: str) -> str:

@@ -1,0 +1,161 @@
+"""The same job started twice while it trains, in another folder or on another machine: the second
+trainer must not log into the run the first is training (the job is its config, so both find the
+same run). A trainer that died without a word (SIGKILL, a lost machine) leaves its run RUNNING; its
+job must still continue, on this machine at once, from another one once its heartbeat is seen to stop.
+"Another machine" is another pid namespace (`unshare --pid`), whose processes this one cannot see."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import trainer_cmd
+from tests.test_tracking import only_run, steps, tracked
+
+LONG = {"SOLVER.MAX_ITER": 3000, "TRAIN.SNAPSHOT_ITERS": 25}  # stopped by the test
+SHORT = {"SOLVER.MAX_ITER": 150, "TRAIN.SNAPSHOT_ITERS": 25}
+HEARTBEAT = "tracktron.heartbeat"
+ELSEWHERE = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+def _run(tag: str | None, status: str = "RUNNING"):
+    """What check_not_held reads of an mlflow Run."""
+    return SimpleNamespace(info=SimpleNamespace(run_id="r1", status=status),
+                           data=SimpleNamespace(tags={HEARTBEAT: tag} if tag is not None else {}))
+
+
+class _Store:
+    """get_run answers with the tag's next value each time it is asked (the last one repeats)."""
+
+    def __init__(self, *tags):
+        self.tags = list(tags)
+
+    def get_run(self, run_id):
+        return _run(self.tags.pop(0) if len(self.tags) > 1 else self.tags[0])
+
+
+def _beat(**change) -> str:
+    from trainer.tracking import heartbeat
+
+    return json.dumps({**json.loads(heartbeat.beat()), **change})
+
+
+def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
+    """One function, every kind of beat a run can carry, hand-edited ones included."""
+    from trainer.errors import UserError
+    from trainer.tracking import heartbeat
+
+    monkeypatch.setattr(heartbeat, "WATCH_S", 0.6)
+    monkeypatch.setattr(heartbeat, "POLL_S", 0.05)
+    parent = os.getppid()  # a live process of this machine, not this one
+    live_here = _beat(pid=parent, started=heartbeat._process_start(parent))
+    gone_here = _beat(pid=parent, started="1")  # the pid, but another process's start time: reused
+    elsewhere = _beat(machine="another-boot:1", pid=parent)
+    for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here,
+                 _beat(machine="another-boot:1", time=time.time() - 3600)):
+        heartbeat.check_not_held(_Store(free), _run(free))  # nothing to watch: returns at once
+    heartbeat.check_not_held(_Store(live_here), _run(live_here, status="KILLED"))  # it ended and said so
+    with pytest.raises(UserError, match=f"run r1 of this job is being trained right now by .* \\(pid {parent}\\)"):
+        heartbeat.check_not_held(_Store(live_here), _run(live_here))
+    started = time.monotonic()
+    heartbeat.check_not_held(_Store(elsewhere), _run(elsewhere))  # unchanged while watched: gone
+    assert time.monotonic() - started >= 0.6
+    with pytest.raises(UserError, match="is being trained right now"):  # it beat again meanwhile
+        heartbeat.check_not_held(_Store(elsewhere, _beat(machine="another-boot:1", pid=parent)), _run(elsewhere))
+
+
+def _elsewhere_works() -> bool:
+    try:
+        return subprocess.run([*ELSEWHERE, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _start_first(tmp_path, data_dir, mlflow_server, s3_server, exp, keys, checkpoint=True):
+    """The job on 'machine 1', once its run carries its heartbeat (and a complete checkpoint)."""
+    first = tmp_path / "machine1"
+    first.mkdir()
+    proc = subprocess.Popen(trainer_cmd(*tracked(first, data_dir, mlflow_server, exp, **keys)), cwd=first,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **s3_server.env})
+    client = MlflowClient(mlflow_server.url)
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the first trainer ended early"
+        experiment = client.get_experiment_by_name(exp)
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        if runs and HEARTBEAT in runs[0].data.tags and (not checkpoint or "tracktron.ckpt.latest" in runs[0].data.tags):
+            return proc, runs[0]
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("the first trainer's run never carried a heartbeat and a checkpoint")
+
+
+def _second(tmp_path, data_dir, mlflow_server, s3_server, exp, keys, prefix=(), flags=()):
+    second = tmp_path / "machine2"
+    second.mkdir(exist_ok=True)
+    cmd = [*prefix, *trainer_cmd(*flags, *tracked(second, data_dir, mlflow_server, exp, **keys))]
+    return subprocess.run(cmd, cwd=second, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **s3_server.env})
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+
+
+@pytest.mark.parametrize("where", ["this machine", "another machine"])
+def test_a_second_trainer_of_a_job_that_is_training_is_refused_and_the_first_goes_on(
+        tmp_path, data_dir, mlflow_server, s3_server, where):
+    if where == "another machine" and not _elsewhere_works():
+        pytest.skip("needs `unshare --pid` (root or user namespaces) to stand for another machine")
+    exp = f"twice-{uuid.uuid4().hex[:6]}"
+    first, run = _start_first(tmp_path, data_dir, mlflow_server, s3_server, exp, LONG, checkpoint=False)
+    try:
+        started = time.monotonic()
+        done = _second(tmp_path, data_dir, mlflow_server, s3_server, exp, LONG,
+                       prefix=ELSEWHERE if where == "another machine" else ())
+        took = time.monotonic() - started
+        assert done.returncode == 2, done.stderr[-3000:]
+        lines = done.stderr.strip().splitlines()
+        last = lines[-1]
+        assert all("WARNING" in line for line in lines[:-1]), lines  # what it watched, then the one error
+        assert last.startswith(f"error: run {run.info.run_id} of this job is being trained right now by ")
+        assert f"(pid {first.pid})" in last and "--no-resume" in last
+        assert took < 120  # seen at once here; within a few missed beats from elsewhere
+        plan = _second(tmp_path, data_dir, mlflow_server, s3_server, exp, LONG, flags=["--dry-run"])
+        assert plan.returncode == 0, plan.stderr[-3000:]
+        assert f"continues run {run.info.run_id} (RUNNING, last heartbeat " in plan.stdout
+        assert first.poll() is None  # the first trains on
+    finally:
+        _stop(first)
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, exp)  # no second run either
+    assert run.info.status == "KILLED"  # as the first left it (SIGTERM), not reopened by the second
+    logged = steps(client, run.info.run_id)
+    assert logged == sorted(set(logged)) and logged[0] == 0  # one trainer's curve: no step twice
+    assert not [p for p in (tmp_path / "machine2" / "output").glob("model_*.pth")]
+
+
+def test_a_job_whose_trainer_died_elsewhere_continues_once_its_heartbeat_stops(tmp_path, data_dir, mlflow_server,
+                                                                               s3_server):
+    if not _elsewhere_works():
+        pytest.skip("needs `unshare --pid` (root or user namespaces) to stand for another machine")
+    exp = f"died-{uuid.uuid4().hex[:6]}"
+    first, run = _start_first(tmp_path, data_dir, mlflow_server, s3_server, exp, SHORT)
+    first.send_signal(signal.SIGKILL)  # a machine lost: the run stays RUNNING, its heartbeat fresh
+    first.wait()
+    client = MlflowClient(mlflow_server.url)
+    saved = client.get_run(run.info.run_id).data.tags["tracktron.ckpt.latest"]
+    resumed = _second(tmp_path, data_dir, mlflow_server, s3_server, exp, SHORT, prefix=ELSEWHERE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "watching it for up to" in resumed.stderr and "it is gone; this job continues the run" in resumed.stderr
+    assert f"resuming from run {run.info.run_id} ({saved})" in resumed.stderr
+    run = only_run(client, exp)
+    assert run.info.status == "FINISHED"

@@ -1,0 +1,109 @@
+"""Which trainer is training a run right now. Rank 0 keeps a tag on its run fresh (its heartbeat:
+who it is and when, sent with every metrics batch, and on its own when no metrics are due), so that
+a second trainer of the same job, in another folder or on another machine, can tell a live trainer
+from one that died without a word (SIGKILL, a lost machine), whose run still says RUNNING.
+
+On the same machine the process itself answers (its pid and start time); from another one, a beat
+that changes while it watches. Two trainers that start within a second of each other are not told
+apart: this guards the common case, a job started again while it runs."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TAG = "tracktron.heartbeat"
+STALE_S = 60.0  # a beat older than this by this machine's clock: its trainer is gone (clocks may differ a little)
+WATCH_S = 20.0  # a newer one that does not change for this long (4 missed beats): gone too
+POLL_S = 1.0
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time since boot (field 22 of /proc/PID/stat), None when there is none: a
+    pid and its start time name one process, even once the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _machine() -> str:
+    """This boot of this host, and this pid namespace (a container has its own pids)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc: only a changing beat tells
+        return f"{socket.gethostname()}:unknown"
+
+
+def beat() -> str:
+    """The tag's value: this trainer and the time."""
+    pid = os.getpid()
+    return json.dumps({"host": socket.gethostname(), "pid": pid, "started": _process_start(pid),
+                       "machine": _machine(), "time": round(time.time(), 1)})
+
+
+def _parse(value: str | None) -> dict | None:
+    try:
+        found = json.loads(value) if value else None
+        return found if isinstance(found, dict) and isinstance(found.get("time"), (int, float)) else None
+    except ValueError:  # edited by hand: no evidence of a trainer
+        return None
+
+
+def check_not_held(client, run, stop: threading.Event | None = None) -> None:
+    """Return when no other live trainer beats on `run` (an mlflow Run, as found); UserError when one
+    does. May watch the run for up to WATCH_S seconds, or until `stop` is set (the job ends)."""
+    raw = run.data.tags.get(HEARTBEAT_TAG)
+    other = _parse(raw)
+    if run.info.status != "RUNNING" or other is None:
+        return
+    if other.get("machine") == _machine() and "unknown" not in _machine():
+        pid = other.get("pid")
+        if pid != os.getpid() and isinstance(pid, int) and _process_start(pid) == other.get("started"):
+            raise _held(run, other)
+        return
+    age = time.time() - other["time"]
+    if age > STALE_S:
+        return
+    log.warning("run %s was being trained by %s %.0f s ago: watching it for up to %.0f s to see whether it still is",
+                run.info.run_id, _who(other), max(age, 0), WATCH_S)
+    deadline = time.monotonic() + WATCH_S
+    stop = stop or threading.Event()
+    while time.monotonic() < deadline:
+        if stop.wait(POLL_S):
+            return
+        now = client.get_run(run.info.run_id)
+        if now.info.status != "RUNNING":  # it stopped meanwhile and said so
+            return
+        if now.data.tags.get(HEARTBEAT_TAG) != raw:
+            raise _held(run, _parse(now.data.tags.get(HEARTBEAT_TAG)) or other)
+    log.info("run %s: no heartbeat from %s for %.0f s, it is gone; this job continues the run",
+             run.info.run_id, _who(other), WATCH_S)
+
+
+def last_seen(run) -> str:
+    """For --dry-run: ", last heartbeat N s ago from HOST (pid P)" for a RUNNING run that has one."""
+    other = _parse(run.data.tags.get(HEARTBEAT_TAG))
+    if run.info.status != "RUNNING" or other is None:
+        return ""
+    return f", last heartbeat {max(time.time() - other['time'], 0):.0f} s ago from {_who(other)}"
+
+
+def _who(beat_: dict) -> str:
+    return f"{beat_.get('host', '?')} (pid {beat_.get('pid', '?')})"
+
+
+def _held(run, other: dict) -> UserError:
+    return UserError(f"run {run.info.run_id} of this job is being trained right now by {_who(other)}: stop that "
+                     "trainer first (a second one would log into the same run), or train this job in a new run "
+                     "with --no-resume")
