@@ -58,7 +58,11 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     live_here = _beat(pid=parent, started=heartbeat._process_start(parent))
     gone_here = _beat(pid=parent, started="1")  # the pid, but another process's start time: reused
     elsewhere = _beat(machine="another-boot:1", pid=parent)
-    for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here,
+    ended = subprocess.Popen(["sleep", "0.2"])  # not reaped: a zombie, its /proc entry still there
+    ended_start = open(f"/proc/{ended.pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    time.sleep(1)
+    zombie = _beat(pid=ended.pid, started=ended_start)
+    for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here, zombie,
                  _beat(machine="another-boot:1", time=time.time() - 3600)):
         heartbeat.check_not_held(_Store(free), _run(free))  # nothing to watch: returns at once
     heartbeat.check_not_held(_Store(live_here), _run(live_here, status="KILLED"))  # it ended and said so
@@ -69,6 +73,7 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     assert time.monotonic() - started >= 0.6
     with pytest.raises(UserError, match="is being trained right now"):  # it beat again meanwhile
         heartbeat.check_not_held(_Store(elsewhere, _beat(machine="another-boot:1", pid=parent)), _run(elsewhere))
+    ended.wait()
 
 
 def _elsewhere_works() -> bool:

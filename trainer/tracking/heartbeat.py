@@ -26,12 +26,13 @@ POLL_S = 1.0
 
 
 def _process_start(pid: int) -> str | None:
-    """The process's start time since boot (field 22 of /proc/PID/stat), None when there is none: a
-    pid and its start time name one process, even once the pid is reused."""
+    """The process's start time since boot (field 22 of /proc/PID/stat), None when it has ended (a
+    zombie too): a pid and its start time name one process, even once the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            state, *rest = f.read().rsplit(")", 1)[1].split()
+        return None if state in ("Z", "X") else rest[18]
+    except (OSError, IndexError, ValueError):
         return None
 
 
