@@ -11,6 +11,7 @@ Functions of an MlflowClient, called on the tracker's uploader thread.
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,3 +89,13 @@ def detector_folder(client, run_id: str, local: Path, tmp: Path) -> Path:
     state = load_checkpoint(path)
     return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
                       state["categories"]["categories"], state["categories"]["keypoint_names"])
+
+
+def log_checkpoint(client, uri: str, run_id: str, local: Path, registered: str) -> str:
+    """A checkpoint of the run (its best) logged as a servable model too, registered; its version."""
+    from trainer.tracking.logged_model import log_detector  # torch
+
+    with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
+        folder = detector_folder(client, run_id, local, Path(tmp))
+        return log_detector(uri, run_id, folder, name=f"best-{local.stem}",
+                            registered_model_name=registered).registered_model_version

@@ -66,16 +66,6 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
             pip_requirements=requirements(), registered_model_name=registered_model_name or None)
 
 
-def log_checkpoint(client, uri: str, run_id: str, local: Path, registered: str) -> str:
-    """A checkpoint of the run (its best) logged as a servable model too, registered; its version."""
-    from trainer.tracking.checkpoint_models import detector_folder
-
-    with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-        folder = detector_folder(client, run_id, local, Path(tmp))
-        return log_detector(uri, run_id, folder, name=f"best-{local.stem}",
-                            registered_model_name=registered).registered_model_version
-
-
 def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
     if spec.startswith(MLFLOW_URIS):

@@ -22,7 +22,7 @@ from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias
-from trainer.tracking.checkpoint_models import update_best
+from trainer.tracking.checkpoint_models import log_checkpoint, update_best
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, env_experiment_id,
@@ -346,8 +346,6 @@ class MlflowTracker(Tracker):
             if best is None:
                 log.info("nothing was evaluated: @best is the final model")
             return final.registered_model_version
-        from trainer.tracking.logged_model import log_checkpoint
-
         return log_checkpoint(self.client, self.uri, self._run.run_id, self._output_dir / name, registered)
 
     def wait(self, timeout: float) -> bool:
