@@ -73,6 +73,10 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     assert time.monotonic() - started >= 0.6
     with pytest.raises(UserError, match="is being trained right now"):  # it beat again meanwhile
         heartbeat.check_not_held(_Store(elsewhere, _beat(machine="another-boot:1", pid=parent)), _run(elsewhere))
+    odd = _beat(pid=parent, started=heartbeat._process_start(parent), host="evil\n\x1b[2Jhost" * 50)
+    with pytest.raises(UserError) as refused:  # a hand-edited host: still one printable line
+        heartbeat.check_not_held(_Store(odd), _run(odd))
+    assert str(refused.value).isprintable() and len(str(refused.value)) < 400
     ended.wait()
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 
 from trainer.errors import UserError
+from trainer.redaction import printable
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,8 @@ def last_seen(run) -> str:
     return f", last heartbeat {max(time.time() - other['time'], 0):.0f} s ago from {_who(other)}"
 
 
-def _who(beat_: dict) -> str:
-    return f"{beat_.get('host', '?')} (pid {beat_.get('pid', '?')})"
+def _who(beat_: dict) -> str:  # a tag anyone with access can edit: one printable line, however odd
+    return printable(f"{str(beat_.get('host', '?'))[:100]} (pid {str(beat_.get('pid', '?'))[:20]})")
 
 
 def _held(run, other: dict) -> UserError:
