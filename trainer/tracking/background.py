@@ -3,7 +3,8 @@
 `MetricSender`: the training thread appends one tuple per iteration to a bounded deque; a thread
 turns them into `log_batch` calls of at most 1000 metrics, retrying with backoff while the server
 is down. A point is dropped only when the deque overflows (counted and reported), never twice
-sent on purpose: a retried batch carries the same timestamps, which the server deduplicates.
+sent on purpose: a retried batch carries the same timestamps, which the server deduplicates. With
+`beat`, an interval with nothing to send still sends an empty batch: the run's heartbeat rides on it.
 
 `Uploader`: a FIFO of jobs (artifact uploads, checkpoint upload + tags, the run's final status),
 each retried with backoff until it succeeds or the close deadline passes.
@@ -139,7 +140,6 @@ class MetricSender:
                 (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
                     "metrics: send failed (%s), retrying in %.1fs", first_line(e, 200), delay)
                 time.sleep(delay)
-
 
     def _send_beat(self) -> None:
         self._last_send = time.monotonic()
