@@ -62,7 +62,8 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     ended_start = open(f"/proc/{ended.pid}/stat").read().rsplit(")", 1)[1].split()[19]
     time.sleep(1)
     zombie = _beat(pid=ended.pid, started=ended_start)
-    for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here, zombie,
+    no_start = _beat(pid=2**22 + 7, started=None)  # hand-edited: no start time to match a process by
+    for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here, zombie, no_start,
                  _beat(machine="another-boot:1", time=time.time() - 3600)):
         heartbeat.check_not_held(_Store(free), _run(free))  # nothing to watch: returns at once
     heartbeat.check_not_held(_Store(live_here), _run(live_here, status="KILLED"))  # it ended and said so

@@ -8,6 +8,7 @@ that changes while it watches. Two trainers that start within a second of each o
 apart: this guards the common case, a job started again while it runs."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -47,11 +48,15 @@ def _machine() -> str:
         return f"{socket.gethostname()}:unknown"
 
 
+@functools.lru_cache(maxsize=None)
+def _this_trainer() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": _process_start(pid), "machine": _machine()}
+
+
 def beat() -> str:
     """The tag's value: this trainer and the time."""
-    pid = os.getpid()
-    return json.dumps({"host": socket.gethostname(), "pid": pid, "started": _process_start(pid),
-                       "machine": _machine(), "time": round(time.time(), 1)})
+    return json.dumps({**_this_trainer(), "time": round(time.time(), 1)})
 
 
 def _parse(value: str | None) -> dict | None:
@@ -62,16 +67,20 @@ def _parse(value: str | None) -> dict | None:
         return None
 
 
+def _live_beat(run) -> dict | None:
+    """The beat of a RUNNING run, None when it has none (or ended, and said so)."""
+    return _parse(run.data.tags.get(HEARTBEAT_TAG)) if run.info.status == "RUNNING" else None
+
+
 def check_not_held(client, run, stop: threading.Event | None = None) -> None:
     """Return when no other live trainer beats on `run` (an mlflow Run, as found); UserError when one
     does. May watch the run for up to WATCH_S seconds, or until `stop` is set (the job ends)."""
-    raw = run.data.tags.get(HEARTBEAT_TAG)
-    other = _parse(raw)
-    if run.info.status != "RUNNING" or other is None:
+    other, me = _live_beat(run), _this_trainer()
+    if other is None:
         return
-    if other.get("machine") == _machine() and "unknown" not in _machine():
-        pid = other.get("pid")
-        if pid != os.getpid() and isinstance(pid, int) and _process_start(pid) == other.get("started"):
+    if other.get("machine") == me["machine"] and not me["machine"].endswith(":unknown"):
+        pid, started = other.get("pid"), other.get("started")
+        if pid != me["pid"] and isinstance(pid, int) and started is not None and _process_start(pid) == started:
             raise _held(run, other)
         return
     age = time.time() - other["time"]
@@ -87,7 +96,7 @@ def check_not_held(client, run, stop: threading.Event | None = None) -> None:
         now = client.get_run(run.info.run_id)
         if now.info.status != "RUNNING":  # it stopped meanwhile and said so
             return
-        if now.data.tags.get(HEARTBEAT_TAG) != raw:
+        if now.data.tags.get(HEARTBEAT_TAG) != run.data.tags[HEARTBEAT_TAG]:
             raise _held(run, _parse(now.data.tags.get(HEARTBEAT_TAG)) or other)
     log.info("run %s: no heartbeat from %s for %.0f s, it is gone; this job continues the run",
              run.info.run_id, _who(other), WATCH_S)
@@ -95,8 +104,8 @@ def check_not_held(client, run, stop: threading.Event | None = None) -> None:
 
 def last_seen(run) -> str:
     """For --dry-run: ", last heartbeat N s ago from HOST (pid P)" for a RUNNING run that has one."""
-    other = _parse(run.data.tags.get(HEARTBEAT_TAG))
-    if run.info.status != "RUNNING" or other is None:
+    other = _live_beat(run)
+    if other is None:
         return ""
     return f", last heartbeat {max(time.time() - other['time'], 0):.0f} s ago from {_who(other)}"
 
