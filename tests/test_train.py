@@ -199,6 +199,13 @@ def test_a_second_trainer_on_the_same_output_dir_stops_at_once_naming_the_first(
         last = second.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: OUTPUT_DIR {out} is in use by another trainer (host ")
         assert f"pid {first.pid})" in last
+        (out / ".lock").unlink()  # deleted by hand: the folder's own lock still keeps them out
+        for extra in ([], ["--dry-run"]):
+            late = run_trainer([*extra, *args], cwd=tmp_path)
+            assert late.returncode == 2, late.stderr
+            assert late.stderr.strip().splitlines()[-1].startswith(
+                f"error: OUTPUT_DIR {out} is in use by another trainer (another process)")
+        assert not (out / ".lock").exists()
         assert (out / "json_stats.log").read_text().startswith(logged)  # the first one's log, not rewritten
         first.send_signal(signal.SIGKILL)
         first.wait()

@@ -1,7 +1,9 @@
 """One trainer per OUTPUT_DIR: a second one started on the same folder stops before it touches
 anything, naming the first. The lock is the kernel's (flock on OUTPUT_DIR/.lock), so a trainer that
-is killed leaves nothing stuck: its lock goes with its process. A job that ends before it wrote
-anything (a tracking server that cannot be reached, say) leaves no OUTPUT_DIR behind either."""
+is killed leaves nothing stuck: its lock goes with its process. The folder itself is locked too
+where the file system allows it, so that a `.lock` deleted by hand still keeps a second trainer out.
+A job that ends before it wrote anything (a tracking server that cannot be reached, say) leaves no
+OUTPUT_DIR behind either."""
 from __future__ import annotations
 
 import fcntl
@@ -21,6 +23,7 @@ class OutputLock:
         self.dir = Path(output_dir)
         self.path = self.dir / LOCK_NAME
         self._fd: int | None = None
+        self._dir_fd: int | None = None
         self._made: list[Path] = []  # the folders acquire() made, OUTPUT_DIR first, then its new parents
 
     def acquire(self) -> OutputLock:
@@ -29,18 +32,19 @@ class OutputLock:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a dangling symlink, a special file system
             raise UserError(f"cannot make OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
+        self._dir_fd = self._lock_folder()
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
+                self._close_folder()
                 raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                 os.close(fd)
-                raise UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder}): "
-                                "wait for it to end, or give this job another OUTPUT_DIR") from None
+                self._close_folder()
+                raise self._in_use() from None
             if self._is_current(fd):
                 break
             os.close(fd)  # a trainer that was ending removed that file meanwhile: lock the new one
@@ -51,6 +55,8 @@ class OutputLock:
 
     def check(self) -> None:
         """Whether acquire() would succeed, creating nothing (--dry-run)."""
+        if os.path.isdir(self.dir) and (folder := self._lock_folder(fcntl.LOCK_SH)) is not None:
+            os.close(folder)
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -58,10 +64,43 @@ class OutputLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder})") from None
+            raise self._in_use() from None
         finally:
             os.close(fd)
+
+    def _lock_folder(self, mode: int = fcntl.LOCK_EX) -> int | None:
+        """The folder's own flock; None where the file system has none for folders (NFS emulates
+        flock with POSIX locks, which need a file open for writing): there the file's lock alone."""
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use() from None
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _close_folder(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def _in_use(self) -> UserError:
+        try:  # the first trainer wrote its name into the file (gone if someone deleted it)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO put there must not block
+            try:
+                holder = os.read(fd, 200).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+        except OSError:
+            holder = ""
+        return UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder or 'another process'}): "
+                         "wait for it to end, or give this job another OUTPUT_DIR")
 
     def _is_current(self, fd: int) -> bool:
         try:
@@ -84,5 +123,6 @@ class OutputLock:
                     folder.rmdir()
                 except OSError:
                     break
-        os.close(self._fd)  # closing the descriptor drops the lock
+        os.close(self._fd)  # closing the descriptors drops the locks
         self._fd = None
+        self._close_folder()
