@@ -51,10 +51,14 @@ def test_a_finished_job_has_nothing_to_do_whatever_became_of_its_data(tmp_path, 
     keys = {"TRACKING.URI": uri, "SOLVER.MAX_ITER": 2, "TRAIN.DATASETS": f"('{mine}',)"}
     first = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
+    final = (tmp_path / "output" / "model_final.pth").read_bytes()
     shutil.rmtree(mine)
     shutil.rmtree(tmp_path / "output")  # another machine: only the tracking server knows the job finished
     again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
+    # the job's product is back where Detectron's train.py leaves it, byte for byte, and nothing else
+    assert (tmp_path / "output" / "model_final.pth").read_bytes() == final
+    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [".lock", "model_final.pth"]
 
 
 def _with_a_star(data_dir: Path, tmp_path: Path) -> Path:

@@ -200,8 +200,9 @@ def find_start_point(job: Job) -> StartPoint:
     for name in run.checkpoints:
         if iteration_of(name) <= local_iter:
             break
-        if name == FINAL:
-            return StartPoint(final=True, source=f"run {run.run_id}")
+        if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
+            path = job.tracker.fetch_checkpoint(FINAL, job.output_dir)
+            return StartPoint(final=True, source=f"run {run.run_id}" + (f", downloaded to {path}" if path else ""))
         path = job.tracker.fetch_checkpoint(name, job.output_dir)
         if path is None:
             continue
