@@ -454,6 +454,23 @@ def test_an_animated_image_is_read_as_its_first_frame(tmp_path):
     assert image.shape == (3, 8, 16) and float(image[0].mean()) > 0.9  # the red first frame
 
 
+def test_an_animated_image_decodes_its_first_frame_alone(tmp_path):
+    """Forty 4000x4000 frames fit in 500 kB of GIF. torchvision decoded them all to keep the first
+    (3 GB and 14 s per image: a few such requests took the served model's worker). Found by the red
+    team of 2026-12-02."""
+    frames = [Image.new("P", (4000, 4000), i) for i in range(40)]
+    frames[0].save(tmp_path / "many.gif", save_all=True, append_images=frames[1:])
+    assert (tmp_path / "many.gif").stat().st_size < 2**20
+    code = ("import resource, sys; from trainer.data.images import decode; data = open(sys.argv[1], 'rb').read(); "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; image = decode(data); "
+            "print(tuple(image.shape), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "many.gif")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shape, grown_mb = done.stdout.rsplit(" ", 1)
+    assert shape == "(3, 4000, 4000)" and int(grown_mb) < 600  # the first frame as float is 192 MB
+
+
 def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
     """50000x50000 would be decoded into gigabytes; a polygon point at 1e9 crashes pycocotools'
     rasteriser (a segfault, not an exception)."""

@@ -4,7 +4,8 @@ images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not
 Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
 refused before anything is allocated, and a PNG is fully decoded by PIL too, because libpng inside
 torchvision kills the process (SIGSEGV) on a corrupt PNG instead of raising. Then torchvision
-decodes it (the pixels every earlier model was trained on).
+decodes it (the pixels every earlier model was trained on), except an animated image, whose first
+frame PIL decodes alone (torchvision would decode every frame).
 """
 from __future__ import annotations
 
@@ -53,31 +54,37 @@ def decode(image) -> torch.Tensor:
                          f"got {type(image).__name__}")
     if not image:
         raise ValueError("an image is empty (0 bytes)")
-    _check_with_pil(image)
+    if (first_frame := _check_with_pil(image)) is not None:
+        return torch.from_numpy(first_frame).permute(2, 0, 1).float().div_(255)
     from torchvision.io import ImageReadMode, decode_image
 
     try:
         decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError) as e:  # without the C++ source path torchvision puts first
         raise ValueError(f"cannot decode the image ({_CXX_PLACE.sub('', first_line(e))})") from None
-    if decoded.ndim == 4:  # an animated GIF or WebP: its first frame
-        decoded = decoded[0]
     return decoded.float().div_(torch.iinfo(decoded.dtype).max)
 
 
-def _check_with_pil(data: bytes) -> None:
+def _check_with_pil(data: bytes) -> np.ndarray | None:
+    """Checks the header's size; an animated image (GIF, WebP) comes back as its first frame, HxWx3,
+    decoded by PIL alone: torchvision decodes every frame, and forty 4000x4000 frames fit in 500 kB."""
     from PIL import Image, UnidentifiedImageError
 
+    first_frame = None
     try:
         with Image.open(io.BytesIO(data)) as probe:
             size = probe.size
-            if max(size) <= MAX_IMAGE_SIDE and size[0] * size[1] <= MAX_PIXELS and data.startswith(_PNG):
-                probe.load()
+            if max(size) <= MAX_IMAGE_SIDE and size[0] * size[1] <= MAX_PIXELS:
+                if getattr(probe, "is_animated", False):  # read from the headers: no frame is decoded
+                    first_frame = np.array(probe.convert("RGB"))
+                elif data.startswith(_PNG):
+                    probe.load()
     except UnidentifiedImageError:
         raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image ({first_line(e)})") from None
     check_size(*size)
+    return first_frame
 
 
 def check_size(width: int, height: int) -> None:
