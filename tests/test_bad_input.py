@@ -517,6 +517,23 @@ def test_inputs_from_the_adversarial_pass_are_one_line(tmp_path, monkeypatch, ca
     assert_exit_2(result, message.format(t=tmp_path))
 
 
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_a_lock_file_that_is_not_ours_is_refused_and_nothing_is_written_through_it(tmp_path, monkeypatch, kind):
+    """OUTPUT_DIR/.lock a link to another file: the lock was truncated and written through the link
+    (the file's content replaced by `host ..., pid ...`), even by a job then refused for a bad dataset.
+    Found by the red team of 2026-12-02."""
+    monkeypatch.chdir(tmp_path)
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious\n")
+    {"link": lambda p: p.symlink_to(victim), "fifo": os.mkfifo, "folder": Path.mkdir}[kind](out / ".lock")
+    for extra in (["--dry-run"], []):
+        result = run_cli(["train", *extra, "--config", str(DEMO), "DATA_DIR", str(tmp_path / "data"),
+                          "OUTPUT_DIR", str(out), "TRACKING.ENABLED", "false", "TRAIN.DATASETS", "('nope',)"])
+        assert_exit_2(result, f"{out / '.lock'} is not the lock file tracktron keeps in OUTPUT_DIR")
+    assert victim.read_text() == "precious\n" and sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
 def test_synth_into_an_unwritable_place_or_with_a_negative_seed_is_one_line(tmp_path):
     result = run_cli(["data", "synth", "--out", "/proc/tracktron-synth"])
     assert_exit_2(result, "cannot write the synthetic dataset to /proc/tracktron-synth")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -34,11 +35,17 @@ class OutputLock:
             raise UserError(f"cannot make OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
         self._dir_fd = self._lock_folder()
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:  # never through a link: the file is truncated and written
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 self._close_folder()
+                if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+                    raise self._not_ours() from None
                 raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device put there
+                os.close(fd)
+                self._close_folder()
+                raise self._not_ours()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -58,10 +65,14 @@ class OutputLock:
         if os.path.isdir(self.dir) and (folder := self._lock_folder(fcntl.LOCK_SH)) is not None:
             os.close(folder)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return
+        except OSError:  # a link (ELOOP)
+            raise self._not_ours() from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self._not_ours()
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise self._in_use() from None
@@ -89,6 +100,10 @@ class OutputLock:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+
+    def _not_ours(self) -> UserError:
+        return UserError(f"{self.path} is not the lock file tracktron keeps in OUTPUT_DIR (a link, a folder, a "
+                         "FIFO or a device); move it away")
 
     def _in_use(self) -> UserError:
         try:  # the first trainer wrote its name into the file (gone if someone deleted it)
