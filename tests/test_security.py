@@ -12,8 +12,11 @@
 """
 from __future__ import annotations
 
+import base64
+import http.server
 import os
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 
@@ -335,3 +338,45 @@ def test_a_failing_job_prints_and_writes_no_secret(case, tmp_path, data_dir):
     for path in tmp_path.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+class _EchoHeaders(http.server.BaseHTTPRequestHandler):
+    """A gateway that answers 400 with the request it got, headers and all (debug proxies do)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = f"bad request, Authorization: {self.headers.get('Authorization')}; {self.command} {self.path}"
+        body = body.encode()
+        self.send_response(400)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("where", ["url", "environment"])
+def test_basic_auth_echoed_by_the_server_is_not_printed(tmp_path, data_dir, where):
+    """MLflow sends the URL's (or the environment's) user and password as `Authorization: Basic
+    base64(user:password)`; a server that echoed the request in its error body had that base64 printed
+    in the error line. Found by the red team of 2026-12-02."""
+    secret = "pw-" + uuid.uuid4().hex[:12]
+    encoded = base64.b64encode(f"trainer:{secret}".encode()).decode()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoHeaders)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host = f"127.0.0.1:{server.server_address[1]}"
+        uri, env = ((f"http://trainer:{secret}@{host}", {}) if where == "url" else
+                    (f"http://{host}", {"MLFLOW_TRACKING_USERNAME": "trainer", "MLFLOW_TRACKING_PASSWORD": secret}))
+        result = run_trainer(["--dry-run", *demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri})],
+                             cwd=tmp_path, env=env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "400" in last and "Authorization: Basic ***" in last, last  # the echo reached the line, redacted
+    assert secret not in result.stdout + result.stderr and encoded not in result.stdout + result.stderr

@@ -9,6 +9,8 @@ secret-named values and URL credentials replaced, the same on every machine.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
 import logging
 import os
 import re
@@ -43,6 +45,18 @@ def remember_environment() -> None:
     for name, value in os.environ.items():
         if is_secret_key(name):
             remember(value)
+    remember_basic_auth()
+
+
+def remember_basic_auth() -> None:
+    """The header MLflow sends for MLFLOW_TRACKING_USERNAME/PASSWORD, `Basic base64(user:password)`:
+    a server or proxy that echoes the request in its error body would otherwise print it."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user is None or not password:
+        return
+    for encoding in ("latin-1", "utf-8"):  # requests encodes latin-1 where it can
+        with contextlib.suppress(UnicodeEncodeError):
+            remember(base64.b64encode(f"{user}:{password}".encode(encoding)).decode())
 
 
 def redact_urls(text: str) -> str:

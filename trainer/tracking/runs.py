@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, flatten, job_hash, redacted
 from trainer.errors import UserError, first_line
-from trainer.redaction import redact_text, redact_urls, remember
+from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.heartbeat import last_seen
 from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
@@ -77,6 +77,8 @@ def without_credentials(uri: str) -> str:
     user, _, password = userinfo.partition(":")
     os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
     os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    remember(unquote(password))
+    remember_basic_auth()
     return urlunsplit(parts._replace(netloc=host))
 
 
