@@ -120,3 +120,30 @@ def test_a_resume_from_the_run_on_other_categories_is_one_line(tmp_path, data_di
     line = again.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: run {run.info.run_id}'s model_iter") and "was trained on 3 categories" in line, line
     assert steps(client, run.info.run_id) == logged
+
+
+def test_a_deleted_experiment_or_run_is_refused_before_the_checks(tmp_path, data_dir):
+    """A job whose experiment was deleted (`mlflow experiments delete`): --dry-run said "a new run" and
+    the job itself failed with the server's `must be in the 'active' state` only after all its checks.
+    The same for `--resume` of a deleted run. Found by the red team of 2026-12-02."""
+    from mlflow.entities import ViewType
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    gone = client.create_experiment("gone")
+    client.delete_experiment(gone)
+    kept = client.create_run(client.create_experiment("kept")).info.run_id
+    client.delete_run(kept)
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "gone"})
+    for extra in (["--dry-run"], []):
+        refused = run_trainer([*extra, *args], cwd=tmp_path)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"error: experiment {gone} on {uri} is deleted: restore it "
+            f"(`mlflow experiments restore --experiment-id {gone}`) or name another experiment")
+    resumed = run_trainer(["--resume", kept, *demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri})],
+                          cwd=tmp_path)
+    assert resumed.returncode == 2 and resumed.stderr.strip().splitlines()[-1] == (
+        f"error: run {kept} on {uri} is deleted: restore it (`mlflow runs restore --run-id {kept}`) or name another run")
+    assert client.search_runs([gone], run_view_type=ViewType.ALL) == []
+    assert not (tmp_path / "output").exists()

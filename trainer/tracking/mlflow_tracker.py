@@ -25,8 +25,9 @@ from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_
 from trainer.tracking.checkpoint_models import log_checkpoint, update_best
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
+from trainer.tracking.run_description import safe_params
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, env_experiment_id,
-                                   experiment_name, find_run, open_run, retryable, run_url, safe_params, sha_tag,
+                                   experiment_name, find_run, open_run, retryable, run_url, sha_tag,
                                    start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file

@@ -5,23 +5,22 @@ MlflowClient, used by the tracker and by `tracktron status` and `tracktron eval`
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import FINAL, iteration_of
-from trainer.config import Config, flatten, job_hash, redacted
+from trainer.config import Config, job_hash
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.heartbeat import last_seen
+from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
 LATEST_TAG = "tracktron.ckpt.latest"
-MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
 
 STATUS_REASON = "tracktron.status_reason"  # why a run ended FAILED or KILLED
@@ -112,45 +111,16 @@ def checkpoints_from(tags: dict) -> list[str]:
     return sorted(names, key=iteration_of, reverse=True)
 
 
-def safe_params(cfg: Config) -> dict[str, str]:
-    """The flattened config as params: secrets redacted, long values truncated."""
-    out = {}
-    for key, value in flatten(redacted(cfg)).items():
-        text = redact_text(str(value))
-        out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
-    return out
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     tags = {  # torch's versions and the device come with set_tags() once torch is imported
         JOB_TAG: job_hash(cfg),
         "tracktron.config_name": cfg.NAME,
         "tracktron.world_size": str(world_size),
     }
-    if commit := _git_commit():
+    if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     tags["mlflow.note.content"] = redact_text(describe_job(cfg, world_size))
     return tags
-
-
-def describe_job(cfg: Config, world_size: int) -> str:
-    """The run's description in the UI: what was trained on what data, how."""
-    s, t = cfg.SOLVER, cfg.TRAIN
-    backbone = f" ({cfg.MODEL.BACKBONE} backbone)" if cfg.MODEL.BACKBONE else ""
-    weights = redact_text(t.WEIGHTS) or "random initialisation"
-    return (f"{cfg.MODEL.TYPE}{backbone} trained on {', '.join(t.DATASETS)} from {weights}: "
-            f"{s.MAX_ITER} iterations of {t.IMS_PER_BATCH} images x {world_size} process(es), "
-            f"LR {s.BASE_LR} ({s.LR_POLICY}), scales {t.SCALES}, max size {t.MAX_SIZE}. "
-            f"Evaluated on {', '.join(cfg.TEST.DATASETS) or 'nothing'}.")
 
 
 # ---- finding the job's run ----
@@ -247,6 +217,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         exp = _get(client.get_experiment, uri, "MLFLOW_EXPERIMENT_ID", given_id, missing=(400, 404))  # 400: no such id at all
     else:
         exp = client.get_experiment_by_name(experiment_name(cfg))
+        exp = exp and _active(exp, uri)
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
     return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id)
 
@@ -311,11 +282,21 @@ def _get(get, uri: str, named: str, key: str, missing: tuple = (404,)):
     from mlflow.exceptions import MlflowException
 
     try:
-        return get(key)
+        return _active(get(key), uri)
     except MlflowException as e:
         if e.get_http_status_code() in missing or "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
             raise UserError(f"{named} {key} does not exist on {uri}") from None
         raise
+
+
+def _active(found, uri: str):
+    """A deleted run or experiment takes no writes: said now, in one line, not after the job's checks."""
+    run = hasattr(found, "info")
+    if (found.info if run else found).lifecycle_stage != "deleted":
+        return found
+    kind, key = ("run", found.info.run_id) if run else ("experiment", found.experiment_id)
+    raise UserError(f"{kind} {key} on {uri} is deleted: restore it (`mlflow {kind}s restore --{kind}-id {key}`) "
+                    f"or name another {kind}")
 
 
 def _newest_job_run(client, exp_id: str, cfg: Config):

@@ -1,0 +1,41 @@
+"""What a run says about its job, beyond its metrics: the description the UI shows, the code's
+commit, and the config as params."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from trainer.config import Config, flatten, redacted
+from trainer.redaction import redact_text
+
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+
+
+def describe_job(cfg: Config, world_size: int) -> str:
+    """The run's description in the UI: what was trained on what data, how."""
+    s, t = cfg.SOLVER, cfg.TRAIN
+    backbone = f" ({cfg.MODEL.BACKBONE} backbone)" if cfg.MODEL.BACKBONE else ""
+    weights = redact_text(t.WEIGHTS) or "random initialisation"
+    return (f"{cfg.MODEL.TYPE}{backbone} trained on {', '.join(t.DATASETS)} from {weights}: "
+            f"{s.MAX_ITER} iterations of {t.IMS_PER_BATCH} images x {world_size} process(es), "
+            f"LR {s.BASE_LR} ({s.LR_POLICY}), scales {t.SCALES}, max size {t.MAX_SIZE}. "
+            f"Evaluated on {', '.join(cfg.TEST.DATASETS) or 'nothing'}.")
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs, where it runs from a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def safe_params(cfg: Config) -> dict[str, str]:
+    """The flattened config as params: secrets redacted, long values truncated."""
+    out = {}
+    for key, value in flatten(redacted(cfg)).items():
+        text = redact_text(str(value))
+        out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
+    return out
