@@ -17,6 +17,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import trainer_cmd
+from tests.servers import FaultProxy
 from tests.test_tracking import only_run, steps, tracked
 
 LONG = {"SOLVER.MAX_ITER": 3000, "TRAIN.SNAPSHOT_ITERS": 25}  # stopped by the test
@@ -169,3 +170,52 @@ def test_a_job_whose_trainer_died_elsewhere_continues_once_its_heartbeat_stops(t
     assert f"resuming from run {run.info.run_id} ({saved})" in resumed.stderr
     run = only_run(client, exp)
     assert run.info.status == "FINISHED"
+
+
+def _first_to_end(procs: list, timeout: float = 240):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for proc in procs:
+            if proc.poll() is not None:
+                return proc
+        time.sleep(0.2)
+    raise AssertionError(f"neither trainer stopped within {timeout:.0f} s: both are training the job")
+
+
+def test_two_trainers_of_a_job_started_together_one_trains(tmp_path, data_dir, mlflow_server, s3_server):
+    """Both find the job's run free, and open it once their checks are done. A new job's: both started
+    at once, each makes a run, and the first made keeps the job. A stopped job's: the second trainer's
+    opening is held back (a slow link to the server), so that the first reopens the run in between;
+    the second then finds the first's heartbeat on it. The one refused stops in one line. Found by
+    the red team of 2026-12-02: two trainers started 8 s apart both trained the run, every step
+    logged twice."""
+    exp = f"together-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(mlflow_server.url)
+    with FaultProxy(mlflow_server.url) as slow:
+        slow.delay_requests(rb"^GET /api/2\.0/mlflow/runs/get\b", 15)  # the second's reopening, not its lookup
+        for phase, servers in (("new", (mlflow_server, mlflow_server)), ("stopped", (mlflow_server, slow))):
+            procs, logs = [], []
+            for i, server in enumerate(servers):
+                folder = tmp_path / f"{phase}{i}"
+                folder.mkdir()
+                logs.append(folder / "stderr.txt")
+                with open(logs[-1], "w") as err:
+                    procs.append(subprocess.Popen(trainer_cmd(*tracked(folder, data_dir, server, exp, **LONG)),
+                                                  cwd=folder, stdout=subprocess.DEVNULL, stderr=err,
+                                                  env={**os.environ, **s3_server.env}))
+            try:
+                ended = _first_to_end(procs)
+                other = procs[1 - procs.index(ended)]
+                said = logs[procs.index(ended)].read_text().strip().splitlines()
+                assert ended.returncode == 2, said[-20:]
+                assert said[-1].startswith("error: run ") and f"is being trained right now by {os.uname().nodename} " \
+                    f"(pid {other.pid})" in said[-1], said[-20:]
+                assert phase == "new" or ended is procs[1]
+                assert other.poll() is None  # the one that opened it trains on
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        _stop(proc)
+    run = only_run(client, exp)  # one run for the job (a run made second is deleted)
+    logged = steps(client, run.info.run_id)
+    assert logged == sorted(set(logged))  # one trainer's curve at a time: no step twice

@@ -4,8 +4,9 @@ a second trainer of the same job, in another folder or on another machine, can t
 from one that died without a word (SIGKILL, a lost machine), whose run still says RUNNING.
 
 On the same machine the process itself answers (its pid and start time); from another one, a beat
-that changes while it watches. Two trainers that start within a second of each other are not told
-apart: this guards the common case, a job started again while it runs."""
+that changes while it watches. Two trainers that both found the run free (started within the time a
+job's checks take) meet again when they open it: the run goes to one of them (`claim_run`, and for a
+new job's run, the first one made)."""
 from __future__ import annotations
 
 import functools
@@ -100,6 +101,27 @@ def check_not_held(client, run, stop: threading.Event | None = None) -> None:
             raise _held(run, _parse(now.data.tags.get(HEARTBEAT_TAG)) or other)
     log.info("run %s: no heartbeat from %s for %.0f s, it is gone; this job continues the run",
              run.info.run_id, _who(other), WATCH_S)
+
+
+def claim_run(client, seen, now):
+    """The job's run, reopened by this trainer: `seen` as the lookup found it, `now` as it is once the
+    job's checks are done. A beat written in between is another trainer's of this job, which opened
+    the run while this one was being checked: it keeps the run. Ours is then written and read back,
+    so that of two trainers writing at nearly the same moment the later one keeps it. Returns the run
+    as read back."""
+    if now.data.tags.get(HEARTBEAT_TAG) != seen.data.tags.get(HEARTBEAT_TAG):
+        raise taken(now)
+    mine = beat()
+    client.set_tag(now.info.run_id, HEARTBEAT_TAG, mine)
+    now = client.get_run(now.info.run_id)
+    if now.data.tags.get(HEARTBEAT_TAG) != mine:
+        raise taken(now)
+    return now
+
+
+def taken(run) -> UserError:
+    """The refusal for a run another trainer of this job has just made or reopened."""
+    return _held(run, _parse(run.data.tags.get(HEARTBEAT_TAG)) or {})
 
 
 def last_seen(run) -> str:

@@ -14,7 +14,7 @@ from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.config import Config, job_hash
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
-from trainer.tracking.heartbeat import last_seen
+from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.sqlite_store import check_store, not_made_yet, sqlite_path, store_settled
 
@@ -116,6 +116,7 @@ def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
         JOB_TAG: job_hash(cfg),
         "tracktron.config_name": cfg.NAME,
         "tracktron.world_size": str(world_size),
+        HEARTBEAT_TAG: beat(),  # the run's trainer from its first write on
     }
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
@@ -141,6 +142,7 @@ class FoundRun:
     experiment: str  # the experiment a new run goes to (made with it if it does not exist)
     experiment_id: str | None
     launcher_note: tuple | None = None  # (launcher's run id, the job's run id, note) for the launcher's run
+    auto_resume: bool = False  # the job continues its newest run, if it has one
 
     @property
     def resumes(self) -> bool:
@@ -165,11 +167,13 @@ def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: 
 def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) -> OpenedRun:
     """Make the job's run (and its experiment), adopt the launcher's, or mark the found one RUNNING:
     the first writes, made once the job's checks have passed (UserError, in one line, when the
-    server cannot be used)."""
+    server cannot be used, or when another trainer of the job opened its run since the lookup)."""
     from mlflow.entities import RunTag
 
     try:
         run, note = found.run and client.get_run(found.run.info.run_id), None  # as it is now, after the checks
+        if found.resumes:
+            run = claim_run(client, found.run, run)  # before anything else is written to it
         if found.launcher_note:  # `mlflow run` made a new run for a job that has one: one job stays one run
             launcher_id, job_run_id, note = found.launcher_note
             client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", job_run_id),
@@ -179,6 +183,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         last_step = -1
         if run is None:
             run = client.create_run(exp_id, tags=_start_tags(cfg, world_size), run_name=_run_name(cfg))
+            if found.auto_resume:
+                _first_of_its_job(client, exp_id, cfg, run)
         elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
             tags = _start_tags(cfg, world_size)
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
@@ -219,7 +225,8 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         exp = client.get_experiment_by_name(experiment_name(cfg))
         exp = exp and _active(exp, uri)
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
-    return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id)
+    return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id,
+                    auto_resume=resume)
 
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
@@ -297,6 +304,16 @@ def _active(found, uri: str):
     kind, key = ("run", found.info.run_id) if run else ("experiment", found.experiment_id)
     raise UserError(f"{kind} {key} on {uri} is deleted: restore it (`mlflow {kind}s restore --{kind}-id {key}`) "
                     f"or name another {kind}")
+
+
+def _first_of_its_job(client, exp_id: str, cfg: Config, run) -> None:
+    """Two trainers of a new job that both found no run made one each: the first made keeps the job,
+    the other deletes its own (still empty) and stops."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'", max_results=20)
+    first = min([*runs, run], key=lambda r: (r.info.start_time, r.info.run_id))
+    if first.info.run_id != run.info.run_id:
+        client.delete_run(run.info.run_id)
+        raise taken(first)
 
 
 def _newest_job_run(client, exp_id: str, cfg: Config):
