@@ -254,3 +254,25 @@ def test_a_new_job_trains_from_a_local_weights_file(tmp_path, data_dir):
     common = [k for k in got if k in given]  # fine-tuning freezes BatchNorm: no num_batches_tracked
     assert len(common) == len(got) and all((got[k].float() - given[k].float()).abs().max() < 0.01 for k in common)
     assert sum(torch.equal(got[k], given[k]) for k in common) > len(common) // 2  # the frozen layers, untouched
+
+
+def test_a_resume_says_which_iterations_of_its_run_it_does_not_log(caplog):
+    """Metrics go out every few seconds and a step is never logged twice: a resume from a checkpoint
+    older than the run's newest metrics (a SIGKILL after a batch was sent; a newer checkpoint that
+    failed its sha256) trains those iterations again without sending them. It said nothing of that,
+    only of the opposite gap. Found by the red team of 2026-12-02."""
+    from trainer.engine import warn_of_missing_metrics
+    from trainer.tracking.base import RunInfo
+
+    caplog.set_level("INFO", logger="trainer.engine")
+    for last_step, start_iter in ((19, 20), (-1, 0)):  # the run ends where the job starts: nothing to say
+        warn_of_missing_metrics(RunInfo(run_id="r1", last_step=last_step), start_iter)
+    assert caplog.messages == []
+    warn_of_missing_metrics(RunInfo(run_id="r1", last_step=24), 10)
+    assert caplog.messages == ["run r1 has metrics up to iteration 24 from an earlier start: this one trains "
+                               "iterations 10-24 again without sending them, so the run keeps the earlier values"]
+    warn_of_missing_metrics(RunInfo(run_id="r1", last_step=4), 10)
+    assert caplog.messages[-1].startswith("run r1 has no metrics for iterations 5-9 ")
+    caplog.clear()
+    warn_of_missing_metrics(RunInfo(run_id=None, last_step=-1), 10)  # untracked: no run to speak of
+    assert caplog.messages == []

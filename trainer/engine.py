@@ -170,11 +170,17 @@ def create_model(job: Job) -> CreatedModel:
 def warn_of_missing_metrics(run, start_iter: int) -> None:
     """Metrics go out every few seconds: a job killed (SIGKILL, OOM) soon after a checkpoint it
     then resumes from never sent the last iterations before it, and a job resumed into a new run
-    (tracking turned on, another experiment) sent none. Said once, not papered over."""
+    (tracking turned on, another experiment) sent none. The other way round, a resume from a checkpoint
+    older than the run's newest metrics trains those iterations again without logging a step twice.
+    Said once, not papered over."""
     if run.run_id and run.last_step < start_iter - 1:
         log.warning("run %s has no metrics for iterations %d-%d (the job stopped before it sent them, or trained "
                     "them outside this run); json_stats.log has every LOG_PERIOD-th", run.run_id, run.last_step + 1,
                     start_iter - 1)
+    elif run.run_id and run.last_step >= start_iter:  # one curve: a step is never logged twice
+        log.info("run %s has metrics up to iteration %d from an earlier start: this one trains iterations %d-%d "
+                 "again without sending them, so the run keeps the earlier values", run.run_id, run.last_step,
+                 start_iter, run.last_step)
 
 
 def find_start_point(job: Job) -> StartPoint:
