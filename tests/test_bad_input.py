@@ -587,3 +587,57 @@ def test_an_eoferror_is_a_fault_not_a_ctrl_c(monkeypatch):
     monkeypatch.setattr(trainer.status, "job_rows", cut_short)
     with pytest.raises(EOFError, match="Ran out of input"):
         cli.main(["status"])
+
+
+BIG_NUMBERS = [
+    # (id, overrides, the same in a file, the one line)
+    ("float-key-too-large", ["SOLVER.BASE_LR", "1" * 400], "SOLVER:\n  BASE_LR: " + "1" * 400,
+     "error: SOLVER.BASE_LR is out of range: larger than a float holds (1.8e+308)"),  # was OverflowError
+    ("list-item-too-large", ["SOLVER.LRS", f"[{'1' * 400}]"], f"SOLVER:\n  LRS: [{'1' * 400}]",
+     "error: SOLVER.LRS[0] is out of range: larger than a float holds (1.8e+308)"),
+    ("past-4300-digits", ["SOLVER.MAX_ITER", "1" * 5000], "SOLVER:\n  MAX_ITER: " + "1" * 5000,
+     "a 5,000-digit number is out of range for any config key"),  # was ValueError: Exceeds the limit (4300 digits)
+]
+
+
+@pytest.mark.parametrize("case, opts, text, message", BIG_NUMBERS, ids=_ids(BIG_NUMBERS))
+def test_numbers_too_large_for_python_are_one_line(train, tmp_path, case, opts, text, message):
+    assert_exit_2(train(*opts), message)
+    path = tmp_path / "big.yaml"
+    path.write_text(text + "\n")
+    assert_exit_2(train(config=path), message.removeprefix("error: "))
+    assert not (tmp_path / "output").exists()
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["SOLVER.LR_POLICY", "step", "SOLVER.GAMMA", "1e300", "SOLVER.STEP_SIZE", "1", "SOLVER.MAX_ITER", "10"],
+     "error: SOLVER.GAMMA 1e+300 makes the learning rate overflow at iteration 1 (step)"),  # was OverflowError
+    (["SOLVER.BASE_LR", "1e39", "SOLVER.WARM_UP_ITERS", "0"],  # was exit 0, training at inf
+     "error: SOLVER.BASE_LR 1e+39 makes the learning rate overflow at iteration 0 (steps_with_decay)"),
+], ids=["gamma-1e300", "base-lr-1e39"])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_learning_rate_that_overflows_is_one_line_before_any_run(train, tmp_path, opts, message, dry_run):
+    """A traceback in --dry-run; without it, a traceback and a FAILED run in the tracking store."""
+    assert_exit_2(train(*opts, *(["--dry-run"] if dry_run else []), tracking=True), message)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "output").exists()
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_an_experiment_name_mlflow_refuses_is_one_line_and_no_store(train, tmp_path, dry_run):
+    """10,000 characters: --dry-run said all was well; the job failed after making a new mlflow.db."""
+    (tmp_path / "n2").mkdir()
+    result = train("TRACKING.EXPERIMENT", "e" * 10000, "TRACKING.URI", f"sqlite:///{tmp_path / 'n2' / 'mlflow.db'}",
+                   *(["--dry-run"] if dry_run else []), tracking=True)
+    assert_exit_2(result, "error: TRACKING.EXPERIMENT is 10,000 characters; MLflow takes an experiment name of at most 500")
+    assert list((tmp_path / "n2").iterdir()) == []
+
+
+def test_synth_refuses_more_images_than_a_disk_holds(tmp_path, monkeypatch):
+    """--num-images 99999999999999999999999 started writing, without end."""
+    def write(*args, **kwargs):
+        raise AssertionError("started writing")
+
+    monkeypatch.setattr("trainer.data.synth.write_synthetic_dataset", write)
+    result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "99999999999999999999999"])
+    assert_exit_2(result, "Invalid value for '--num-images': 99999999999999999999999 is not in the range 1<=x<=1000000")
+    assert not (tmp_path / "s").exists()

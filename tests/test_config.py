@@ -145,3 +145,58 @@ def test_string_keys_keep_what_was_written(tmp_path, key, written):
     assert load_config(None, ["SOLVER.MAX_ITER", "200", "SOLVER.BASE_LR", "1e-2"]).SOLVER.BASE_LR == 0.01
     write_config(from_file, tmp_path / "out.yaml")  # plain data: dumps, hashes
     assert job_hash(from_file) == job_hash(load_config(path))
+
+
+@pytest.mark.parametrize("key, written, message", [
+    ("SOLVER.BASE_LR", "1" * 400, "SOLVER.BASE_LR is out of range: larger than a float holds (1.8e+308)"),
+    ("SOLVER.LRS", f"[0.1, {'1' * 400}]", "SOLVER.LRS[1] is out of range: larger than a float holds (1.8e+308)"),
+    ("SOLVER.MAX_ITER", "0x" + "f" * 5000,  # hex has no 4,300-digit limit, but str() of it has
+     "SOLVER.MAX_ITER is out of range: a number of about 6,021 digits (at most 9,007,199,254,740,992)"),
+])
+def test_numbers_past_a_float_or_a_printable_int_are_one_error_naming_the_key(tmp_path, key, written, message):
+    """OverflowError (int too large to convert to float) and ValueError (int to str) tracebacks."""
+    section, leaf = key.split(".")
+    for source in (lambda: load_config(None, [key, written]),
+                   lambda: load_config(write(tmp_path, f"{section}:\n  {leaf}: {written}\n"))):
+        with pytest.raises(ConfigError) as refused:
+            source()
+        assert str(refused.value) == message
+
+
+def test_an_integer_past_pythons_4300_digits_is_one_error(tmp_path):
+    """PyYAML's int() raised ValueError (Exceeds the limit (4300 digits)...), which no one caught."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["SOLVER.MAX_ITER", "1" * 5000])
+    assert str(refused.value) == "SOLVER.MAX_ITER: a 5,000-digit number is out of range for any config key"
+    path = write(tmp_path, f"SOLVER:\n  STEPS: [0, {'1' * 5000}]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert str(refused.value) == f"{path}: a 5,000-digit number is out of range for any config key"
+
+
+def test_the_name_limits_are_mlflows():
+    from mlflow.store.tracking.dbmodels.models import SqlRun
+    from mlflow.utils.validation import MAX_EXPERIMENT_NAME_LENGTH
+
+    from trainer import config_checks
+
+    assert config_checks.MAX_EXPERIMENT_NAME == MAX_EXPERIMENT_NAME_LENGTH
+    assert config_checks.MAX_RUN_NAME == SqlRun.name.type.length  # VARCHAR(250): PostgreSQL, MySQL refuse more
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["TRACKING.EXPERIMENT", "e" * 501], "TRACKING.EXPERIMENT is 501 characters; MLflow takes an experiment name of at most 500"),
+    (["NAME", "n" * 501, "TRACKING.RUN_NAME", "r"],
+     "NAME, the experiment's name, is 501 characters; MLflow takes an experiment name of at most 500"),
+    (["TRACKING.RUN_NAME", "r" * 251], "TRACKING.RUN_NAME is 251 characters; MLflow takes a run name of at most 250"),
+    (["NAME", "n" * 235],
+     "NAME, the run's name with -YYYYmmdd-HHMMSS, is 251 characters; MLflow takes a run name of at most 250"),
+])
+def test_names_mlflow_would_refuse_are_refused_with_the_config(opts, message):
+    """An experiment name over 500 characters failed after a new tracking store was made."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, opts)
+    assert str(refused.value) == message
+    load_config(None, ["TRACKING.EXPERIMENT", "e" * 500, "TRACKING.RUN_NAME", "r" * 250])  # at the limits
+    load_config(None, ["NAME", "n" * 234])
+    load_config(None, ["TRACKING.ENABLED", "false", *opts])  # untracked: no name is given to MLflow

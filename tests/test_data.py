@@ -544,3 +544,24 @@ def test_an_unlimited_hard_open_files_limit_above_the_kernels_ceiling_is_one_err
     monkeypatch.setattr(resource, "getrlimit", lambda which: (40, resource.RLIM_INFINITY))
     with pytest.raises(UserError, match=f"DATA_LOADER.NUM_THREADS {workers} needs about .* the limit is 40"):
         check_open_files(workers, 1)
+
+
+@pytest.mark.parametrize("signum", ["TERM", "HUP"])
+def test_a_signal_during_data_synth_leaves_no_hidden_folder(tmp_path, signum):
+    """SIGTERM killed `data synth` where it stood: its hidden .s.tmp-<pid>-<hex>/ stayed, gigabytes of it."""
+    import signal
+
+    job = subprocess.Popen(["env", f"--default-signal={signum}", sys.executable, "-m", "trainer", "data", "synth",
+                            "--out", str(tmp_path / "s"), "--num-images", "100000", "--size", "64"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # env: pytest under nohup
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".s.tmp-*/images/*.png")):  # writing images
+            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+            time.sleep(0.05)
+        job.send_signal(getattr(signal, f"SIG{signum}"))
+        assert job.wait(timeout=60) == 128 + getattr(signal, f"SIG{signum}")
+    finally:
+        job.kill()
+    assert "Traceback" not in job.stderr.read().decode()
+    assert os.listdir(tmp_path) == []  # neither the dataset nor its hidden folder

@@ -244,3 +244,32 @@ def test_no_clipping_by_default():
     p.grad = torch.tensor([30.0, 40.0])
     assert clip_gradients(cfg_of(), [p]) is None
     assert torch.equal(p.grad, torch.tensor([30.0, 40.0]))
+
+
+# Iterations: the default schedule is step (GAMMA 0.1 every 30000), 500 linear warm-up from 1/3.
+@pytest.mark.parametrize("solver, message", [
+    # Python's float power raised OverflowError (a traceback, a FAILED run): the LR is inf from iteration 1
+    (dict(GAMMA=1e300, STEP_SIZE=1, MAX_ITER=10, WARM_UP_ITERS=0),
+     "SOLVER.GAMMA 1e+300 makes the learning rate overflow at iteration 1 (step)"),
+    # the float32 cast gave inf, shown by --dry-run and trained with
+    (dict(BASE_LR=1e39, WARM_UP_ITERS=0), "SOLVER.BASE_LR 1e+39 makes the learning rate overflow at iteration 0 (step)"),
+    (dict(WARM_UP_FACTOR=1e300), "SOLVER.WARM_UP_FACTOR 1e+300 makes the learning rate overflow at iteration 0 (step)"),
+    # 0.02 * 1e300 ** (it / 100) passes float32's 3.4e38 at iteration 14
+    (dict(BASE_LR=0.02, LR_POLICY="exp_decay", GAMMA=1e300, MAX_ITER=100, WARM_UP_ITERS=0),
+     "SOLVER.GAMMA 1e+300 makes the learning rate overflow at iteration 14 (exp_decay)"),
+    (dict(LR_POLICY="steps_with_lrs", STEPS="[0, 10]", LRS="[0.1, 1e39]", MAX_ITER=20, WARM_UP_ITERS=0),
+     "SOLVER.LRS[1] 1e+39 makes the learning rate overflow at iteration 10 (steps_with_lrs)"),
+    (dict(LR_POLICY="cosine_decay", BASE_LR=1e39), "SOLVER.BASE_LR 1e+39 makes the learning rate overflow at iteration 6 "
+                                                   "(cosine_decay)"),  # 1e39 / 3 at 0 still fits
+    # 1e10 from iteration 5 to 9, the last trained; the scheduler's step after it raised OverflowError
+    (dict(BASE_LR=1e-290, GAMMA=1e300, STEP_SIZE=5, MAX_ITER=10, WARM_UP_ITERS=0),
+     "SOLVER.GAMMA 1e+300 makes the learning rate overflow at iteration 10, which the scheduler computes after the "
+     "last step (step)"),
+    (dict(BIAS_LR_FACTOR=1e300), "SOLVER.BIAS_LR_FACTOR 1e+300 makes the biases' learning rate overflow (the LR peaks at 0.001)"),
+])
+def test_a_learning_rate_that_overflows_is_refused_with_the_config(solver, message):
+    with pytest.raises(ConfigError) as refused:
+        cfg_of(**solver)
+    assert str(refused.value) == message
+    kept = cfg_of(BASE_LR=1.0, GAMMA=1e12, STEP_SIZE=10, MAX_ITER=30, WARM_UP_ITERS=0)  # within float32 throughout
+    check(kept, {0: 1.0, 10: 1e12, 29: 1e24, 30: 1e36})

@@ -358,7 +358,7 @@ def data():
 
 @data.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
-@click.option("--num-images", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--num-images", default=64, show_default=True, type=click.IntRange(1, 1_000_000))  # synth.MAX_IMAGES
 @click.option("--size", "image_size", default=128, show_default=True, type=click.IntRange(17, 4096),
               help="Image side in pixels (17 to 4096).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**32 - 1))
@@ -369,7 +369,7 @@ def synth(out_dir, num_images, image_size, seed):
     if (Path(out_dir) / ANNOTATIONS).is_file():
         click.echo(f"{out_dir} already holds a dataset ({ANNOTATIONS}): nothing written")
         return
-    path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed)
+    path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed, stoppable=True)
     click.echo(f"wrote {num_images} images and annotations to {path}")
 
 

@@ -11,13 +11,12 @@ import difflib
 import hashlib
 import json
 import logging
-import math
 from pathlib import Path
 
 import yaml
 
 from trainer.atomic_write import write_atomic
-from trainer.config_checks import validate
+from trainer.config_checks import finite_float, int_text, validate
 from trainer.config_detectron import Translation, is_detectron, translate
 from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
 from trainer.errors import ConfigError
@@ -229,7 +228,7 @@ def _coerce(key: str, value, default):
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             if abs(value) > MAX_INT:  # past any count or size; Python's ints would overflow later, in C
-                raise ConfigError(f"{key} is out of range: {value} (at most {MAX_INT:,})")
+                raise ConfigError(f"{key} is out of range: {int_text(value)} (at most {MAX_INT:,})")
             return int(value)
     elif isinstance(default, float):
         number = value
@@ -239,9 +238,7 @@ def _coerce(key: str, value, default):
             except ValueError:
                 pass
         if isinstance(number, (int, float)) and not isinstance(number, bool):
-            if not math.isfinite(number):  # an infinite LR or timeout is never what was meant
-                raise ConfigError(f"{key} must be a finite number, got {value!r}")
-            return float(number)
+            return finite_float(key, number, value)
     elif isinstance(default, str):
         if isinstance(value, str):
             return value

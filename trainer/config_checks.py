@@ -1,12 +1,17 @@
 """The config's meaning checks: every value in range and consistent with the others, before
-anything is built (config.load_config calls `validate`). One (ok, message) pair per rule."""
+anything is built (config.load_config calls `validate`). One (ok, message) pair per rule; the
+learning-rate schedule is checked with lr_policy's formulas, the ones the solver trains with."""
 from __future__ import annotations
 
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
+
 from trainer.errors import ConfigError
+from trainer.lr_policy import check_schedule
 
 LR_POLICIES = ("step", "steps_with_decay", "steps_with_lrs", "cosine_decay", "exp_decay")
 WARM_UP_METHODS = ("constant", "linear")
@@ -36,6 +41,40 @@ def _model_name_ok(name: str) -> bool:
     """MLflow's registry rules, checked now rather than when the model is registered after training."""
     return not name or (bool(name.strip()) and not set("/:@#?") & set(name) and name.isprintable()
                         and name not in (".", ".."))
+
+
+def finite_float(key: str, number, written) -> float:
+    """A number for a float key: an infinite LR or timeout is never what was meant."""
+    try:
+        value = float(number)
+    except OverflowError:  # an integer past 1.8e308
+        raise ConfigError(f"{key} is out of range: larger than a float holds ({sys.float_info.max:.2g})") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {written!r}")
+    return value
+
+
+def int_text(n: int) -> str:
+    """An integer for a message; a huge one by its size (Python refuses str() past 4,300 digits)."""
+    return str(n) if n.bit_length() <= 128 else f"a number of about {int(n.bit_length() * math.log10(2)) + 1:,} digits"
+
+
+# MLflow's limits on the names a job's run gets, checked now rather than once the store is made:
+MAX_EXPERIMENT_NAME = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH: create_experiment refuses more
+MAX_RUN_NAME = 250  # the runs table's name is VARCHAR(250): PostgreSQL and MySQL stores refuse more
+_RUN_NAME_TIME = "-YYYYmmdd-HHMMSS"  # what NAME gets as the run's name when TRACKING.RUN_NAME is empty
+
+
+def _tracking_name_checks(cfg) -> list:
+    t = cfg.TRACKING
+    if not t.ENABLED:
+        return []
+    experiment = ("TRACKING.EXPERIMENT", t.EXPERIMENT) if t.EXPERIMENT else ("NAME, the experiment's name,", cfg.NAME)
+    run = (("TRACKING.RUN_NAME", t.RUN_NAME) if t.RUN_NAME
+           else (f"NAME, the run's name with {_RUN_NAME_TIME},", cfg.NAME + _RUN_NAME_TIME))
+    return [(len(name) <= limit, f"{key} is {len(name):,} characters; MLflow takes {what} of at most {limit}")
+            for (key, name), what, limit in ((experiment, "an experiment name", MAX_EXPERIMENT_NAME),
+                                             (run, "a run name", MAX_RUN_NAME))]
 
 
 DAY_S = 86_400  # the longest timeout or grace period (more overflows the clocks it is added to)
@@ -109,7 +148,7 @@ def validate(cfg) -> None:
          "(not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
-    ] + _model_and_size_checks(cfg)
+    ] + _model_and_size_checks(cfg) + _tracking_name_checks(cfg)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -117,6 +156,7 @@ def validate(cfg) -> None:
         raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
     if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
+    check_schedule(s)
 
 
 _FRACTIONS = ("RPN_NMS_THRESH", "RPN_FG_IOU", "RPN_BG_IOU", "RPN_POSITIVE_FRACTION", "POSITIVE_FRACTION")

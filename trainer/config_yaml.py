@@ -51,7 +51,10 @@ class Float(float):
 
 def _with_source(kind, construct):
     def constructor(loader, node):
-        value = kind(construct(loader, node))
+        try:
+            value = kind(construct(loader, node))
+        except ValueError:  # Python reads at most 4,300 digits (int()); no key takes anything near
+            raise ConfigError(f"a {len(node.value):,}-digit number is out of range for any config key") from None
         value.source = node.value
         return value
     return constructor
@@ -106,6 +109,8 @@ def parse_override(text: str, as_text: bool = False, key: str = "a value"):
         value = load_yaml(text) if text else ""
     except yaml.YAMLError:
         return text
+    except ConfigError as e:  # a number of thousands of digits, an alias
+        raise ConfigError(f"{key}: {e}") from None
     if _COMMENT.search(text) and text[:1] not in "'\"":  # YAML would drop the rest without a word
         raise ConfigError(f"{key} {text!r}: ' #' starts a YAML comment, which would cut the value; quote it")
     return value

@@ -1,8 +1,5 @@
-"""SGD, Detectron's learning-rate policies and warm-up, gradient clipping.
-
-The policies reproduce Detectron's `detectron/utils/lr_policy.py` numerically, including its final
-`np.float32` cast, so a schedule here gives the same learning rate at every iteration as the
-Caffe2 original.
+"""SGD, the learning-rate scheduler over Detectron's policies and warm-up (lr_policy.py, whose
+formulas the config's checks use too), gradient clipping.
 
 Momentum: Detectron's Caffe2 MomentumSGDUpdate kept the learning rate inside the momentum buffer
 (v = m * v + lr * g; w -= v), so when the LR changed it rescaled the buffer by new_lr / old_lr
@@ -13,73 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 from torch import nn
 
 from trainer.config import Config
-
-# --------------------------------------------------------------------------------------------- #
-# Learning-rate policies (Detectron's lr_func_*), before warm-up
-# --------------------------------------------------------------------------------------------- #
-
-
-def _step_index(s, it: int) -> int:
-    """Detectron's get_step_index: the last step of STEPS + [MAX_ITER] that `it` has reached
-    (config.validate made sure STEPS starts at 0, Detectron's convention)."""
-    steps = list(s.STEPS) + [s.MAX_ITER]
-    for ind, step in enumerate(steps):
-        if it < step:
-            return ind - 1
-    return len(steps) - 2  # past MAX_ITER Detectron's loop ends on the last index, minus one
-
-
-def _step(s, it: int) -> float:
-    return s.BASE_LR * s.GAMMA ** (it // s.STEP_SIZE)
-
-
-def _steps_with_decay(s, it: int) -> float:
-    return s.BASE_LR * s.GAMMA ** _step_index(s, it)
-
-
-def _steps_with_lrs(s, it: int) -> float:
-    return s.LRS[_step_index(s, it)]
-
-
-def _cosine_decay(s, it: int) -> float:
-    iter_frac = float(it) / s.MAX_ITER
-    return s.BASE_LR * (0.5 * (np.cos(np.pi * iter_frac) + 1))
-
-
-def _exp_decay(s, it: int) -> float:
-    # GAMMA is the ratio of the final to the initial learning rate
-    iter_frac = float(it) / s.MAX_ITER
-    return s.BASE_LR * np.exp(iter_frac * np.log(s.GAMMA))
-
-
-_POLICIES = {
-    "step": _step,
-    "steps_with_decay": _steps_with_decay,
-    "steps_with_lrs": _steps_with_lrs,
-    "cosine_decay": _cosine_decay,
-    "exp_decay": _exp_decay,
-}
-
-
-def _warm_up_factor(s, it: int) -> float:
-    if s.WARM_UP_METHOD == "constant":
-        return s.WARM_UP_FACTOR
-    alpha = it / s.WARM_UP_ITERS  # linear
-    return s.WARM_UP_FACTOR * (1 - alpha) + alpha
+from trainer.lr_policy import lr_at
 
 
 def lr_at_iter(cfg: Config, it: int) -> float:
     """Detectron's get_lr_at_iter: the policy's LR, times the warm-up factor while it < WARM_UP_ITERS."""
-    s = cfg.SOLVER
-    lr = _POLICIES[s.LR_POLICY](s, it)  # config.validate checked the policy and its keys
-    if it < s.WARM_UP_ITERS:
-        lr *= _warm_up_factor(s, it)
-    return float(np.float32(lr))  # Detectron returns np.float32; keep its rounding
+    return lr_at(cfg.SOLVER, it)  # config.validate checked the policy, its keys and that every LR is finite
 
 
 # --------------------------------------------------------------------------------------------- #

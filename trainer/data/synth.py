@@ -6,10 +6,12 @@ groups. Output is a pure function of the arguments: the same seed writes the sam
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import uuid
 from pathlib import Path
 
@@ -22,30 +24,58 @@ from trainer.errors import UserError
 ANNOTATIONS = "annotations.json"
 IMAGES = "images"
 SHAPES = ("square", "circle", "triangle")
+MAX_IMAGES = 1_000_000  # ~40 GB of PNGs at the default size: more is a typo that would fill the disk
 KEYPOINTS = ["top", "right", "bottom", "left"]
 SKELETON = [[1, 2], [2, 3], [3, 4], [4, 1]]  # 1-based, as COCO writes it
 
 
-def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128, seed: int = 0) -> Path:
-    """Write out_dir/images/*.png and out_dir/annotations.json unless out_dir already holds them."""
+def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128, seed: int = 0,
+                            stoppable: bool = False) -> Path:
+    """Write out_dir/images/*.png and out_dir/annotations.json unless out_dir already holds them.
+    stoppable (the `data synth` command, main thread): SIGTERM or SIGHUP removes what was written
+    and exits 128 + the signal; a trainer has its own handlers, left alone."""
     out = Path(out_dir)
     if (out / ANNOTATIONS).is_file():
         return out
+    if not 1 <= num_images <= MAX_IMAGES:
+        raise UserError(f"the synthetic dataset takes 1 to {MAX_IMAGES:,} images, not {num_images:,}")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"{out} exists but holds no {ANNOTATIONS}; remove it or choose another folder")
     # Build in a hidden sibling and rename: a half-written dataset never looks complete.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as e:  # a read-only or special folder, a file in the way
-        raise UserError(f"cannot write the synthetic dataset to {out}: {e.strerror or e}") from None
-    try:
-        _write(tmp, num_images, image_size, seed)
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with stop_signals_exit() if stoppable else contextlib.nullcontext():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as e:  # a read-only or special folder, a file in the way
+            raise UserError(f"cannot write the synthetic dataset to {out}: {e.strerror or e}") from None
+        try:
+            _write(tmp, num_images, image_size, seed)
+            _publish(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def stop_signals_exit():
+    """SIGTERM and SIGHUP as SystemExit(128 + signal) for the block, so that `finally` removes the
+    hidden half-written folder (their default kills the process where it stands, leaving gigabytes).
+    A second signal kills at once, as the default would. Main thread only (the `data synth` command)."""
+    def stop(signum, frame):
+        for sig in previous:
+            signal.signal(sig, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: old for sig, old in previous.items() if old != signal.SIG_IGN}  # nohup: outlive the terminal
+    for sig in previous:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _publish(tmp: Path, out: Path) -> None:
