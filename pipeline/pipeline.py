@@ -118,6 +118,9 @@ if not name.strip() or not name.isprintable() or set("/:@#?'\"\\") & set(name):
     sys.exit(f"error: model_name {name!r}: a registered model name has no / : @ # ? quote or control character")
 if alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias):
     sys.exit(f"error: alias {alias!r}: letters, digits, _ and - only")
+# MLflow refuses these only when setting the alias, after the version is registered.
+if alias.lower() == "latest" or re.fullmatch(r"[vV][0-9]+", alias):
+    sys.exit(f"error: alias {alias!r} is reserved by MLflow (latest and v<number> name versions): choose another")
 try:
     min_score = float(min_score)
 except ValueError:

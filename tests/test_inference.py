@@ -68,3 +68,30 @@ def test_a_damaged_model_folder_is_a_user_error(tmp_path):
     (folder / "weights.pt").write_bytes(b"\x80\x04garbage")
     with pytest.raises(UserError, match="not a usable tracktron model"):
         Detector.load(folder)
+
+
+@pytest.mark.parametrize("model_type, extra", [("maskrcnn_resnet50_fpn", {"masks"}),
+                                               ("keypointrcnn_resnet50_fpn", {"keypoints"})])
+def test_the_logged_models_signature_names_what_its_predictions_hold(tmp_path, monkeypatch, model_type, extra):
+    """The output signature listed boxes, scores and categories only: a Mask R-CNN's masks and a
+    Keypoint R-CNN's keypoints, which every prediction of theirs holds, were missing from it."""
+    import mlflow
+    import pandas as pd
+
+    from trainer.config import load_config
+    from trainer.models import build_model
+    from trainer.tracking.logged_model import log_detector
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["MODEL.TYPE", model_type])
+    keypoints = ["left", "right"] if extra == {"keypoints"} else []
+    model = build_model(cfg, 3, len(keypoints))
+    folder = save(tmp_path / "detector", cfg, model.state_dict(), [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}],
+                  keypoints)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
+    run = mlflow.MlflowClient(tracking_uri=uri).create_run("0")
+    info = log_detector(uri, run.info.run_id, folder)
+    columns = set(info.signature.outputs.input_names())
+    assert columns == {"boxes", "scores", "category_ids", "category_names"} | extra
+    (found,) = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame({"image": [_png(64, 48)]}))
+    assert set(found) == columns

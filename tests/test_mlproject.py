@@ -1,12 +1,17 @@
-"""`mlflow run . --env-manager local` end to end against a real tracking server."""
+"""MLproject: `mlflow run . --env-manager local` end to end against a real tracking server, and the
+commands MLflow computes from MLproject and docker/MLproject (parsed with mlflow's project loader,
+run by bash with a stand-in trainer that prints the words it was given)."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, demo_overrides
@@ -43,3 +48,109 @@ def test_mlflow_run_trains_in_its_run_and_a_second_one_points_at_the_job_run(tmp
     launcher = next(r for r in runs if r.info.run_id != job_run.info.run_id)
     assert launcher.data.tags["tracktron.job_run_id"] == job_run.info.run_id
     assert not client.get_metric_history(launcher.info.run_id, "loss")  # one job, one loss curve
+
+
+def test_mlflow_run_opts_take_quoted_values_with_spaces(tmp_path, data_dir, mlflow_server, s3_server):
+    """-P opts='OUTPUT_DIR "a b" TRAIN.SCALES "(128, 160)"': the shell split opts at every space
+    ('overrides come in KEY VALUE pairs'); quotes now hold a value together, as in a shell."""
+    import yaml
+
+    os.environ.update(s3_server.env)
+    out = tmp_path / "out dir"
+    opts = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 1, "TEST.DATASETS": '"()"',
+                                                 "OUTPUT_DIR": f'"{out}"', "TRAIN.SCALES": '"(128, 160)"'})
+    done = mlflow_run(mlflow_server, f"mlproject-{uuid.uuid4().hex[:6]}", opts)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "model_final.pth").is_file()
+    assert yaml.safe_load((out / "config.yaml").read_text())["TRAIN"]["SCALES"] == [128, 160]
+
+
+# ---- the commands MLflow computes from MLproject and docker/MLproject ----
+
+def _load_project(directory: Path):
+    from mlflow.projects._project_spec import load_project
+
+    return load_project(str(directory))
+
+
+def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
+    from mlflow.projects import env_type
+
+    project = _load_project(ROOT)
+    assert project.name == "tracktron"
+    assert project.env_type == env_type.PYTHON
+    assert Path(project.env_config_path).resolve() == ROOT / "python_env.yaml"
+
+    main = project.get_entry_point("main")
+    assert main.parameters["config"].type == "path"
+    assert main.parameters["config"].default == "configs/demo.yaml"
+    assert (ROOT / main.parameters["config"].default).is_file()
+    assert main.parameters["opts"].type == "string" and main.parameters["opts"].default == ""
+    assert '"-m", "trainer", "train", "--config", sys.argv[1]' in main.command and "{config} {opts}" in main.command
+
+    ev = project.get_entry_point("eval")
+    assert set(ev.parameters) == {"config", "weights"}
+    assert ev.parameters["weights"].default is None  # required
+    assert re.search(r"(tracktron|python -m trainer) eval --config \{config\} --weights \{weights\}", ev.command)
+
+    synth = project.get_entry_point("synth")
+    assert set(synth.parameters) == {"out", "num_images"}
+    assert synth.parameters["num_images"].type == "int"
+    assert re.search(r"data synth --out \{out\} --num-images \{num_images\}", synth.command)
+
+
+def _run_main(tmp_path, opts: str) -> subprocess.CompletedProcess:
+    """MLproject's main command as MLflow computes it, run by bash in `tmp_path`, where a stand-in
+    `trainer` package (first on `python -m`'s path) prints the words it was given as json."""
+    (tmp_path / "trainer").mkdir(exist_ok=True)
+    (tmp_path / "trainer" / "__main__.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    command = _load_project(ROOT).get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+
+
+@pytest.mark.parametrize("opts, expected", [
+    ("", []),
+    ("SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4", ["SOLVER.MAX_ITER", "200", "TRAIN.IMS_PER_BATCH", "4"]),
+    ("TRAIN.SCALES (800,) SOLVER.STEPS [0,400] OUTPUT_DIR *", ["TRAIN.SCALES", "(800,)", "SOLVER.STEPS", "[0,400]",
+                                                               "OUTPUT_DIR", "*"]),
+    # Quotes as a shell user writes them (a value with a space, an empty value), and nothing in opts
+    # runs: the rest stays words, which the trainer refuses as overrides.
+    ("TRACKING.RUN_NAME \"my run\" TRAIN.SCALES '(640, 800)' TRACKING.REGISTERED_MODEL '' "
+     "A $(touch pwned) B \"`touch pwned`\"; touch pwned",
+     ["TRACKING.RUN_NAME", "my run", "TRAIN.SCALES", "(640, 800)", "TRACKING.REGISTERED_MODEL", "",
+      "A", "$(touch", "pwned)", "B", "`touch pwned`;", "touch", "pwned"]),
+])
+def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, opts, expected):
+    # MLflow shell-quotes each parameter value; the command must split `opts` back into words,
+    # without globbing (`*`, `[0,400]` stay as written even where files would match them).
+    (tmp_path / "0").touch()
+    (tmp_path / "x").touch()
+    out = _run_main(tmp_path, opts)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", "--", *expected]
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("opts", ['TRACKING.RUN_NAME "my run', "A 'b", "A b\\"])
+def test_mlproject_main_refuses_an_unbalanced_quote_in_one_line(tmp_path, opts):
+    out = _run_main(tmp_path, opts)
+    assert out.returncode == 2 and not out.stdout  # the trainer never started
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: opts: "), out.stderr
+
+
+def test_docker_mlproject_runs_tracktron_subcommands_in_the_image():
+    from mlflow.projects import env_type
+
+    project = _load_project(ROOT / "docker")
+    assert project.name == "tracktron"
+    assert project.env_type == env_type.DOCKER
+    assert project.docker_env["image"].split(":")[0] == "tracktron"
+    for name, sub in (("main", "train"), ("eval", "eval"), ("synth", "data synth")):
+        entry = project.get_entry_point(name)
+        # ENTRYPOINT ["tracktron"]: the command is appended to `docker run IMAGE`.
+        assert entry.command.startswith(f"{sub} "), entry.command
+        for param in entry.parameters.values():
+            assert param.type != "path", "a path parameter would be checked on the host, not in the image"
+    config = project.get_entry_point("main").parameters["config"].default
+    assert config.startswith("/app/configs/") and (ROOT / "configs" / Path(config).name).is_file()

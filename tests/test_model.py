@@ -7,10 +7,12 @@ does with what it left.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -143,6 +145,34 @@ def _image_ids(data_dir: Path) -> dict:
     return {im["file_name"]: im["id"] for im in ann["images"]}
 
 
+def _b64(image: Path) -> str:
+    return base64.b64encode(image.read_bytes()).decode("ascii")
+
+
+@contextlib.contextmanager
+def serving(job, tmp_path):
+    """`mlflow models serve -m models:/<name>@final` on 127.0.0.1; yields post(body) -> the json
+    answer (urllib's HTTPError for a 4xx)."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{job['name']}@final",
+                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+                              stdout=log, stderr=subprocess.STDOUT, env=job["env"])
+
+    def post(body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", timeout=240, proc=server)
+        yield post
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, data_dir, tmp_path):
     """`mlflow models serve -m models:/<name>@final` on 127.0.0.1, a PNG of the synthetic set POSTed
     as a base64 image column, against `tracktron eval` of the same model (one image per batch, as
@@ -159,22 +189,8 @@ def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, da
     expected = [d for d in json.loads((out / "eval/synth_shapes_val/detections.json").read_text())
                 if d["image_id"] == image_id]
 
-    port = free_port()
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{name}@final", "--env-manager",
-                               "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"], stdout=log, stderr=subprocess.STDOUT,
-                              env=env)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/ping", timeout=240, proc=server)
-        body = {"dataframe_split": {"columns": ["image"],
-                                    "data": [[base64.b64encode(image.read_bytes()).decode("ascii")]]}}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            (served,) = json.loads(response.read())["predictions"]
-    finally:
-        server.terminate()
-        server.wait(30)
+    with serving(job, tmp_path) as post:
+        (served,) = post({"dataframe_split": {"columns": ["image"], "data": [[_b64(image)]]}})["predictions"]
     assert len(served["boxes"]) == len(expected) > 0
     categories = json.loads((data_dir / "synth_shapes" / "val" / "annotations.json").read_text())["categories"]
     names = {c["id"]: c["name"] for c in categories}
@@ -184,6 +200,24 @@ def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, da
     want = np.array([[*d["bbox"], d["score"], d["category_id"]] for d in expected])
     order = lambda a: a[np.lexsort(a.T[::-1])]  # noqa: E731
     np.testing.assert_allclose(order(got), order(want), atol=1e-3)
+
+
+def test_every_request_format_of_mlflow_serving_reads_the_image(job, data_dir, tmp_path):
+    """MLflow base64-decodes a binary column only for dataframe_split / dataframe_records: the
+    instances and inputs formats reached the decoder as base64 text (400 'no image format')."""
+    image = sorted((data_dir / "synth_shapes" / "val" / "images").glob("*.png"))[3]
+    text = _b64(image)
+    bodies = [{"dataframe_records": [{"image": text}]}, {"instances": [{"image": text}]}, {"instances": [text]},
+              {"inputs": [text]}, {"inputs": {"image": [text]}}]
+    with serving(job, tmp_path) as post:
+        expected = post({"dataframe_split": {"columns": ["image"], "data": [[text]]}})["predictions"]
+        answers = {json.dumps(body)[:40]: post(body)["predictions"] for body in bodies}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post({"inputs": ["not an image, nor base64!"]})
+    assert answers == dict.fromkeys(answers, expected)
+    assert refused.value.code == 400
+    message = json.loads(refused.value.read())["message"]  # MLflow puts "Failed to predict data ..." before it
+    assert message.splitlines()[-1].startswith("Error: image 0: 25 bytes of text that are not base64"), message
 
 
 def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir, monkeypatch):

@@ -241,6 +241,29 @@ def test_models_latest_records_its_parent(trained, tmp_path):
     assert parent.get("run_id") == trained["run_id"] and parent.get("model_id")
 
 
+def test_a_registered_model_named_like_a_model_id_is_used_by_name(trained, tmp_path):
+    """A registered model named m-det: TRAIN.WEIGHTS models:/m-det@best was looked up as the logged
+    model id 'm-det@best' (every name starting with m- was), and refused."""
+    import mlflow
+
+    from trainer.tracking.logged_model import fetch_weights
+
+    mlflow.set_tracking_uri(trained["uri"])  # a version made from models:/<id> looks the model up here
+    client = trained["client"]
+    final = client.get_model_version_by_alias("rt", "final")
+    client.create_registered_model("m-det")
+    version = client.create_model_version("m-det", final.source, run_id=final.run_id).version
+    client.set_registered_model_alias("m-det", "best", version)
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"],
+                                                            "TRAIN.WEIGHTS": "models:/m-det@best"})
+    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "from models:/m-det@best" in done.stdout
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    _, parent = fetch_weights(cfg, f"models:/m-det/{version}", tmp_path / "weights")
+    assert parent["version"] == f"m-det/{version}" and parent["model_id"] == final.source.removeprefix("models:/")
+
+
 def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
     """`tracktron eval --weights runs:/<id>/model` logged the final model's metrics into the run at
     step 0, where a chart shows them as the untrained network's."""

@@ -1,4 +1,4 @@
-"""Packaging: MLproject (python_env and docker_env), Dockerfile, console script, the Kubeflow
+"""Packaging: python_env.yaml, Dockerfile, console script, the Kubeflow
 pipeline (compiled with the kfp SDK) and the PyTorchJob manifest.
 
 Nothing here needs Docker, a GPU or a cluster: the files are parsed with the tools that consume
@@ -10,7 +10,6 @@ import importlib.metadata
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -61,60 +60,7 @@ def _bash(script: str, *args: str, env=None, cwd=None) -> subprocess.CompletedPr
                           text=True, env=env, cwd=cwd, timeout=60)
 
 
-# ---- MLproject ----
-
-def _load_project(directory: Path):
-    from mlflow.projects._project_spec import load_project
-
-    return load_project(str(directory))
-
-
-def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
-    from mlflow.projects import env_type
-
-    project = _load_project(ROOT)
-    assert project.name == "tracktron"
-    assert project.env_type == env_type.PYTHON
-    assert Path(project.env_config_path).resolve() == ROOT / "python_env.yaml"
-
-    main = project.get_entry_point("main")
-    assert main.parameters["config"].type == "path"
-    assert main.parameters["config"].default == "configs/demo.yaml"
-    assert (ROOT / main.parameters["config"].default).is_file()
-    assert main.parameters["opts"].type == "string" and main.parameters["opts"].default == ""
-    assert re.search(r"(tracktron|python -m trainer) train --config \{config\}", main.command)
-
-    ev = project.get_entry_point("eval")
-    assert set(ev.parameters) == {"config", "weights"}
-    assert ev.parameters["weights"].default is None  # required
-    assert re.search(r"(tracktron|python -m trainer) eval --config \{config\} --weights \{weights\}", ev.command)
-
-    synth = project.get_entry_point("synth")
-    assert set(synth.parameters) == {"out", "num_images"}
-    assert synth.parameters["num_images"].type == "int"
-    assert re.search(r"data synth --out \{out\} --num-images \{num_images\}", synth.command)
-
-
-@pytest.mark.parametrize("opts, expected", [
-    ("", []),
-    ("SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4", ["SOLVER.MAX_ITER", "200", "TRAIN.IMS_PER_BATCH", "4"]),
-    ("TRAIN.SCALES (800,) SOLVER.STEPS [0,400] OUTPUT_DIR *", ["TRAIN.SCALES", "(800,)", "SOLVER.STEPS", "[0,400]",
-                                                               "OUTPUT_DIR", "*"]),
-])
-def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, opts, expected):
-    # MLflow shell-quotes each parameter value; the command must split `opts` back into words,
-    # without globbing (`*`, `[0,400]` stay as written even where files would match them).
-    (tmp_path / "0").touch()
-    (tmp_path / "x").touch()
-    project = _load_project(ROOT)
-    command = project.get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
-    stub = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
-    # One pass, whole words only: the stub's own path (a clone in a folder named tracktron) stays as it is.
-    command = re.sub(r"(?<![\w/.-])(python -m trainer|tracktron)(?![\w/.-])", lambda m: stub, command)
-    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", "--", *expected]
-
+# ---- python_env.yaml (MLproject's own tests: tests/test_mlproject.py) ----
 
 def test_python_env_pins_torch_and_lists_the_package_requirements():
     env = yaml.safe_load((ROOT / "python_env.yaml").read_text())
@@ -126,23 +72,6 @@ def test_python_env_pins_torch_and_lists_the_package_requirements():
     named = {_req_name(d) for d in deps}
     missing = {_req_name(r) for r in PYPROJECT["project"]["dependencies"]} - named
     assert not missing, f"python_env.yaml lacks {sorted(missing)} from pyproject.toml"
-
-
-def test_docker_mlproject_runs_tracktron_subcommands_in_the_image():
-    from mlflow.projects import env_type
-
-    project = _load_project(ROOT / "docker")
-    assert project.name == "tracktron"
-    assert project.env_type == env_type.DOCKER
-    assert project.docker_env["image"].split(":")[0] == "tracktron"
-    for name, sub in (("main", "train"), ("eval", "eval"), ("synth", "data synth")):
-        entry = project.get_entry_point(name)
-        # ENTRYPOINT ["tracktron"]: the command is appended to `docker run IMAGE`.
-        assert entry.command.startswith(f"{sub} "), entry.command
-        for param in entry.parameters.values():
-            assert param.type != "path", "a path parameter would be checked on the host, not in the image"
-    config = project.get_entry_point("main").parameters["config"].default
-    assert config.startswith("/app/configs/") and (ROOT / "configs" / Path(config).name).is_file()
 
 
 # ---- Dockerfile ----
@@ -358,7 +287,9 @@ def test_pipeline_prepare_and_eval_steps(tmp_path):
     assert _bash(evaluate, "c.yaml", "/data", "", "x", env=env).returncode == 2
 
 
-def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path, monkeypatch, capsys):
+def _register_step(tmp_path, monkeypatch):
+    """The compiled register step's script, run in this process against a sqlite store holding one
+    run with bbox/AP 0.25 and a model: register(min_score, alias, name, run_id) -> 0 or its exit message."""
     spec, _ = _compiled(tmp_path)
     command = _step(spec, "exec-register-model")
     assert command[:2] == ["python3", "-c"]
@@ -376,7 +307,7 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     code = compile(command[2], "register-model", "exec")
     out_file = tmp_path / "out" / "version"
 
-    def register(min_score, alias="", name="det", run_id=run.info.run_id):  # the step's script, in this process
+    def register(min_score, alias="", name="det", run_id=run.info.run_id):
         monkeypatch.setattr(sys, "argv", ["-c", run_id, name, "bbox/AP", str(min_score), alias, str(out_file)])
         try:
             exec(code, {"__name__": "__main__"})
@@ -384,6 +315,13 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
             return str(e.code)
         return 0
 
+    return register, out_file, uri
+
+
+def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path, monkeypatch, capsys):
+    import mlflow
+
+    register, out_file, uri = _register_step(tmp_path, monkeypatch)
     # Pipeline parameters nobody checked: a quote broke the search filter it was spliced into, and a
     # NaN min_score turned the gate off. Each is one line before anything is read or registered.
     assert "model_name \"it's\"" in register(0.0, name="it's")
@@ -399,6 +337,19 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert str(client.get_model_version_by_alias("det", "candidate").version) == "1"
     assert len(client.search_model_versions("name = 'det'")) == 1
+
+
+@pytest.mark.parametrize("alias", ["latest", "Latest", "v2", "V1"])
+def test_pipeline_register_step_refuses_a_reserved_alias_before_registering(tmp_path, monkeypatch, alias):
+    """MLflow reserves `latest` and v<number> as aliases: the step registered the version, then
+    crashed setting the alias, leaving a version without it."""
+    import mlflow
+
+    register, out_file, uri = _register_step(tmp_path, monkeypatch)
+    message = register(0.0, alias=alias)
+    assert message.startswith(f"error: alias {alias!r} is reserved") and "\n" not in message
+    assert not out_file.exists()
+    assert not mlflow.MlflowClient(tracking_uri=uri).search_registered_models()
 
 
 # ---- PyTorchJob ----

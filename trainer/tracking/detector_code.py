@@ -6,6 +6,10 @@ categories.json), rebuilt with tracktron's own builder.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import re
+
 import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
@@ -15,9 +19,27 @@ import torch
 from trainer.inference import Detector
 
 
+_MAGIC = (b"\x89PNG", b"\xff\xd8", b"GIF8", b"RIFF")  # PNG, JPEG, GIF, WebP: GIF's header is ASCII
+
+
+def image_bytes(image):
+    """The encoded image a value holds. MLflow base64-decodes the binary column of dataframe_split
+    and dataframe_records requests, but hands instances and inputs over as the base64 text itself
+    (as str or bytes): ASCII that is no image's header is that text (strict base64, line breaks allowed)."""
+    if isinstance(image, str):
+        image = image.encode("ascii", errors="replace")
+    if not isinstance(image, bytes) or image.startswith(_MAGIC) or not image.isascii():  # an array, an image
+        return image
+    try:
+        return base64.b64decode(re.sub(rb"\s", b"", image), validate=True)
+    except binascii.Error:
+        raise ValueError(f"{len(image)} bytes of text that are not base64: an image must be its encoded bytes "
+                         "(PNG, JPEG, ...), base64-encoded in a JSON request") from None
+
+
 class DetectorModel(mlflow.pyfunc.PythonModel):
-    """predict: a DataFrame whose `image` column holds encoded images (bytes; base64 in a served
-    request) or HxWx3 uint8 arrays -> one dict of detections per image."""
+    """predict: a DataFrame whose `image` column holds encoded images (bytes, or their base64 text
+    as served requests carry them) or HxWx3 uint8 arrays -> one dict of detections per image."""
 
     def load_context(self, context):
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +56,7 @@ class DetectorModel(mlflow.pyfunc.PythonModel):
         results = []
         for i, image in enumerate(images):  # a bad image: a 400 that says which and why, no traceback
             try:
-                results.extend(self.detector.predict([image]))
+                results.extend(self.detector.predict([image_bytes(image)]))
             except ValueError as e:
                 raise MlflowException(f"image {i}: {e}", error_code=INVALID_PARAMETER_VALUE) from None
         return results

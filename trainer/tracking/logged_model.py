@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from trainer.config import load_config
 from trainer.errors import UserError, first_line
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.checkpoint.files import sha256_of
@@ -25,14 +26,22 @@ PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the
 ARTIFACT = "detector"
 
 
-def signature():
+def signature(model_type: str):
+    """What predict takes and returns (trainer.inference.detections_of): Mask R-CNN adds each
+    detection's mask as a COCO RLE, Keypoint R-CNN its [x, y, visibility] keypoints."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Schema
+    from mlflow.types.schema import Array, ColSpec, Object, Property, Schema
 
     inputs = Schema([ColSpec("binary", "image")])
-    outputs = Schema([ColSpec(Array(Array("double")), "boxes"), ColSpec(Array("double"), "scores"),
-                      ColSpec(Array("long"), "category_ids"), ColSpec(Array("string"), "category_names")])
-    return ModelSignature(inputs=inputs, outputs=outputs)
+    columns = [ColSpec(Array(Array("double")), "boxes"), ColSpec(Array("double"), "scores"),
+               ColSpec(Array("long"), "category_ids"), ColSpec(Array("string"), "category_names")]
+    family = model_type.split("_")[0]
+    if family == "maskrcnn":
+        rle = Object([Property("size", Array("long")), Property("counts", "string")])
+        columns.append(ColSpec(Array(rle), "masks", required=False))
+    if family == "keypointrcnn":
+        columns.append(ColSpec(Array(Array(Array("double"))), "keypoints", required=False))
+    return ModelSignature(inputs=inputs, outputs=Schema(columns))
 
 
 def example_image() -> bytes:
@@ -58,11 +67,12 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
     import mlflow
     import pandas as pd
 
+    model_type = load_config(folder / CONFIG).MODEL.TYPE
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(run_id=run_id):
         return mlflow.pyfunc.log_model(
             name=name, python_model=str(CODE), artifacts={ARTIFACT: str(folder)}, code_paths=[str(PACKAGE)],
-            signature=signature(), input_example=pd.DataFrame({"image": [example_image()]}),
+            signature=signature(model_type), input_example=pd.DataFrame({"image": [example_image()]}),
             pip_requirements=requirements(), registered_model_name=registered_model_name or None)
 
 

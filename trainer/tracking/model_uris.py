@@ -8,6 +8,7 @@ parent_of      what a fine-tune records of the model its weights came from
 from __future__ import annotations
 
 import logging
+import re
 
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import bound_http, check_shape, tracking_uri
@@ -17,6 +18,14 @@ log = logging.getLogger(__name__)
 
 MLFLOW_URIS = ("runs:/", "models:/")
 WEIGHT_SUFFIXES = (".pth", ".pt")
+# What MLflow's stores make a logged model id: "m-" + uuid4 hex. A registered model may be named
+# `m-det`, so the prefix alone does not tell an id from a name.
+LOGGED_MODEL_ID = re.compile(r"m-[0-9a-f]{32}")
+
+
+def is_model_id(target: str) -> bool:
+    """`models:/<target>` names a logged model by its id (not a registered model's version or alias)."""
+    return LOGGED_MODEL_ID.fullmatch(target) is not None
 
 
 def _client(cfg):
@@ -51,8 +60,8 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
             client = _client(cfg)
             if spec.startswith("runs:/"):
                 _check_run_path(client, *target.partition("/")[::2])
-            elif target.startswith("m-"):
-                client.get_logged_model(target.split("/")[0])
+            elif is_model_id(target):
+                client.get_logged_model(target)
             else:
                 model_version(client, target)
     except UserError as e:
@@ -91,12 +100,13 @@ def parent_of(cfg, spec: str) -> dict:
             run_id, _, path = target.partition("/")  # runs:/<id>/model, or a checkpoint's own LoggedModel
             model = _run_logged_model(client, run_id, path.rsplit("/", 1)[-1].removesuffix(".pth"))
             found |= {"run_id": run_id, "model_id": model.model_id if model else None}
-        elif target.startswith("m-"):
-            found["model_id"] = target.split("/")[0]
+        elif is_model_id(target):
+            found["model_id"] = target
         else:
             mv = model_version(client, target)
-            source = mv.source if mv.source.startswith("models:/m-") else ""
-            found |= {"run_id": mv.run_id, "model_id": getattr(mv, "model_id", None) or source[len("models:/"):] or None,
+            source = mv.source.removeprefix("models:/")
+            found |= {"run_id": mv.run_id, "model_id": getattr(mv, "model_id", None) or
+                      (source if is_model_id(source) else None),
                       "version": f"{mv.name}/{mv.version}"}
     except Exception as e:  # the download just worked: a registry that fails now is a fault, not bad input
         log.warning("cannot record the parent of %s: %s", spec, first_line(e))
