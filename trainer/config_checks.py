@@ -11,9 +11,9 @@ from pathlib import Path
 
 
 from trainer.errors import ConfigError
-from trainer.lr_policy import check_schedule
+from trainer.lr_policy import POLICIES, check_schedule
 
-LR_POLICIES = ("step", "steps_with_decay", "steps_with_lrs", "cosine_decay", "exp_decay")
+LR_POLICIES = tuple(POLICIES)  # lr_policy.py has each policy once
 WARM_UP_METHODS = ("constant", "linear")
 
 

@@ -44,7 +44,7 @@ def _exp_decay(s, it: int) -> float:
     return s.BASE_LR * np.exp(iter_frac * np.log(s.GAMMA))
 
 
-_POLICIES = {
+POLICIES = {
     "step": _step,
     "steps_with_decay": _steps_with_decay,
     "steps_with_lrs": _steps_with_lrs,
@@ -63,7 +63,7 @@ def _warm_up_factor(s, it: int) -> float:
 def lr_at(s, it: int) -> float:
     """Detectron's get_lr_at_iter for a config's SOLVER: the policy's LR, times the warm-up factor while
     it < WARM_UP_ITERS."""
-    lr = _POLICIES[s.LR_POLICY](s, it)
+    lr = POLICIES[s.LR_POLICY](s, it)
     if it < s.WARM_UP_ITERS:
         lr *= _warm_up_factor(s, it)
     return float(np.float32(lr))  # Detectron returns np.float32; keep its rounding
@@ -104,7 +104,7 @@ def _first_overflow(s) -> int | None:
 
 def _overflow_cause(s, it: int) -> str:
     """The key (and value) that takes the LR at `it` past float32's range."""
-    if it < s.WARM_UP_ITERS and s.WARM_UP_FACTOR > 1 and _finite(_POLICIES[s.LR_POLICY], s, it):
+    if it < s.WARM_UP_ITERS and s.WARM_UP_FACTOR > 1 and _finite(POLICIES[s.LR_POLICY], s, it):
         return f"SOLVER.WARM_UP_FACTOR {s.WARM_UP_FACTOR:g}"
     if s.LR_POLICY == "steps_with_lrs":
         return f"SOLVER.LRS[{_step_index(s, it)}] {s.LRS[_step_index(s, it)]:g}"
