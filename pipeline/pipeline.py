@@ -68,8 +68,9 @@ mkdir -p "$(dirname "$out")"
 printf '%s' "$data_dir" > "$out"
 """
 
-# `opts` is split into KEY VALUE words (globbing off), after `--`: a flag there is refused, not
-# taken as one of the trainer's options. One GPU: tracktron itself; several:
+# `opts` goes to the trainer's --opts as one word, which it splits as a shell would (quotes honoured,
+# nothing run) after the step's own DATA_DIR and OUTPUT_DIR; a flag there is refused, not taken as
+# one of the trainer's options. One GPU: tracktron itself; several:
 # torchrun on this pod. exec, so that SIGTERM reaches the trainer (it checkpoints, exits 143 and
 # the retried pod resumes).
 TRAIN_SH = r"""
@@ -78,12 +79,11 @@ config="$1" opts="$2" data_dir="$3" experiment="$4" gpus="$5" run_id_file="$6"
 export TRACKTRON_RUN_ID_FILE="$run_id_file"
 mkdir -p "$(dirname "$run_id_file")"
 if [ -n "$experiment" ]; then export MLFLOW_EXPERIMENT_NAME="$experiment"; fi
-set -f
 if [ "$gpus" -gt 1 ]; then
-  exec torchrun --standalone --nnodes=1 --nproc-per-node="$gpus" -m trainer train --config "$config" -- \
-    DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
+  exec torchrun --standalone --nnodes=1 --nproc-per-node="$gpus" -m trainer train --config "$config" \
+    --opts "$opts" -- DATA_DIR "$data_dir" OUTPUT_DIR /output/train
 fi
-exec tracktron train --config "$config" -- DATA_DIR "$data_dir" OUTPUT_DIR /output/train $opts
+exec tracktron train --config "$config" --opts "$opts" -- DATA_DIR "$data_dir" OUTPUT_DIR /output/train
 """
 
 BAD_BACKEND_SH = r"""

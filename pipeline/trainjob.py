@@ -62,10 +62,10 @@ def launch_trainjob(template: str, job_id: str, num_nodes: int, config: str, opt
     trainer["numNodes"] = num_nodes
     head = trainer["args"][:trainer["args"].index("train") + 1]  # torchrun's flags, -m trainer train
     head = [f"--rdzv-id={name}" if a.startswith("--rdzv-id=") else a for a in head]
-    # opts is split on blanks like the single-pod step's unquoted $opts (no quotes, no globs), after
-    # `--` as there: a flag among them is refused, never taken as one of the trainer's options.
-    trainer["args"] = head + ["--config", config, "--", "DATA_DIR", data_dir, "OUTPUT_DIR", "/output/train",
-                              *opts.split()]
+    # opts goes to --opts whole, as in the single-pod step: the trainer splits it (quotes honoured)
+    # after DATA_DIR and OUTPUT_DIR, and refuses a flag among them.
+    trainer["args"] = head + ["--config", config, "--opts", opts, "--", "DATA_DIR", data_dir,
+                              "OUTPUT_DIR", "/output/train"]
     env = [e for e in trainer["env"] if e["name"] not in ("MLFLOW_EXPERIMENT_NAME", "TRACKTRON_RUN_ID_FILE")]
     for e in env:
         if "secretKeyRef" in e.get("valueFrom", {}):

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, demo_overrides
@@ -53,8 +54,6 @@ def test_mlflow_run_trains_in_its_run_and_a_second_one_points_at_the_job_run(tmp
 def test_mlflow_run_opts_take_quoted_values_with_spaces(tmp_path, data_dir, mlflow_server, s3_server):
     """-P opts='OUTPUT_DIR "a b" TRAIN.SCALES "(128, 160)"': the shell split opts at every space
     ('overrides come in KEY VALUE pairs'); quotes now hold a value together, as in a shell."""
-    import yaml
-
     os.environ.update(s3_server.env)
     out = tmp_path / "out dir"
     opts = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 1, "TEST.DATASETS": '"()"',
@@ -86,7 +85,7 @@ def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
     assert main.parameters["config"].default == "configs/demo.yaml"
     assert (ROOT / main.parameters["config"].default).is_file()
     assert main.parameters["opts"].type == "string" and main.parameters["opts"].default == ""
-    assert '"-m", "trainer", "train", "--config", sys.argv[1]' in main.command and "{config} {opts}" in main.command
+    assert main.command == "python -m trainer train --config {config} --opts {opts}"
 
     ev = project.get_entry_point("eval")
     assert set(ev.parameters) == {"config", "weights"}
@@ -99,44 +98,75 @@ def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
     assert re.search(r"data synth --out \{out\} --num-images \{num_images\}", synth.command)
 
 
-def _run_main(tmp_path, opts: str) -> subprocess.CompletedProcess:
-    """MLproject's main command as MLflow computes it, run by bash in `tmp_path`, where a stand-in
-    `trainer` package (first on `python -m`'s path) prints the words it was given as json."""
+def _run_entry(tmp_path, directory: Path, opts: str, program: str) -> list[str]:
+    """The main entry point's command as MLflow computes it, run by bash in `tmp_path` after
+    `program` (a stand-in trainer that prints the words it was given as json)."""
+    command = _load_project(directory).get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
     (tmp_path / "trainer").mkdir(exist_ok=True)
     (tmp_path / "trainer" / "__main__.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    command = _load_project(ROOT).get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    out = subprocess.run(["bash", "-c", f"{program} {command}"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("opts, expected", [
-    ("", []),
-    ("SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4", ["SOLVER.MAX_ITER", "200", "TRAIN.IMS_PER_BATCH", "4"]),
-    ("TRAIN.SCALES (800,) SOLVER.STEPS [0,400] OUTPUT_DIR *", ["TRAIN.SCALES", "(800,)", "SOLVER.STEPS", "[0,400]",
-                                                               "OUTPUT_DIR", "*"]),
-    # Quotes as a shell user writes them (a value with a space, an empty value), and nothing in opts
-    # runs: the rest stays words, which the trainer refuses as overrides.
-    ("TRACKING.RUN_NAME \"my run\" TRAIN.SCALES '(640, 800)' TRACKING.REGISTERED_MODEL '' "
-     "A $(touch pwned) B \"`touch pwned`\"; touch pwned",
-     ["TRACKING.RUN_NAME", "my run", "TRAIN.SCALES", "(640, 800)", "TRACKING.REGISTERED_MODEL", "",
-      "A", "$(touch", "pwned)", "B", "`touch pwned`;", "touch", "pwned"]),
-])
-def test_mlproject_main_hands_opts_to_the_trainer_as_key_value_words(tmp_path, opts, expected):
-    # MLflow shell-quotes each parameter value; the command must split `opts` back into words,
-    # without globbing (`*`, `[0,400]` stay as written even where files would match them).
+# What users type into -P opts=..., the hostile ones included: globs, command substitutions, `;`.
+HOSTILE_OPTS = ["", "SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4", "TRAIN.SCALES (800,) SOLVER.STEPS [0,400] OUTPUT_DIR *",
+                "TRACKING.RUN_NAME \"my run\" TRAIN.SCALES '(640, 800)' TRACKING.REGISTERED_MODEL '' "
+                "A $(touch pwned) B \"`touch pwned`\"; touch pwned"]
+
+
+@pytest.mark.parametrize("opts", HOSTILE_OPTS)
+def test_mlproject_main_hands_opts_to_the_trainer_whole(tmp_path, opts):
+    # MLflow shell-quotes each parameter value: `opts` reaches --opts as one word, never globbed
+    # (`*`, `[0,400]` as written even where files match them) and never run.
     (tmp_path / "0").touch()
     (tmp_path / "x").touch()
-    out = _run_main(tmp_path, opts)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == ["train", "--config", "configs/demo.yaml", "--", *expected]
+    assert _run_entry(tmp_path, ROOT, opts, "") == ["train", "--config", "configs/demo.yaml", "--opts", opts]
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("opts", HOSTILE_OPTS)
+def test_docker_mlproject_hands_opts_through_docker_run_whole(tmp_path, opts):
+    """The command follows `docker run ... IMAGE` on the host's shell: opts used to be split there at
+    every space, so a quoted value with a space could not be passed."""
+    (tmp_path / "0").touch()
+    got = _run_entry(tmp_path, ROOT / "docker", opts, "python -m trainer")  # the stand-in for docker run IMAGE
+    assert got == ["train", "--config", "/app/configs/demo.yaml", "--opts", opts,
+                   "--", "DATA_DIR", "/data", "OUTPUT_DIR", "/output/demo"]
+    assert not (tmp_path / "pwned").exists()
+
+
+def _tracktron(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=120)
+
+
+def test_opts_split_as_a_shell_user_writes_them_and_nothing_in_them_runs(tmp_path):
+    """The trainer's --opts: quotes hold a value with a space, an empty value stays a value, and
+    words that would run something in a shell stay words, which the trainer refuses as overrides."""
+    result = _tracktron(["config", "--config", str(ROOT / "configs" / "demo.yaml"), "SOLVER.MAX_ITER", "7",
+                      "--opts", "TRACKING.RUN_NAME 'my run' TRAIN.SCALES \"(160, 128)\" TRACKING.REGISTERED_MODEL '' "
+                                "SOLVER.MAX_ITER 9"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout.split("## resolved config\n")[1].split("\n## ")[0])
+    assert (cfg["TRACKING"]["RUN_NAME"], cfg["TRAIN"]["SCALES"], cfg["TRACKING"]["REGISTERED_MODEL"]) == (
+        "my run", [160, 128], "")
+    assert cfg["SOLVER"]["MAX_ITER"] == 9  # after the trailing pairs: a launcher's defaults come first
+    result = _tracktron(["config", "--config", str(ROOT / "configs" / "demo.yaml"), "--opts", HOSTILE_OPTS[-1]],
+                     cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("error: overrides come in KEY VALUE pairs"), result.stderr
     assert not (tmp_path / "pwned").exists()
 
 
 @pytest.mark.parametrize("opts", ['TRACKING.RUN_NAME "my run', "A 'b", "A b\\"])
-def test_mlproject_main_refuses_an_unbalanced_quote_in_one_line(tmp_path, opts):
-    out = _run_main(tmp_path, opts)
-    assert out.returncode == 2 and not out.stdout  # the trainer never started
-    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: opts: "), out.stderr
+def test_an_unbalanced_quote_in_opts_is_one_line(tmp_path, opts):
+    out = _tracktron(["train", "--config", str(ROOT / "configs" / "demo.yaml"), "--opts", opts], cwd=tmp_path)
+    assert out.returncode == 2 and not out.stdout  # nothing started
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: --opts: "), out.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_docker_mlproject_runs_tracktron_subcommands_in_the_image():

@@ -227,13 +227,16 @@ def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
     assert command[:2] == ["bash", "-c"]
     env = _stub_bin(tmp_path, "tracktron", "torchrun")
     run_id_file = tmp_path / "outputs" / "run_id" / "data"
-    out = _bash(command[2], "/app/configs/demo.yaml", "SOLVER.MAX_ITER 200 SOLVER.STEPS [0,400]", "/data",
-                "coco-r50", "1", run_id_file, env=env, cwd=tmp_path)
+    opts = "SOLVER.MAX_ITER 200 SOLVER.STEPS [0,400] TRACKING.RUN_NAME 'my run' X $(touch pwned) *"
+    (tmp_path / "0").touch()
+    out = _bash(command[2], "/app/configs/demo.yaml", opts, "/data", "coco-r50", "1", run_id_file, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["prog"] == "tracktron"
-    assert got["argv"] == ["train", "--config", "/app/configs/demo.yaml", "--", "DATA_DIR", "/data",
-                           "OUTPUT_DIR", "/output/train", "SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "[0,400]"]
+    # opts whole (the trainer splits it, quotes honoured): neither split at spaces, globbed nor run here
+    assert got["argv"] == ["train", "--config", "/app/configs/demo.yaml", "--opts", opts, "--", "DATA_DIR", "/data",
+                           "OUTPUT_DIR", "/output/train"]
+    assert not (tmp_path / "pwned").exists()
     assert got["env"]["TRACKTRON_RUN_ID_FILE"] == str(run_id_file)
     assert got["env"]["MLFLOW_EXPERIMENT_NAME"] == "coco-r50"
     assert run_id_file.parent.is_dir()
@@ -242,7 +245,7 @@ def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
     got = json.loads(out.stdout)
     assert got["prog"] == "torchrun" and got["env"]["MLFLOW_EXPERIMENT_NAME"] is None
     assert got["argv"][:4] == ["--standalone", "--nnodes=1", "--nproc-per-node=4", "-m"]
-    assert got["argv"][4:7] == ["trainer", "train", "--config"] and got["argv"][8] == "--"
+    assert got["argv"][4:7] == ["trainer", "train", "--config"] and got["argv"][8:11] == ["--opts", "", "--"]
 
 
 def test_pipeline_train_step_refuses_a_flag_in_opts_instead_of_taking_it_as_an_option(tmp_path):

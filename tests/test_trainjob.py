@@ -328,7 +328,7 @@ def launch(tmp_path: Path, compiled: dict, **params) -> tuple[subprocess.Complet
     assert container["command"][3:5] == ["sh", "-ec"]  # [:3] is the pip install
     template = _pipeline_module().trainjob_step.template("registry.example/tracktron:2")
     values = {"template": json.dumps(template), "job_id": "8c1d5c0e-run", "num_nodes": 3,
-              "config": "/app/configs/demo.yaml", "opts": "SOLVER.MAX_ITER 200  SOLVER.STEPS (0,400)",
+              "config": "/app/configs/demo.yaml", "opts": "SOLVER.MAX_ITER 200  SOLVER.STEPS (0,400) TRACKING.RUN_NAME 'a b'",
               "data_dir": str(tmp_path / "data"), "experiment": "coco", "data_pvc": "coco-pvc",
               "mlflow_secret": "team-mlflow", "namespace": "ml", "poll_s": 0.01, **params}
     out = tmp_path / "outputs" / "run_id"
@@ -361,8 +361,15 @@ def test_launcher_creates_the_runs_trainjob_waits_and_outputs_the_run_id(tmp_pat
     assert trainer["numNodes"] == 3 and trainer["image"] == "registry.example/tracktron:2"
     args = _torchrun_args(trainer)
     assert args.rdzv_id == name and args.module and args.training_script == "trainer"
-    assert args.training_script_args == ["train", "--config", "/app/configs/demo.yaml", "--", "DATA_DIR", str(tmp_path / "data"),
-                                         "OUTPUT_DIR", "/output/train", "SOLVER.MAX_ITER", "200", "SOLVER.STEPS", "(0,400)"]
+    assert args.training_script_args == ["train", "--config", "/app/configs/demo.yaml", "--opts",
+                                         "SOLVER.MAX_ITER 200  SOLVER.STEPS (0,400) TRACKING.RUN_NAME 'a b'", "--",
+                                         "DATA_DIR", str(tmp_path / "data"), "OUTPUT_DIR", "/output/train"]
+    shown = subprocess.run([sys.executable, "-m", "trainer", "config", "--config", str(ROOT / "configs" / "demo.yaml"),
+                            *args.training_script_args[3:]], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))  # the same words, to the trainer's parser
+    assert shown.returncode == 0, shown.stderr
+    cfg = yaml.safe_load(shown.stdout.split("## resolved config\n")[1].split("\n## ")[0])
+    assert (cfg["TRACKING"]["RUN_NAME"], cfg["SOLVER"]["MAX_ITER"], cfg["OUTPUT_DIR"]) == ("a b", 200, "/output/train")
     env = {e["name"]: e for e in trainer["env"]}
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env.values() if "valueFrom" in e} == {"team-mlflow"}
     assert env["MLFLOW_EXPERIMENT_NAME"]["value"] == "coco"

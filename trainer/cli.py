@@ -5,10 +5,10 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,6 +20,7 @@ from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import check_arguments_are_text, held_while_checking, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
+from trainer.output_dir import check_output_dir
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
@@ -36,14 +37,30 @@ def cli():
     """Detectron's training loop on PyTorch/torchvision, with every job tracked in MLflow."""
 
 
+def _opts_option(command):
+    """--opts: the trailing KEY VALUE pairs as one string, for launchers that pass a single value
+    (MLproject's -P opts=..., `docker run IMAGE`, Kubeflow)."""
+    return click.option("--opts", "opts_text", default="", metavar="TEXT",
+                        help="More KEY VALUE pairs in one string, split as a shell would (quotes honoured, nothing "
+                             "expanded or run); they come after the trailing pairs, so they win.")(command)
+
+
+def _overrides(opts: tuple[str, ...], opts_text: str) -> list[str]:
+    try:
+        return [*opts, *shlex.split(opts_text)]
+    except ValueError as e:  # an unclosed quote or a trailing backslash
+        raise UserError(f"--opts: {e} in {opts_text!r}") from None
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True,
               help="YAML config (see configs/).")
 @click.option("--resume", "resume_run_id", default=None, help="Continue this MLflow run id.")
 @click.option("--no-resume", is_flag=True, help="Start a new run even if this job has one.")
 @click.option("--dry-run", is_flag=True, help="Run every check of the job, say what it would do, train nothing.")
+@_opts_option
 @click.argument("opts", nargs=-1, type=click.UNPROCESSED)
-def train(config_file, resume_run_id, no_resume, dry_run, opts):
+def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     """Train a detector. Trailing KEY VALUE pairs override config keys, as in Detectron:
 
     tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4
@@ -54,7 +71,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
     # torchrun's rank and world size, read before torch is imported (see below)
     rank, world_size = _torchrun_environment()
     _setup_logging(rank)
-    cfg = load_config(config_file, list(opts))
+    cfg = load_config(config_file, _overrides(opts, opts_text))
     if world_size > 1 and cfg.NUM_GPUS != world_size:
         log.info("NUM_GPUS set to the world size, %d", world_size)
         cfg.NUM_GPUS = world_size
@@ -64,7 +81,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts):
         raise UserError("--resume needs a run id (it was empty)")
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
-    _check_output_dir(Path(cfg.OUTPUT_DIR))
+    check_output_dir(Path(cfg.OUTPUT_DIR))
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
     from trainer.tracking.model_uris import check_source
 
@@ -188,44 +205,6 @@ def _torchrun_environment() -> tuple[int, int]:
     return rank, world_size
 
 
-_NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
-
-
-def _check_output_dir(path: Path) -> None:
-    """Before a run is made for the job, and without writing anything: an OUTPUT_DIR that cannot
-    be made or written is the user's to fix."""
-    try:
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
-    except (OSError, ValueError) as e:  # a NUL in the name, a name too long
-        raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
-    if dangling is not None:  # mkdir would fail on it after the run was made
-        target = os.readlink(dangling)
-        why = "links that lead back to themselves" if _loops(dangling) else "which does not exist"
-        raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {target}, {why}")
-    if not existing.is_dir():
-        raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
-    longest = os.pathconf(existing, "PC_PATH_MAX") - _NAMES_INSIDE
-    if (length := len(os.fsencode(path.absolute()))) > longest:  # its files' names would not fit, once the run is made
-        raise UserError(f"OUTPUT_DIR is too long: {length} bytes, where at most {longest} leave room for the names "
-                        "of the files the job writes in it")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write to OUTPUT_DIR {path}: permission denied on {existing}")
-    from trainer.checkpoint.files import not_files
-
-    if odd := not_files(path):
-        raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
-                        f"(a folder, a pipe, a device or a broken link); move it away")
-
-
-def _loops(link: Path) -> bool:
-    try:
-        os.stat(link)
-    except OSError as e:
-        return e.errno == errno.ELOOP
-    return False
-
-
 def _write_run_id(run_id: str) -> None:
     """For pipelines (Kubeflow): the job's run id in the file TRACKTRON_RUN_ID_FILE names."""
     if target := os.environ.get("TRACKTRON_RUN_ID_FILE"):
@@ -278,16 +257,17 @@ def _stopped(tracker, e: Preempted | StopRequested):
 @click.option("--weights", required=True,
               help="A checkpoint path, a model folder, runs:/<run_id>/checkpoints/model_final.pth, "
                    "models:/<name>/<version> or models:/<name>@<alias>.")
+@_opts_option
 @click.argument("opts", nargs=-1, type=click.UNPROCESSED)
-def eval_(config_file, weights, opts):
+def eval_(config_file, weights, opts_text, opts):
     """COCO evaluation (pycocotools) of a checkpoint on TEST.DATASETS; a runs:/ URI gets the metrics."""
     from trainer import distributed
     from trainer.config import load_config
     from trainer.evaluation import eval_command
 
     _setup_logging()
-    cfg = load_config(config_file, list(opts))
-    _check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
+    cfg = load_config(config_file, _overrides(opts, opts_text))
+    check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TEST.IMS_PER_BATCH)
     _torchrun_environment()
     try:
@@ -327,15 +307,16 @@ def predict(weights, config_file, score_threshold, out_dir, args):
 @cli.command("config", context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), required=True,
               help="A tracktron or Detectron YAML config.")
+@_opts_option
 @click.argument("opts", nargs=-1, type=click.UNPROCESSED)
-def config_(config_file, opts):
+def config_(config_file, opts_text, opts):
     """The resolved config, how a Detectron config's keys map, and the network it builds with its
     parameter count (random init, on CPU; no data read, nothing written)."""
     from trainer.config import load_config_explained
     from trainer.explain import explain
 
     _setup_logging()
-    cfg, translation = load_config_explained(config_file, list(opts))
+    cfg, translation = load_config_explained(config_file, _overrides(opts, opts_text))
     click.echo(redact_text(explain(cfg, translation, config_file)))  # a URL's password in the mapping too
 
 

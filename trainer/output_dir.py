@@ -1,0 +1,45 @@
+"""OUTPUT_DIR checked before a run is made for the job, without writing anything: a folder that
+cannot be made or written, or that holds what a job would trip over, is the user's to fix."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from trainer.checkpoint.files import not_files
+from trainer.errors import UserError
+
+_NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
+
+
+def check_output_dir(path: Path) -> None:
+    """Before a run is made for the job, and without writing anything: an OUTPUT_DIR that cannot
+    be made or written is the user's to fix."""
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    except (OSError, ValueError) as e:  # a NUL in the name, a name too long
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
+    if dangling is not None:  # mkdir would fail on it after the run was made
+        target = os.readlink(dangling)
+        why = "links that lead back to themselves" if _loops(dangling) else "which does not exist"
+        raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {target}, {why}")
+    if not existing.is_dir():
+        raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
+    longest = os.pathconf(existing, "PC_PATH_MAX") - _NAMES_INSIDE
+    if (length := len(os.fsencode(path.absolute()))) > longest:  # its files' names would not fit, once the run is made
+        raise UserError(f"OUTPUT_DIR is too long: {length} bytes, where at most {longest} leave room for the names "
+                        "of the files the job writes in it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to OUTPUT_DIR {path}: permission denied on {existing}")
+    if odd := not_files(path):
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
+                        f"(a folder, a pipe, a device or a broken link); move it away")
+
+
+def _loops(link: Path) -> bool:
+    try:
+        os.stat(link)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
