@@ -242,6 +242,78 @@ def test_weights_of_another_model_are_refused(shapes, tmp_path):
         eval_command(cfg, str(path))
 
 
+def _with_categories(shapes: Path, tmp_path: Path, change) -> Path:
+    """A copy of the shapes set whose annotation file `change` edited (its images linked)."""
+    import shutil
+
+    copy = tmp_path / f"changed-{change.__name__}"
+    if copy.exists():  # made by an earlier call with the same change
+        return copy
+    shutil.copytree(shapes, copy, symlinks=True)
+    ann = next(copy.glob("*.json"))
+    data = json.loads(ann.read_text())
+    change(data)
+    ann.write_text(json.dumps(data))
+    return copy
+
+
+def test_eval_refuses_test_sets_whose_categories_are_not_the_models(shapes, tmp_path, capsys):
+    """The red team's: a test set with one category fewer crashed with a KeyError after the whole
+    inference; one with two names swapped was scored, silently, under the wrong names."""
+    from trainer.inference import categories_of, save
+
+    def swap(data):
+        data["categories"][0]["name"], data["categories"][1]["name"] = (data["categories"][1]["name"],
+                                                                        data["categories"][0]["name"])
+
+    def fewer(data):
+        gone = data["categories"].pop()["id"]
+        data["annotations"] = [a for a in data["annotations"] if a["category_id"] != gone]
+
+    cfg = make_cfg(shapes)
+    trained_on = categories_of(CocoDetection(shapes / "images", next(shapes.glob("*.json")), train=False))
+    model = build_model(cfg, num_classes=4)
+    checkpoint = tmp_path / "model_final.pth"
+    torch.save({"model": model.state_dict(), "iteration": 3, "categories": trained_on}, checkpoint)
+    folder = save(tmp_path / "detector", cfg, model.state_dict(), trained_on["categories"], [])
+    for change in (swap, fewer):
+        other = _with_categories(shapes, tmp_path, change)
+        for weights in (checkpoint, folder):
+            with pytest.raises(UserError, match="has other categories than") as e:
+                eval_command(make_cfg(other, OUTPUT_DIR=str(tmp_path / "out")), str(weights))
+            assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    # Weights that do not name their categories: every test set must have the first one's.
+    plain = tmp_path / "plain.pth"
+    torch.save(model.state_dict(), plain)
+    cfg = make_cfg(shapes, OUTPUT_DIR=str(tmp_path / "out"))
+    cfg.TEST.DATASETS = [str(shapes), str(_with_categories(shapes, tmp_path, swap))]
+    with pytest.raises(UserError, match="has other categories than"):
+        eval_command(cfg, str(plain))
+    assert "loaded" not in capsys.readouterr().err  # the weights' news held back: the error line is the last
+
+
+def test_detections_of_labels_past_the_datasets_categories_are_dropped():
+    """MODEL.NUM_CLASSES above the dataset's count: the extra labels are no category COCOeval
+    scores (a KeyError after the whole training, found by the red team)."""
+    out = {"boxes": torch.tensor([[0.0, 0, 4, 4], [1, 1, 5, 5]]), "labels": torch.tensor([2, 7]),
+           "scores": torch.tensor([0.9, 0.8])}
+    from trainer.evaluation import detections_to_coco
+
+    (only,) = detections_to_coco([out], [11], {1: 5, 2: 6, 3: 9})
+    assert (only["image_id"], only["category_id"], only["bbox"]) == (11, 6, [0.0, 0.0, 4.0, 4.0])
+
+
+def test_eval_of_test_sets_without_annotations_says_there_is_nothing_to_score(shapes, tmp_path, capsys):
+    def unannotated(data):
+        data["annotations"] = []
+
+    cfg = make_cfg(_with_categories(shapes, tmp_path, unannotated), OUTPUT_DIR=str(tmp_path / "out"))
+    weights = tmp_path / "w.pth"
+    torch.save(build_model(cfg, num_classes=4).state_dict(), weights)
+    assert eval_command(cfg, str(weights)) == {}
+    assert "no metric (the test sets have no annotations to score against)" in capsys.readouterr().out
+
+
 # ---- torchrun: every rank infers its shard, rank 0 gets them all ----
 
 def test_distributed_evaluation_equals_single_process(shapes, tmp_path):

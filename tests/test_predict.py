@@ -177,6 +177,9 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
     ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
     ("folder where a result goes", lambda a: a("good.png", out="preds"), "--out preds: good.png is a folder there"),
+    # os.access says yes to root under /proc: the traceback came after the inference (the red team's)
+    ("out where nothing can be made", lambda a: a("good.png", out="/proc/tracktron-out"),
+     "--out /proc/tracktron-out"),
     ("threshold above 1", lambda a: a("good.png", "--score-threshold", "1.5"), "--score-threshold 1.5: must be between 0"),
     ("threshold below 0", lambda a: a("good.png", "--score-threshold", "-0.1"), "must be between 0 and 1"),
     ("threshold nan", lambda a: a("good.png", "--score-threshold", "nan"), "must be between 0 and 1"),
@@ -186,6 +189,8 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("missing config", lambda a: a("good.png", "--config", "nope.yaml"), "nope.yaml"),
     ("missing weights", lambda a: a("good.png", weights="nope.pth"), "--weights nope.pth: no such file"),
     ("weights not a checkpoint", lambda a: a("good.png", weights="notes.txt"), "notes.txt is not a valid torch checkpoint"),
+    ("weights an empty file", lambda a: a("good.png", weights="empty.png"), "empty.png is not a valid torch checkpoint "
+                                                                              "(the file is empty or cut short)"),
     ("weights folder not a model", lambda a: a("good.png", weights="shots"), "neither a checkpoint nor a tracktron model"),
 ]
 SHELL = ["missing image", "not an image", "out is a file"]  # also as real processes

@@ -29,8 +29,9 @@ from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError
+from trainer.logs import held_while_checking
 from trainer.eval_images import drawings, per_category_rows
-from trainer.inference import encode_masks
+from trainer.inference import categories_of, encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
 from trainer.tracking.logged_model import load_detector, load_local
@@ -94,7 +95,9 @@ def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: di
         out = {k: v.detach().cpu() for k, v in out.items()}
         boxes = out["boxes"].clone()
         boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh
-        cats = [label_to_cat_id[int(label)] for label in out["labels"].tolist()]
+        # A label past the dataset's categories (MODEL.NUM_CLASSES set above them) is no category
+        # COCOeval scores: dropped, as it would ignore it.
+        cats = [label_to_cat_id.get(int(label)) for label in out["labels"].tolist()]
         entries = [{"image_id": image_id, "category_id": c, "bbox": b, "score": s}
                    for c, b, s in zip(cats, boxes.tolist(), out["scores"].tolist())]
         if "masks" in out:
@@ -103,7 +106,7 @@ def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: di
         if "keypoints" in out:
             for entry, kp in zip(entries, out["keypoints"].flatten(1).tolist()):
                 entry["keypoints"] = kp
-        results.extend(entries)
+        results.extend(e for e in entries if e["category_id"] is not None)
     return results
 
 
@@ -230,21 +233,29 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
     return _load_for_eval(cfg, weights, num_classes, num_keypoints)[0]
 
 
-def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int):  # (model, iteration)
+def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, tests: list = ()):
+    """(model, iteration, the categories it was trained on or None); those of a checkpoint file are
+    checked against the test sets before the model is built."""
     if not weights.strip():
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if Path(weights).expanduser().is_dir():  # a model folder tracktron wrote (output/model/detector)
-        return load_detector(cfg, weights).model, None
+        return _of_detector(load_detector(cfg, weights))
     if not weights.startswith(MLFLOW_URIS):
-        return _load_file(cfg, weights, num_classes, num_keypoints)
+        return _load_file(cfg, weights, num_classes, num_keypoints, tests)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
         path = download_uri(cfg, weights, tmp)
         if path.is_dir():  # a logged model (models:/name@alias, runs:/<id>/model): weights, never a pickle
-            return load_local(path, weights).model, None
-        return _load_file(cfg, str(path), num_classes, num_keypoints, shown=weights)
+            return _of_detector(load_local(path, weights))
+        return _load_file(cfg, str(path), num_classes, num_keypoints, tests, shown=weights)
 
 
-def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, shown: str | None = None):
+def _of_detector(detector):
+    return detector.model, None, {"categories": detector.categories, "keypoint_names": detector.keypoint_names}
+
+
+def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list = (), shown: str | None = None):
+    iteration, categories = _stored(path)
+    check_categories(shown or path, categories, tests)
     model = build_model(cfg, num_classes, num_keypoints)
     report = load_weights(model, path, option="--weights", shown=shown)
     if report is None:
@@ -254,15 +265,50 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, shown: str 
         raise UserError(f"weights {shown or path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
                         f"{len(report.skipped)} tensors differ in shape, {len(report.missing)} missing "
                         f"(e.g. {', '.join(bad)})")
-    return model, _iteration_in(path)
+    return model, iteration, categories
 
 
-def _iteration_in(path: str) -> int | None:
-    try:  # mmap: reads the small 'iteration' entry, not the tensors again
+def _stored(path: str) -> tuple[int | None, dict | None]:
+    """A tracktron checkpoint's iteration and categories; (None, None) for other weights."""
+    try:  # mmap: reads these small entries, not the tensors again
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return state["iteration"] if isinstance(state.get("iteration"), int) else None
-    except Exception:  # a raw state_dict, or an old (non-zip) file mmap cannot map
-        return None
+    except Exception:  # a raw state_dict, or an old (non-zip) file mmap cannot map: load_weights says more
+        return None, None
+    if not isinstance(state, dict):
+        return None, None
+    iteration = state["iteration"] if isinstance(state.get("iteration"), int) else None
+    categories = state.get("categories") if isinstance(state.get("categories"), dict) else None
+    return iteration, categories
+
+
+def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
+    """A label means the category the model was trained on: scored against a test set whose
+    categories differ, its detections would count under other names (or have no category at all).
+    Weights that do not say (a torchvision or Detectron file) are held to the first test set."""
+    if not tests:
+        return
+    expected = _key(theirs) if theirs and theirs.get("categories") else _key(categories_of(tests[0]))
+    for dataset in tests:
+        ours = _key(categories_of(dataset))
+        if ours != expected:
+            what = "keypoints" if ours[0] == expected[0] else "categories"
+            raise UserError(f"{dataset.ann_file} has other {what} than {weights} was trained on "
+                            f"({_differ(ours, expected)}): evaluate it on test sets with the model's categories")
+
+
+def _key(categories: dict) -> tuple[list, list]:
+    return ([(c["id"], c.get("name", str(c["id"]))) for c in categories["categories"]],
+            list(categories.get("keypoint_names", [])))
+
+
+def _differ(ours: tuple, theirs: tuple) -> str:
+    for side, names in ((0, "category"), (1, "keypoint")):
+        a, b = ours[side], theirs[side]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            here, there = (a[i] if i < len(a) else "none"), (b[i] if i < len(b) else "none")
+            return f"{len(a)} {names}s against {len(b)}; the first that differs: {here} against {there}"
+    return ""
 
 
 def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, float]:
@@ -270,9 +316,11 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     if not cfg.TEST.DATASETS:
         raise UserError("TEST.DATASETS is empty: name at least one dataset (e.g. synth_shapes_val)")
     ctx = ctx or Context(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    # Classes from the test set: the training sets need not exist on an evaluation machine.
-    probe = CocoDetection(*resolve_dataset(cfg, cfg.TEST.DATASETS[0]), train=False, **model_needs(cfg))
-    model, iteration = _load_for_eval(cfg, weights, probe.num_classes, probe.num_keypoints)
+    with held_while_checking():  # a refused job ends in its error line, not after the weights' news
+        # Classes from the test sets: the training sets need not exist on an evaluation machine.
+        tests = [CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg)) for name in cfg.TEST.DATASETS]
+        model, iteration, categories = _load_for_eval(cfg, weights, tests[0].num_classes, tests[0].num_keypoints, tests)
+        check_categories(weights, categories, tests)
     model.to(ctx.device)
     # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;
     # a logged model names no iteration: its metrics are printed, not logged at a made-up step.
@@ -284,7 +332,8 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     finally:
         failed = tracker.finish(None)
     if ctx.is_main:
-        print(format_metrics(metrics, weights))
+        print(format_metrics(metrics, weights) if metrics else
+              f"evaluation of {weights}: no metric (the test sets have no annotations to score against)")
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics

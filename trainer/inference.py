@@ -76,6 +76,7 @@ class Detector:
     def __init__(self, cfg: Config, state_dict: dict, categories: list[dict], keypoint_names=(),
                  device: str | torch.device = "cpu"):
         self.cfg, self.categories, self.device = cfg, list(categories), torch.device(device)
+        self.keypoint_names = list(keypoint_names)
         self.model = build_model(cfg, len(self.categories) + 1, len(keypoint_names))
         if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
             raise UserError("the weights are not a state dict (tensors by name)")

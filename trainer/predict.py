@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ def predict_command(weights: str, images: list[str], out_dir: str, config_file: 
             detector.pixels(read_image(image))
         except ValueError as e:
             raise UserError(f"IMAGE {image}: {first_line(e)}") from None
+    make_out_dir(out, out_dir)
     for image, name in zip(images, names):
         predict_one(detector, image, out, name, score_threshold)
 
@@ -88,6 +90,16 @@ def check_out_dir(out_dir: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--out {out_dir}: permission denied on {existing}")
     return out
+
+
+def make_out_dir(out: Path, out_dir: str) -> None:
+    """OUT made and written once, after every check and before the first result: os.access says yes
+    where writing fails (root under /proc or /sys, a read-only mount)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot write there ({e.strerror or first_line(e)})") from None
 
 
 def check_image(image: str) -> None:

@@ -100,6 +100,8 @@ def load_error(e: Exception) -> str:
                 "(unpickling them would run code)")
     if isinstance(e, pickle.UnpicklingError):
         return "is not a valid torch checkpoint (not a pickle of tensors)"
+    if isinstance(e, EOFError):  # torch.load of an empty file, or of one cut before its pickle
+        return "is not a valid torch checkpoint (the file is empty or cut short)"
     return f"is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})"
 
 
