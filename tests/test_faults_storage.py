@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import run_trainer, trainer_cmd
+from tests.conftest import demo_overrides, run_trainer, trainer_cmd
 from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file are fixtures
     assert_same_weights, job_args, jobs, MAX_ITER, _no_run_id_file, only_run, reference, sha_tag, steps,
     temp_files, wait_until)
@@ -174,3 +174,34 @@ def test_a_working_folder_deleted_mid_run_fails_in_a_few_clear_lines(tmp_path, d
     assert "SQLAlchemy database error" not in stderr and len(stderr.splitlines()) < 120, stderr[-3000:]
     assert "No such file or directory" in stderr.strip().splitlines()[-1]
     assert "output_lock" not in stderr
+
+
+# ---- the artifact store lost a checkpoint --------------------------------------------------------------
+
+def test_a_finished_job_whose_model_final_is_gone_from_the_store_trains_its_last_iterations_again(tmp_path, data_dir):
+    """The red team's: a finished job rerun on an empty machine, its model_final lost from the
+    artifact store (a lifecycle rule, a GC), said "nothing to do" and left OUTPUT_DIR empty."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys = {"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "lost", "SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 2,
+            "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "false", "TRACKING.FLUSH_TIMEOUT_S": 120}
+    first = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (stored,) = (tmp_path / "mlruns").rglob("checkpoints/model_final.pth")
+    stored.unlink()
+    shutil.rmtree(tmp_path / "output")  # another machine
+    again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "could not download checkpoint model_final.pth" in again.stderr
+    assert re.search(r"resuming from run \w+ \(model_iter1\.pth\) at iteration 2", again.stderr), again.stderr[-2000:]
+    assert (tmp_path / "output" / "model_final.pth").is_file() and stored.is_file()  # back in the store too
+    run = only_run(MlflowClient(uri), "lost")
+    assert run.info.status == "FINISHED" and run.data.tags[sha_tag("model_final.pth")] == sha256_of(stored)
+
+    # Every checkpoint gone: the job is not trained over from iteration 0 in its run, it stops and says why.
+    for path in (tmp_path / "mlruns").rglob("checkpoints/*.pth"):
+        path.unlink()
+    shutil.rmtree(tmp_path / "output")
+    lost = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
+    assert lost.returncode == 2, lost.stderr[-2000:]
+    assert "has checkpoints (model_final.pth" in lost.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "output" / "model_final.pth").exists()

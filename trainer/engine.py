@@ -206,12 +206,11 @@ def find_start_point(job: Job) -> StartPoint:
     for name in run.checkpoints:
         if iteration_of(name) <= local_iter:
             break
-        if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
-            path = job.tracker.fetch_checkpoint(FINAL, job.output_dir)
-            return StartPoint(final=True, source=f"run {run.run_id}" + (f", downloaded to {path}" if path else ""))
         path = job.tracker.fetch_checkpoint(name, job.output_dir)
-        if path is None:
+        if path is None:  # gone from the store or not its sha256; model_final too: its last iterations train again
             continue
+        if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
+            return StartPoint(final=True, source=f"run {run.run_id}, downloaded to {path}")
         try:
             state = load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
         except CheckpointError as e:
@@ -224,6 +223,10 @@ def find_start_point(job: Job) -> StartPoint:
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
+    if run.checkpoints:  # never train a run that has checkpoints over again from iteration 0
+        raise UserError(f"run {run.run_id} has checkpoints ({', '.join(run.checkpoints[:3])}) but none could be "
+                        "downloaded and verified (the warnings above say why): run the job again once the tracking "
+                        "server serves them, or with --no-resume to start it over")
     return StartPoint()
 
 
