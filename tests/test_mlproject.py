@@ -104,7 +104,8 @@ def _run_entry(tmp_path, directory: Path, opts: str, program: str) -> list[str]:
     command = _load_project(directory).get_entry_point("main").compute_command({"opts": opts}, storage_dir=None)
     (tmp_path / "trainer").mkdir(exist_ok=True)
     (tmp_path / "trainer" / "__main__.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=str(tmp_path))  # the stand-in, whatever PYTHONPATH the suite runs with
     out = subprocess.run(["bash", "-c", f"{program} {command}"], capture_output=True, text=True, cwd=tmp_path,
                          env=env, timeout=60)
     assert out.returncode == 0, out.stderr
