@@ -200,3 +200,17 @@ def test_names_mlflow_would_refuse_are_refused_with_the_config(opts, message):
     load_config(None, ["TRACKING.EXPERIMENT", "e" * 500, "TRACKING.RUN_NAME", "r" * 250])  # at the limits
     load_config(None, ["NAME", "n" * 234])
     load_config(None, ["TRACKING.ENABLED", "false", *opts])  # untracked: no name is given to MLflow
+
+
+def test_two_test_sets_evaluated_under_one_name_are_refused():
+    """/x/a/val and /x/b/val are both evaluated as `val`: the second's eval/val/ files and its metrics
+    overwrote the first's."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["TEST.DATASETS", "(/x/a/val, synth_shapes_val, /x/b/val)"])
+    assert str(refused.value) == ("TEST.DATASETS '/x/a/val' and '/x/b/val' are both 'val' in evaluation (eval/val/ and "
+                                  "its metrics would overwrite each other's): rename a folder or give it a "
+                                  "DATASET_CATALOG name")
+    with pytest.raises(ConfigError, match="^TEST.DATASETS lists 'synth_shapes_val' twice$"):
+        load_config(None, ["TEST.DATASETS", "(synth_shapes_val, synth_shapes_val)"])
+    load_config(None, ["TEST.DATASETS", "(/x/a/val, /x/b/val2, synth_shapes_val)"])
+    load_config(None, ["TEST.DATASETS", "('~no-such-user/val', '/x/a\\0b')"])  # no folder, found when read

@@ -1,4 +1,5 @@
 """Datasets, the synthetic generator, the batch sampler, loaders and the prefetcher."""
+import contextlib
 import itertools
 import json
 import os
@@ -565,3 +566,160 @@ def test_a_signal_during_data_synth_leaves_no_hidden_folder(tmp_path, signum):
         job.kill()
     assert "Traceback" not in job.stderr.read().decode()
     assert os.listdir(tmp_path) == []  # neither the dataset nor its hidden folder
+
+
+
+# --- what failed only after training, or with a traceback (red team of the data checks) ---------
+
+def _edited_copy(source, dest, edit):
+    """A copy of the dataset folder `source` whose annotation json `edit` changed in place."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    data = json.loads((dest / "annotations.json").read_text())
+    edit(data)
+    (dest / "annotations.json").write_text(json.dumps(data))
+    return dest
+
+
+def _swap_names(d):
+    d["categories"][0]["name"], d["categories"][1]["name"] = d["categories"][1]["name"], d["categories"][0]["name"]
+
+
+def _renumber(d):  # category 3 becomes 4, its annotations with it
+    d["categories"][2]["id"] = 4
+    for a in d["annotations"]:
+        a["category_id"] = 4 if a["category_id"] == 3 else a["category_id"]
+
+
+def _fewer(d):  # category 3 dropped, its annotations with it
+    d["categories"].pop()
+    d["annotations"] = [a for a in d["annotations"] if a["category_id"] != 3]
+
+
+def _no_annotations_swapped(d):  # a test set of images only (image_info_*): its categories still count
+    del d["annotations"]
+    _swap_names(d)
+
+
+@pytest.mark.parametrize("edit, differs", [
+    (_swap_names, "category 1 'circle' against 1 'square'"),
+    (_renumber, "category 4 'triangle' against 3 'triangle'"),
+    (lambda d: d["categories"][0]["keypoints"].reverse(), "category 1 'square''s keypoint 1 is 'left' against 'top'"),
+    (_fewer, "2 categories against 3"),
+    (_no_annotations_swapped, "category 1 'circle' against 1 'square'"),
+])
+def test_a_test_set_with_other_categories_is_refused_before_training(tmp_path, tiny, edit, differs):
+    """Accepted, the final evaluation crashed (a KeyError) or scored detections under swapped names."""
+    test = _edited_copy(tiny, tmp_path / "test", edit)
+    cfg = _cfg(tmp_path, tiny)
+    cfg.MODEL["TYPE"] = "keypointrcnn_resnet50_fpn"  # keypoint names count for a keypoint model only
+    cfg.TEST["DATASETS"] = [str(test)]
+    with pytest.raises(UserError) as refused:
+        coco.check_test_datasets(cfg, coco.build_train_dataset(cfg))
+    assert str(refused.value) == (f"test set {test / 'annotations.json'} has other categories than the training set "
+                                  f"{tiny / 'annotations.json'} ({differs})")
+    fine = _edited_copy(tiny, tmp_path / "fine", lambda d: d.pop("annotations"))  # images only, same categories
+    cfg.TEST["DATASETS"] = [str(fine)]
+    coco.check_test_datasets(cfg, coco.build_train_dataset(cfg))
+
+
+def test_training_sets_whose_keypoints_differ_are_refused(tmp_path, tiny):
+    """The same categories with their keypoints in another order were concatenated: the keypoint
+    head learnt "top" from one set and "left" from the other at the same index."""
+    other = _edited_copy(tiny, tmp_path / "other", lambda d: [c["keypoints"].reverse() for c in d["categories"]])
+    cfg = _cfg(tmp_path, tiny)
+    cfg.TRAIN["DATASETS"] = ["tiny", str(other)]
+    build_train_loader(cfg)  # a box model never reads keypoint names
+    cfg.MODEL["TYPE"] = "keypointrcnn_resnet50_fpn"
+    with pytest.raises(UserError) as refused:
+        build_train_loader(cfg)
+    assert str(refused.value) == (f"training datasets {tiny / 'annotations.json'} and {other / 'annotations.json'} "
+                                  "have different categories (category 1 'square''s keypoint 1 is 'top' against 'left')")
+
+
+def test_images_the_model_cannot_take_are_refused_from_the_json(tmp_path):
+    """A 400x1 strip is resized to 192x0 by TRAIN.SCALES 128 / MAX_SIZE 192 (torchvision's
+    RuntimeError mid-training); 7000x7000 is past the decoder's 40,000,000 pixels (refused when
+    decoded, after the run was made). Training images are not opened: the json's sizes decide."""
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    from trainer.data.checks import check
+
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10},
+              {"id": 2, "file_name": "2.png", "width": 400, "height": 1}]
+    image_dir, ann = _write_coco(tmp_path / "d", images, [_ann(1, 1, [0, 0, 4, 4]), _ann(2, 2, [0, 0, 40, 1])])
+    cfg = _cfg(tmp_path, tmp_path / "d", SCALES=[600], MAX_SIZE=1000)
+    build_train_loader(cfg)  # 400x1 is 1000x2 there
+    cfg.TRAIN.update(SCALES=[256, 128], MAX_SIZE=192)
+    with pytest.raises(UserError) as refused:
+        build_train_loader(cfg)
+    assert str(refused.value) == (f"{ann}: image 2 is 400x1, which TRAIN.SCALES 128 and TRAIN.MAX_SIZE 192 resize to "
+                                  "192x0 pixels: crop or drop images this thin")
+    cfg.TEST.update(DATASETS=[str(tmp_path / "d")], SCALE=128, MAX_SIZE=192)
+    with pytest.raises(UserError, match="image 2 is 400x1, which TEST.SCALE 128 and TEST.MAX_SIZE 192 resize to 192x0"):
+        coco.check_test_datasets(cfg, CocoDetection(image_dir, ann))
+    resize = GeneralizedRCNNTransform(128, 192, [0.0] * 3, [1.0] * 3).eval()
+    for height in (1, 2, 3):  # the check says what torchvision does
+        images[1]["height"] = height
+        try:
+            resize([torch.zeros(3, height, 400)])
+            refused = None
+        except RuntimeError:
+            refused = True
+        with pytest.raises(UserError) if refused else contextlib.nullcontext():
+            check(ann, {"images": images, "annotations": [], "categories": []}, image_dir,
+                       sizes=coco.input_sizes(cfg, train=False))
+    data = json.loads(ann.read_text())
+    data["images"][0].update(width=7000, height=7000)
+    ann.write_text(json.dumps(data))
+    cfg.TRAIN.update(SCALES=[600], MAX_SIZE=1000)
+    with pytest.raises(UserError) as refused:
+        build_train_loader(cfg)
+    assert str(refused.value) == f"{ann}: image 1 is 7000x7000; at most 40,000,000 pixels (tile larger images)"
+
+
+def test_a_test_sets_image_files_are_opened_before_training(tmp_path, tiny):
+    """A test image the decoder cannot read, or of another size than its json says, was found only
+    by the final evaluation, after the whole training: a rerun then had nothing to do."""
+    test = _edited_copy(tiny, tmp_path / "test", lambda d: None)
+    name = json.loads((tiny / "annotations.json").read_text())["images"][0]["file_name"]
+    cfg = _cfg(tmp_path, tiny)
+    cfg.TEST["DATASETS"] = [str(test)]
+    train = coco.build_train_dataset(cfg)
+    coco.check_test_datasets(cfg, train)  # as generated: fine
+    image = Image.open(tiny / "images" / name)
+    for save, message in [
+        (lambda path: image.save(path, "BMP"), f"{test / 'images' / name} is BMP, not a format the trainer reads "
+                                               "(JPEG, PNG, GIF or WebP)"),
+        (lambda path: path.write_bytes(b"not an image"), f"{test / 'images' / name} is no image, not a format"),
+        (lambda path: image.resize((8, 8)).save(path), f"{test / 'images' / name} is 8x8 but "
+                                                       f"{test / 'annotations.json'} says {image.width}x{image.height}"),
+        (lambda path: path.write_bytes((tiny / "images" / name).read_bytes()[:20]), "cannot read image"),
+    ]:
+        save(test / "images" / name)
+        with pytest.raises(UserError) as refused:
+            coco.check_test_datasets(cfg, train)
+        assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_a_file_name_too_long_for_the_file_system_is_a_missing_image(tmp_path):
+    """ENAMETOOLONG from the existence check was a 52-line traceback."""
+    long = "x" * 300 + ".png"
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}],
+                                 [_ann(1, 1, [0, 0, 4, 4])])
+    data = json.loads(ann.read_text())
+    data["images"].append({"id": 2, "file_name": long, "width": 8, "height": 8})
+    ann.write_text(json.dumps(data))
+    with pytest.raises(UserError) as refused:
+        CocoDetection(image_dir, ann)
+    assert str(refused.value) == f"1 of 2 images listed in {ann} are missing from {image_dir}, e.g. {long}"
+
+
+def test_an_annotation_file_with_a_utf8_bom_is_read(tmp_path):
+    """Windows tools write one; it was refused (Unexpected UTF-8 BOM)."""
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}],
+                                 [_ann(1, 1, [0, 0, 4, 4])], [{"id": 7, "name": "dé"}])
+    ann.write_bytes("\ufeff".encode() + ann.read_text().encode())
+    ds = CocoDetection(image_dir, ann, train=False)
+    assert len(ds) == 1 and ds.class_names == ["__background__", "dé"] and len(ds.coco.anns) == 1

@@ -147,3 +147,21 @@ def test_a_deleted_experiment_or_run_is_refused_before_the_checks(tmp_path, data
         f"error: run {kept} on {uri} is deleted: restore it (`mlflow runs restore --run-id {kept}`) or name another run")
     assert client.search_runs([gone], run_view_type=ViewType.ALL) == []
     assert not (tmp_path / "output").exists()
+
+
+def test_a_test_set_with_other_categories_makes_no_run(tmp_path, data_dir):
+    """A test set whose categories are not the training set's was accepted: the job trained to its
+    end and its final evaluation crashed (a KeyError), or scored detections under swapped names."""
+    db = tmp_path / "mlflow.db"
+    swapped = tmp_path / "swapped"
+    shutil.copytree(data_dir / "synth_shapes" / "val", swapped)
+    data = json.loads((swapped / "annotations.json").read_text())
+    data["categories"][0]["name"], data["categories"][1]["name"] = "circle", "square"
+    (swapped / "annotations.json").write_text(json.dumps(data))
+    done = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": f"sqlite:///{db}",
+                                                             "TEST.DATASETS": f"('{swapped}',)"}), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: test set {swapped / 'annotations.json'} has other categories than the training set "
+        f"{data_dir / 'synth_shapes' / 'train' / 'annotations.json'} (category 1 'circle' against 1 'square')")
+    assert "Traceback" not in done.stderr and not db.exists() and not (tmp_path / "output").exists()

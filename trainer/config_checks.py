@@ -20,8 +20,25 @@ WARM_UP_METHODS = ("constant", "linear")
 def dataset_dirname(name: str) -> str:
     """A catalog name as it is; a dataset folder by its last component; safe for paths and metrics."""
     if "/" in name or os.sep in name or name.startswith((".", "~")):
-        name = Path(name).expanduser().resolve().name
+        try:
+            name = Path(name).expanduser().resolve().name
+        except (OSError, RuntimeError, ValueError):  # an unknown user's ~, a NUL: no folder, as found later
+            name = Path(name).name
     return re.sub(r"[^\w.-]+", "_", name) or "dataset"
+
+
+def _same_test_folders(datasets: list) -> str:
+    """Evaluation writes eval/<dataset_dirname>/ and logs its metrics under that name: two test sets
+    of one name (/x/a/val and /x/b/val) would overwrite each other's."""
+    seen: dict = {}
+    for name in datasets:
+        tag = dataset_dirname(name)
+        if tag in seen:
+            return (f"TEST.DATASETS lists {name!r} twice" if seen[tag] == name else
+                    f"TEST.DATASETS {seen[tag]!r} and {name!r} are both {tag!r} in evaluation (eval/{tag}/ and "
+                    "its metrics would overwrite each other's): rename a folder or give it a DATASET_CATALOG name")
+        seen[tag] = name
+    return ""
 
 
 def _best_metric_ok(cfg) -> bool:
@@ -152,6 +169,8 @@ def validate(cfg) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if clash := _same_test_folders(cfg.TEST.DATASETS):
+        raise ConfigError(clash)
     if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
         raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
     if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):

@@ -287,18 +287,19 @@ def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
     Weights that do not say (a torchvision or Detectron file) are held to the first test set."""
     if not tests:
         return
-    expected = _key(theirs) if theirs and theirs.get("categories") else _key(categories_of(tests[0]))
+    expected = _key(theirs if theirs and theirs.get("categories") else categories_of(tests[0]), tests[0].keypoints)
     for dataset in tests:
-        ours = _key(categories_of(dataset))
+        ours = _key(categories_of(dataset), dataset.keypoints)
         if ours != expected:
             what = "keypoints" if ours[0] == expected[0] else "categories"
             raise UserError(f"{dataset.ann_file} has other {what} than {weights} was trained on "
                             f"({_differ(ours, expected)}): evaluate it on test sets with the model's categories")
 
 
-def _key(categories: dict) -> tuple[list, list]:
+def _key(categories: dict, keypoints: bool) -> tuple[list, list]:
+    """Ids and names; keypoint names for a keypoint model only (a box model never reads them)."""
     return ([(c["id"], c.get("name", str(c["id"]))) for c in categories["categories"]],
-            list(categories.get("keypoint_names", [])))
+            list(categories.get("keypoint_names", [])) if keypoints else [])
 
 
 def _differ(ours: tuple, theirs: tuple) -> str:

@@ -50,7 +50,7 @@ def prepare(cfg: Config) -> Prepared:
     initialisation is the job's."""
     seed_everything(cfg)
     dataset = build_train_dataset(cfg)
-    check_test_datasets(cfg)
+    check_test_datasets(cfg, dataset)
     check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
     here = bool(cfg.TRAIN.WEIGHTS) and not cfg.TRAIN.WEIGHTS.startswith(MLFLOW_URIS)

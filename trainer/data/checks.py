@@ -15,11 +15,12 @@ from trainer.errors import UserError, first_line
 MAX_IMAGE_SIDE = 20_000  # pixels
 MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
+DECODED_FORMATS = ("JPEG", "MPO", "PNG", "GIF", "WEBP")  # PIL's names of what images.decode reads (MPO: a camera's JPEG)
 
 
 def read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as Windows tools write, is no error
     except json.JSONDecodeError as e:
         raise UserError(f"malformed annotation file {path}: {e}") from None
     except RecursionError:
@@ -38,13 +39,15 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoints: bool = False) -> None:
+def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoints: bool = False,
+          sizes: tuple | None = None, max_pixels: int | None = None) -> None:
     """Fail up front, naming the file, rather than at iteration 50000 in a worker.
 
     Structure and types are checked here (every value the loader will compute with); box
     geometry is not: empty boxes are dropped and boxes reaching outside their image are clipped
     when the dataset is built, with a logged count. Segmentations and keypoints are checked only
-    when the model uses them.
+    when the model uses them; image sizes against the model's input `sizes` (coco.input_sizes) and
+    the decoder's `max_pixels` (images.MAX_PIXELS; images.py imports this module) when given.
     """
     for im in data["images"]:
         if not isinstance(im, dict) or not {"id", "file_name", "width", "height"} <= set(im):
@@ -59,6 +62,11 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         if max(im["width"], im["height"]) > MAX_IMAGE_SIDE:  # decoding it would take gigabytes
             raise UserError(f"{path}: image {im['id']!r} is {im['width']}x{im['height']}; at most "
                             f"{MAX_IMAGE_SIDE} pixels a side (tile larger images)")
+        if max_pixels and im["width"] * im["height"] > max_pixels:  # else refused when decoded, mid-training
+            raise UserError(f"{path}: image {im['id']!r} is {im['width']}x{im['height']}; at most "
+                            f"{max_pixels:,} pixels (tile larger images)")
+        if sizes:
+            _check_resized(path, im, *sizes)
     for c in data["categories"]:
         if not isinstance(c, dict) or "id" not in c:
             raise UserError(f"{path}: every category needs an id")
@@ -130,10 +138,68 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         example = names[0] if names[0].isprintable() else repr(names[0])
         return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}")
 
-    if missing := [name for name, p in listed if name not in on_disk and not p.exists()]:
+    if missing := [name for name, p in listed if name not in on_disk and not _exists(p)]:
         raise refuse(missing, "are missing from")
     if not_files := [name for name, p in listed if not p.is_file()]:  # reading a FIFO would block forever
         raise refuse(not_files, "are no image files (a folder, a FIFO, a device, a broken link) in")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name longer than the file system takes (ENAMETOOLONG) cannot be there
+        return False
+
+
+def _check_resized(path: Path, im: dict, min_size: int, max_size: int, keys: str) -> None:
+    """GeneralizedRCNNTransform scales an image by min(min_size / short side, max_size / long side)
+    and floors the sides: a side of 0 pixels (a thin strip) is a RuntimeError traceback mid-training.
+    The smallest min_size gives the smallest image."""
+    short, long = sorted((im["width"], im["height"]))
+    scale = min(min_size / short, max_size / long)
+    if math.floor(short * scale) < 1:
+        w, h = (math.floor(side * scale) for side in (im["width"], im["height"]))
+        raise UserError(f"{path}: image {im['id']!r} is {im['width']}x{im['height']}, which {keys} resize to "
+                        f"{w}x{h} pixels: crop or drop images this thin")
+
+
+def check_image_headers(path: Path, image_dir: Path, images: list) -> None:
+    """Every image's header (PIL reads no pixels): a format images.decode reads, the size `path` says."""
+    from PIL import Image, UnidentifiedImageError
+
+    for im in images:
+        file = image_dir / im["file_name"]
+        try:
+            with Image.open(file) as probe:
+                found, size = probe.format, probe.size
+        except UnidentifiedImageError:
+            found, size = None, None
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise UserError(f"cannot read image {file}: {first_line(e)}") from None
+        if found not in DECODED_FORMATS:
+            raise UserError(f"{file} is {found or 'no image'}, not a format the trainer reads (JPEG, PNG, GIF or WebP)")
+        if size != (im["width"], im["height"]):  # boxes would be misplaced
+            raise UserError(f"{file} is {size[0]}x{size[1]} but {path} says {im['width']}x{im['height']}")
+
+
+def category_key(categories: list, keypoints: bool = True) -> list:
+    """What labels mean: each category's id and name, and for a keypoint model its keypoints' names
+    in their order (a box model never reads them)."""
+    return [(c["id"], c.get("name"), tuple(c.get("keypoints") or ()) if keypoints else ()) for c in categories]
+
+
+def category_difference(ours: list, theirs: list) -> str:
+    """The first difference of two category_key lists, for a message."""
+    pairs = [(a, b) for a, b in zip(ours, theirs) if a != b]
+    if not pairs:
+        return f"{len(ours)} categories against {len(theirs)}"
+    a, b = pairs[0]
+    if a[:2] != b[:2]:
+        return f"category {a[0]!r} {a[1]!r} against {b[0]!r} {b[1]!r}"
+    j = next((j for j, (x, y) in enumerate(zip(a[2], b[2])) if x != y), None)
+    if j is None:
+        return f"category {a[0]!r} {a[1]!r} has {len(a[2])} keypoints against {len(b[2])}"
+    return f"category {a[0]!r} {a[1]!r}'s keypoint {j + 1} is {a[2][j]!r} against {b[2][j]!r}"
 
 
 def _check_segmentation(what: str, segm, image: dict) -> None:

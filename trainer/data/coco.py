@@ -19,8 +19,8 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
-from trainer.data.checks import check, read_json
-from trainer.data.images import decode, read_file
+from trainer.data.checks import category_difference, category_key, check, check_image_headers, read_json
+from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.data.workers import forking, init_worker
@@ -95,11 +95,12 @@ def _flip_perm(names: list) -> list:
 class CocoDetection(Dataset):
     """A COCO-format dataset; items are (float CHW image in [0, 1], target dict) in pixel coordinates."""
 
-    def __init__(self, image_dir, ann_file, train: bool = True, masks: bool = False, keypoints: bool = False):
+    def __init__(self, image_dir, ann_file, train: bool = True, masks: bool = False, keypoints: bool = False,
+                 sizes: tuple | None = None):
         self.image_dir, self.ann_file = Path(image_dir), Path(ann_file)
         self.train, self.masks, self.keypoints = train, masks, keypoints
         data = read_json(self.ann_file)
-        check(self.ann_file, data, self.image_dir, masks=masks, keypoints=keypoints)
+        check(self.ann_file, data, self.image_dir, masks=masks, keypoints=keypoints, sizes=sizes, max_pixels=MAX_PIXELS)
         self.categories = sorted(data["categories"], key=lambda c: c["id"])  # label i = categories[i - 1]
         self.label_to_cat_id = {i + 1: c["id"] for i, c in enumerate(self.categories)}
         self.cat_id_to_label = {c: label for label, c in self.label_to_cat_id.items()}
@@ -280,9 +281,10 @@ class ConcatDetection(ConcatDataset):
         super().__init__(datasets)
         first = datasets[0]
         for other in datasets[1:]:
-            if _category_key(other) != _category_key(first):
-                raise UserError(f"training datasets {first.ann_file} and {other.ann_file} have different categories")
-        for attr in ("categories", "label_to_cat_id", "cat_id_to_label", "class_names", "keypoint_names",
+            if (ours := _category_key(first)) != (theirs := _category_key(other)):
+                raise UserError(f"training datasets {first.ann_file} and {other.ann_file} have different categories "
+                                f"({category_difference(ours, theirs)})")
+        for attr in ("ann_file", "keypoints", "categories", "label_to_cat_id", "cat_id_to_label", "class_names", "keypoint_names",
                      "num_keypoints"):
             setattr(self, attr, getattr(first, attr))
         self.aspect_ratios = [a for d in datasets for a in d.aspect_ratios]
@@ -298,7 +300,7 @@ class ConcatDetection(ConcatDataset):
 
 
 def _category_key(dataset) -> list:
-    return [(c["id"], c.get("name")) for c in dataset.categories]
+    return category_key(dataset.categories, dataset.keypoints)
 
 
 def collate(batch):
@@ -323,10 +325,19 @@ def model_needs(cfg) -> dict:
     return {"masks": cfg.MODEL.TYPE.startswith("maskrcnn"), "keypoints": cfg.MODEL.TYPE.startswith("keypointrcnn")}
 
 
+def input_sizes(cfg, train: bool) -> tuple | None:
+    """(smallest min_size, max_size, the keys) the model resizes images with; ssdlite's fixed 320x320 fits any."""
+    if cfg.MODEL.TYPE.startswith("ssdlite"):
+        return None
+    scale, max_size = (min(cfg.TRAIN.SCALES), cfg.TRAIN.MAX_SIZE) if train else (cfg.TEST.SCALE, cfg.TEST.MAX_SIZE)
+    keys = ("TRAIN.SCALES", "TRAIN.MAX_SIZE") if train else ("TEST.SCALE", "TEST.MAX_SIZE")
+    return scale, max_size, f"{keys[0]} {scale} and {keys[1]} {max_size}"
+
+
 def build_train_dataset(cfg):
     if not cfg.TRAIN.DATASETS:
         raise UserError("TRAIN.DATASETS is empty: name at least one dataset (e.g. synth_shapes_train)")
-    datasets = [CocoDetection(*resolve_dataset(cfg, name), train=True, **model_needs(cfg))
+    datasets = [CocoDetection(*resolve_dataset(cfg, name), train=True, sizes=input_sizes(cfg, True), **model_needs(cfg))
                 for name in cfg.TRAIN.DATASETS]
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
@@ -338,11 +349,20 @@ def check_batch_size(cfg, dataset) -> None:
                         f"{len(dataset.aspect_ratios)} usable images")
 
 
-def check_test_datasets(cfg) -> None:
-    """Every TEST.DATASETS entry resolves and its annotations are sound, before training: a typo
-    there is not found only after the whole training (a rerun would then have nothing to do)."""
+def check_test_datasets(cfg, train_dataset) -> None:
+    """Every TEST.DATASETS entry resolves, its annotations are sound, its categories are the training
+    set's and its images readable, before training: what is wrong there is not found only after the
+    whole training (a rerun would then have nothing to do). Training sets' images are not opened: a
+    COCO-sized set would take tens of seconds, and a bad one fails the job in one line, its
+    checkpoints kept."""
+    ours = _category_key(train_dataset)
     for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
-        CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg))
+        test = CocoDetection(*resolve_dataset(cfg, name), train=False, sizes=input_sizes(cfg, False),
+                             **model_needs(cfg))
+        if (theirs := _category_key(test)) != ours:  # labels would name other categories
+            raise UserError(f"test set {test.ann_file} has other categories than the training set "
+                            f"{train_dataset.ann_file} ({category_difference(theirs, ours)})")
+        check_image_headers(test.ann_file, test.image_dir, test._records)
 
 
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
@@ -358,7 +378,8 @@ def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int 
 
 def build_test_loader(cfg, dataset_name: str, rank: int = 0, world_size: int = 1):
     """Sequential evaluation batches of this rank's shard (indices rank::world_size), unflipped."""
-    dataset = CocoDetection(*resolve_dataset(cfg, dataset_name), train=False, **model_needs(cfg))
+    dataset = CocoDetection(*resolve_dataset(cfg, dataset_name), train=False, sizes=input_sizes(cfg, False),
+                            **model_needs(cfg))
     shard = list(range(rank, len(dataset), world_size))
     loader = _loader(dataset, cfg.DATA_LOADER.NUM_THREADS, cfg.RNG_SEED, False, sampler=shard,
                      batch_size=cfg.TEST.IMS_PER_BATCH)
