@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer
+from trainer.tracking.heartbeat import beat
 from trainer.tracking.system_metrics import start_monitor
 from trainer.config import load_config
 
@@ -217,7 +219,8 @@ def test_status_shows_what_others_wrote_to_the_store_as_plain_text(empty_store, 
     hostile = {"ansi\x1b]0;TITLE\x07\x1b[2J\rX": float("nan"), "https://bob:SECRETPW@host/": float("inf"),
                "plain": 1e300}
     for name, value in hostile.items():
-        run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", "tracktron.ckpt.latest": "a\nb"})
+        run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", "tracktron.ckpt.latest": "a\nb",
+                                                          "tracktron.heartbeat": beat()})  # a live trainer
         client.log_param(run.info.run_id, "SOLVER.MAX_ITER", "\x1b[41m9")
         client.log_metric(run.info.run_id, "loss", value, step=3)
         client.log_metric(run.info.run_id, "eta_seconds", value, step=3)  # the runs stay RUNNING
@@ -327,6 +330,7 @@ def _raised(fn, *args):
 @pytest.mark.parametrize("uri, shown, hidden", [
     ("sqlite:///", "names no database file", None),
     ("http://127.0.0.1:9/?t=SECRETVAL", "cannot read jobs from http://127.0.0.1:9/?t=***", "SECRETVAL"),
+    ("mlruns", "tracking URI mlruns: MLflow's file store (a folder such as ./mlruns) takes no new runs", None),
 ])
 def test_status_uris_that_cannot_be_read_are_one_line(tmp_path, uri, shown, hidden):
     out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", uri], capture_output=True, text=True,
@@ -335,3 +339,58 @@ def test_status_uris_that_cannot_be_read_are_one_line(tmp_path, uri, shown, hidd
     (line,) = out.stderr.strip().splitlines()
     assert shown in line and (hidden is None or hidden not in out.stderr)
     assert list(tmp_path.iterdir()) == []  # no store made
+
+
+def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, tmp_path):
+    """A trainer killed by SIGKILL leaves its run RUNNING for good: an old heartbeat, or none, says it is gone."""
+    import json
+
+    _, uri = _copy(empty_store, tmp_path)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("beats")
+    old = json.dumps({**json.loads(beat()), "time": time.time() - 100})
+    for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {})):
+        run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
+        client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
+    out = _status("--uri", uri, cwd=tmp_path)
+    rows = {line.split()[1]: " ".join(line.split()[3:]) for line in out.stdout.strip().splitlines()[1:]}
+    assert rows["live"] == "RUNNING -/? - - 0:10:00", out.stdout
+    killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
+    assert killed and 100 <= int(killed[1]) < 400, out.stdout
+    assert rows["none"] == "LOST -/? - - - no heartbeat", out.stdout
+
+
+def test_status_of_a_misspelt_or_deleted_experiment_is_an_error(empty_store, tmp_path):
+    _, uri = _copy(empty_store, tmp_path)
+    client = MlflowClient(uri)
+    client.create_experiment("empty")
+    client.delete_experiment(gone := client.create_experiment("gone"))
+    assert _status("--uri", uri, "--experiment", "empty", cwd=tmp_path).stdout.strip() == "no tracktron jobs found"
+    for name, error in (("emtpy", f"no experiment named 'emtpy' on {uri}"), ("gone", f"experiment 'gone' on {uri} is "
+                        f"deleted (MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {gone} brings it back)")):
+        out = _status("--uri", uri, "--experiment", name, cwd=tmp_path)
+        assert (out.returncode, out.stderr.strip().splitlines()) == (2, [f"error: {error}"])
+
+
+@pytest.mark.parametrize("store", ["sqlite", "server"])
+def test_status_timeout_is_the_stores_not_mlflows_import_time(store, empty_store, tmp_path, request):
+    """MLflow's imports take seconds on a busy host (10 s here): --timeout times the requests alone."""
+    uri = _copy(empty_store, tmp_path)[1] if store == "sqlite" else request.getfixturevalue("mlflow_server").url
+    slow = ("import sys, time\nclass Slow:\n    def find_spec(self, name, *_):\n        if name == 'mlflow':\n"
+            "            time.sleep(10)\nsys.meta_path.insert(0, Slow())\nfrom trainer.cli import main\n"
+            f"main(['status', '--uri', {uri!r}, '--timeout', '8'])")
+    out = subprocess.run([sys.executable, "-c", slow], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_status_never_adds_mlflows_default_experiment_to_a_store(empty_store, tmp_path):
+    """MLflow adds its Default experiment (id 0) to a store it opens that lacks one; `status` only reads."""
+    import sqlite3
+
+    path, uri = _copy(empty_store, tmp_path)
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM experiments WHERE experiment_id = 0")
+    before = path.read_bytes()
+    out = _status("--uri", uri, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"error: {path} has no Default experiment (id 0)") and path.read_bytes() == before

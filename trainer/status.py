@@ -1,9 +1,13 @@
 """`tracktron status`: the jobs of an experiment at a glance, from the tracking server alone."""
 from __future__ import annotations
 
+import json
+import math
+import time
 from datetime import timedelta
 
 from trainer.redaction import printable, redact_text
+from trainer.tracking.heartbeat import HEARTBEAT_TAG, STALE_S
 from trainer.tracking.runs import LATEST_TAG, last_step_of, run_url, tracking_uri
 from trainer.tracking.search import job_runs
 
@@ -16,18 +20,44 @@ def job_rows(uri: str | None = None, experiment: str | None = None, timeout: flo
 def _row(run, exp, uri: str) -> dict:
     step = last_step_of(run)
     eta = run.data.metrics.get("eta_seconds")
-    running = run.info.status == "RUNNING"
+    lost = _lost(run)
+    running = run.info.status == "RUNNING" and not lost
     return {
         "run": run.info.run_id,
         "name": run.info.run_name or "",
         "experiment": exp.name,
-        "status": run.info.status,
+        "status": "LOST" if lost else run.info.status,
         "iteration": f"{'-' if step < 0 else step + 1}/{run.data.params.get('SOLVER.MAX_ITER', '?')}",
         "checkpoint": run.data.tags.get(LATEST_TAG, "-"),
         "loss": _number(run.data.metrics.get("loss")),
         "eta": _duration(eta) if running else "-",
         "ui": run_url(uri, exp.experiment_id, run.info.run_id) or "",
+        "note": lost,  # a column only when some row has one
     }
+
+
+def _lost(run) -> str:
+    """Why a RUNNING run is taken for one whose trainer is gone (SIGKILL, a lost machine: nothing
+    marked it ended), "" when its trainer beats: it does every few seconds, from the run's opening
+    to its end (heartbeat.py), so a beat older than heartbeat's STALE_S, or none, is no live one."""
+    if run.info.status != "RUNNING":
+        return ""
+    sent = _beat_time(run.data.tags.get(HEARTBEAT_TAG))
+    if sent is None:
+        return "no heartbeat"
+    age = time.time() - sent  # the trainer's clock against this one's, as heartbeat.py allows for
+    return "" if age <= STALE_S else f"no heartbeat for {f'{age:.0f} s' if age < 3600 else _duration(age)}"
+
+
+def _beat_time(value: str | None) -> float | None:
+    """The time in a heartbeat tag; None for one edited into something else."""
+    try:
+        found = json.loads(value) if value else None
+    except (ValueError, RecursionError):  # anyone may edit a tag
+        return None
+    sent = found.get("time") if isinstance(found, dict) else None
+    ok = isinstance(sent, (int, float)) and not isinstance(sent, bool) and math.isfinite(sent)
+    return sent if ok else None
 
 
 def _number(value: float | None) -> str:
