@@ -187,7 +187,8 @@ def find_start_point(job: Job) -> StartPoint:
     """AUTO_RESUME: the newest complete checkpoint in OUTPUT_DIR or on the tracking server.
 
     A local checkpoint wins when it is at least as new as the run's newest; a downloaded one
-    whose bytes do not match its sha256 tag is skipped for the one before it.
+    whose bytes do not match its sha256 tag, or that does not load, is skipped for the one before
+    it. A run whose checkpoints cannot be downloaded stops the job rather than train over them.
     """
     run = job.tracker.run
     if not (job.cfg.TRAIN.AUTO_RESUME or run.resumed):
@@ -203,17 +204,19 @@ def find_start_point(job: Job) -> StartPoint:
         if local[0].name == FINAL:
             return StartPoint(final=True, source=str(local[0]))
     local_iter = iteration_of(local[0].name) if local else -1
+    unreachable = []  # checkpoints that could not be downloaded, as opposed to bad ones (skipped)
     for name in run.checkpoints:
         if iteration_of(name) <= local_iter:
             break
-        path = job.tracker.fetch_checkpoint(name, job.output_dir)
-        if path is None:  # gone from the store or not its sha256; model_final too: its last iterations train again
-            continue
-        if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
-            return StartPoint(final=True, source=f"run {run.run_id}, downloaded to {path}")
         try:
+            path = job.tracker.fetch_checkpoint(name, job.output_dir)
+            if path is None:  # gone from the store or the store is down; model_final too: its last iterations train again
+                unreachable.append(name)
+                continue
+            if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
+                return StartPoint(final=True, source=f"run {run.run_id}, downloaded to {path}")
             state = load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
-        except CheckpointError as e:
+        except CheckpointError as e:  # tampered with or not ours: never loaded, the one before is tried
             log.warning("skipping %s", e)
             continue
         if job.prepared is not None:
@@ -223,10 +226,13 @@ def find_start_point(job: Job) -> StartPoint:
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
-    if run.checkpoints:  # never train a run that has checkpoints over again from iteration 0
-        raise UserError(f"run {run.run_id} has checkpoints ({', '.join(run.checkpoints[:3])}) but none could be "
-                        "downloaded and verified (the warnings above say why): run the job again once the tracking "
-                        "server serves them, or with --no-resume to start it over")
+    if unreachable:  # a run is never trained over from iteration 0 while its checkpoints may come back
+        raise UserError(f"run {run.run_id} has checkpoints ({', '.join(unreachable[:3])}) that could not be "
+                        "downloaded (the warnings above say why): run the job again once the tracking server "
+                        "serves them, or with --no-resume to start it over")
+    if run.checkpoints:
+        log.warning("none of run %s's checkpoints is usable (the warnings above say why): training starts "
+                    "from iteration 0", run.run_id)
     return StartPoint()
 
 

@@ -44,7 +44,8 @@ class Tracker:
         live trainer of the job's run (the lookup watches its heartbeat)."""
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
-        """Download a complete checkpoint of the run and verify it; None if it is unusable."""
+        """Download a complete checkpoint of the run and verify it: None when it cannot be downloaded,
+        CheckpointError when its bytes are not the ones its sha256 tag names."""
         return None
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:

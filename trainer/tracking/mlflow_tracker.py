@@ -26,9 +26,9 @@ from trainer.tracking.checkpoint_models import log_checkpoint, update_best
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import safe_params
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, FoundRun, bound_http, checkpoints_from, env_experiment_id,
-                                   experiment_name, find_run, open_run, retryable, run_url, sha_tag,
-                                   start_error, tracking_uri)
+from trainer.tracking.job_run import FoundRun, find_run, open_run
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id,
+                                   experiment_name, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
@@ -174,7 +174,8 @@ class MlflowTracker(Tracker):
     # ---- resume ----
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
-        """dest_dir/name once its bytes match the sha256 tag. It is downloaded into a hidden folder
+        """dest_dir/name once its bytes match the sha256 tag; None when it cannot be downloaded;
+        CheckpointError when its bytes are not the tagged ones. It is downloaded into a hidden folder
         first, so that nobody looking for local checkpoints meanwhile takes a partial one."""
         prefetch, self._prefetched = self._prefetched, None
         expected = self._tags.get(sha_tag(name))  # as the run was opened: the job's tags are ours alone

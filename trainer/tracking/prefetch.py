@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
+from trainer.checkpoint.state import CheckpointError
 from trainer.errors import first_line
 from trainer.tracking.runs import checkpoints_from, sha_tag
 from trainer.tracking.transfers import download, repository
@@ -23,18 +24,20 @@ log = logging.getLogger(__name__)
 
 def download_verified(repo, name: str, folder: Path, expected: str | None) -> tuple:
     """(path, None) once checkpoints/<name> of the run whose artifact repository is `repo` is in
-    `folder` and matches its sha256 tag; (None, why) else."""
+    `folder` and matches its sha256 tag; (None, why) when it cannot be downloaded. Bytes that are
+    not the tagged ones raise CheckpointError: that checkpoint is bad, not merely out of reach."""
     try:
         path, sha256 = download(repo, f"checkpoints/{name}", folder)
     except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
         return None, f"could not download checkpoint {name}: {first_line(e)}"
     if sha256 != expected:
-        return None, f"checkpoint {name} from the tracking server does not match its sha256 tag; skipped"
+        raise CheckpointError(f"checkpoint {name} from the tracking server does not match its sha256 tag")
     return path, None
 
 
 def verified(repo, name: str, folder: Path, expected: str | None) -> Path | None:
-    """checkpoints/<name> of the run in `folder` once it matches its sha256 tag; None (and why, logged) else."""
+    """checkpoints/<name> of the run in `folder` once it matches its sha256 tag; None (and why, logged)
+    when it cannot be downloaded; CheckpointError when its bytes are not the tagged ones."""
     path, why = download_verified(repo, name, folder, expected)
     if why:
         log.warning("%s", why)
