@@ -8,6 +8,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import demo_overrides, run_trainer
@@ -120,6 +121,33 @@ def test_a_resume_from_the_run_on_other_categories_is_one_line(tmp_path, data_di
     line = again.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: run {run.info.run_id}'s model_iter") and "was trained on 3 categories" in line, line
     assert steps(client, run.info.run_id) == logged
+
+
+def test_a_keypoint_model_is_not_resumed_on_keypoints_in_another_order(tmp_path, data_dir):
+    """The same categories with their keypoint names reversed were resumed: the keypoint head went on
+    learning "top" at the channel it had learnt "left" at. A box model never reads them."""
+    from trainer.data import CocoDetection
+    from trainer.errors import UserError
+    from trainer.inference import categories_of
+    from trainer.preflight import check_same_categories
+
+    src = data_dir / "synth_shapes" / "train"
+    data = json.loads((src / "annotations.json").read_text())
+    ours = CocoDetection(src / "images", src / "annotations.json", keypoints=True)
+    trained = categories_of(ours)
+    check_same_categories("model_iter9.pth", {"categories": trained}, ours)
+    names = trained["keypoint_names"]
+    for c in data["categories"]:
+        c["keypoints"] = names[::-1]
+    (tmp_path / "annotations.json").write_text(json.dumps(data))
+    reversed_ = CocoDetection(src / "images", tmp_path / "annotations.json", keypoints=True)
+    with pytest.raises(UserError) as refused:
+        check_same_categories("model_iter9.pth", {"categories": trained}, reversed_)
+    assert str(refused.value).startswith("the training set now has other keypoints than model_iter9.pth was trained "
+                                         f"with (category 1 {data['categories'][0]['name']!r}'s keypoint 1 is "
+                                         f"{names[-1]!r} against {names[0]!r}): resume it on its own data")
+    boxes = CocoDetection(src / "images", tmp_path / "annotations.json")
+    check_same_categories("model_iter9.pth", {"categories": trained}, boxes)
 
 
 def test_a_deleted_experiment_or_run_is_refused_before_the_checks(tmp_path, data_dir):

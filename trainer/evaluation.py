@@ -26,12 +26,13 @@ from pycocotools.cocoeval import COCOeval
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
+from trainer.data.checks import category_difference
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.config_checks import dataset_dirname
-from trainer.errors import UserError
+from trainer.errors import UserError, user_path
 from trainer.logs import held_while_checking
 from trainer.eval_images import drawings, per_category_rows
-from trainer.inference import categories_of, encode_masks
+from trainer.inference import categories_of, category_key_of, encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
 from trainer.tracking.logged_model import load_detector, load_local
@@ -238,7 +239,7 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, test
     checked against the test sets before the model is built."""
     if not weights.strip():
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
-    if Path(weights).expanduser().is_dir():  # a model folder tracktron wrote (output/model/detector)
+    if user_path(weights, "--weights").is_dir():  # a model folder tracktron wrote (output/model/detector)
         return _of_detector(load_detector(cfg, weights))
     if not weights.startswith(MLFLOW_URIS):
         return _load_file(cfg, weights, num_classes, num_keypoints, tests)
@@ -287,29 +288,15 @@ def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
     Weights that do not say (a torchvision or Detectron file) are held to the first test set."""
     if not tests:
         return
-    expected = _key(theirs if theirs and theirs.get("categories") else categories_of(tests[0]), tests[0].keypoints)
+    stored = theirs if theirs and theirs.get("categories") else categories_of(tests[0])
+    expected = category_key_of(stored, tests[0].keypoints)
     for dataset in tests:
-        ours = _key(categories_of(dataset), dataset.keypoints)
+        ours = category_key_of(categories_of(dataset), dataset.keypoints)
         if ours != expected:
-            what = "keypoints" if ours[0] == expected[0] else "categories"
+            what = "keypoints" if [k[:2] for k in ours] == [k[:2] for k in expected] else "categories"
             raise UserError(f"{dataset.ann_file} has other {what} than {weights} was trained on "
-                            f"({_differ(ours, expected)}): evaluate it on test sets with the model's categories")
-
-
-def _key(categories: dict, keypoints: bool) -> tuple[list, list]:
-    """Ids and names; keypoint names for a keypoint model only (a box model never reads them)."""
-    return ([(c["id"], c.get("name", str(c["id"]))) for c in categories["categories"]],
-            list(categories.get("keypoint_names", [])) if keypoints else [])
-
-
-def _differ(ours: tuple, theirs: tuple) -> str:
-    for side, names in ((0, "category"), (1, "keypoint")):
-        a, b = ours[side], theirs[side]
-        if a != b:
-            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            here, there = (a[i] if i < len(a) else "none"), (b[i] if i < len(b) else "none")
-            return f"{len(a)} {names}s against {len(b)}; the first that differs: {here} against {there}"
-    return ""
+                            f"({category_difference(ours, expected)}): evaluate it on test sets with the model's "
+                            "categories")
 
 
 def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, float]:

@@ -22,6 +22,7 @@ from pycocotools import mask as mask_utils
 
 from trainer.atomic_write import write_atomic
 from trainer.config import Config, config_from_dict, load_config, write_config
+from trainer.data.checks import category_key
 from trainer.data.images import decode
 from trainer.errors import UserError, first_line
 from trainer.models import build_model, load_error, set_test_size
@@ -57,6 +58,12 @@ def categories_of(dataset) -> dict:
     named without the dataset: {"categories": [{"id", "name"}], "keypoint_names": [...]}."""
     cats = [{"id": c["id"], "name": c.get("name", str(c["id"]))} for c in dataset.categories]
     return {"categories": cats, "keypoint_names": list(getattr(dataset, "keypoint_names", []))}
+
+
+def category_key_of(categories: dict, keypoints: bool) -> list:
+    """data.checks.category_key of a categories_of dict, whose keypoint names are the model's."""
+    names = categories.get("keypoint_names") or []
+    return category_key([{**c, "keypoints": names} for c in categories.get("categories", [])], keypoints)
 
 
 def save(folder: Path, cfg: Config, state_dict: dict, categories: list[dict], keypoint_names: list) -> Path:

@@ -18,8 +18,9 @@ from trainer.checkpoint.state import newest_valid
 from trainer.config import Config, job_keys
 from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
+from trainer.data.checks import category_difference
 from trainer.data.coco import check_batch_size
-from trainer.inference import categories_of
+from trainer.inference import categories_of, category_key_of
 from trainer.models import build_model, load_weights
 from trainer.tracking.model_uris import MLFLOW_URIS
 
@@ -82,17 +83,23 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
 
 
 def check_same_categories(path, state: dict, dataset) -> None:
-    """A checkpoint's labels mean its categories: resumed on a training set with others, its
-    classifier would not fit them (a size mismatch, after the run was reopened) or would learn
-    another class under an old label."""
-    theirs = [(c["id"], c["name"]) for c in state.get("categories", {}).get("categories", [])]
-    ours = [(c["id"], c["name"]) for c in categories_of(dataset)["categories"]]
-    if theirs and theirs != ours:
+    """A checkpoint's labels mean its categories (and keypoints): resumed on a training set with
+    others, its classifier would not fit them (a size mismatch, after the run was reopened) or would
+    learn another class under an old label."""
+    stored = state.get("categories") or {}
+    if not stored.get("categories"):  # weights that do not say
+        return
+    keypoints = dataset.keypoints and "keypoint_names" in stored
+    theirs, ours = category_key_of(stored, keypoints), category_key_of(categories_of(dataset), keypoints)
+    instead = "resume it on its own data, or use another OUTPUT_DIR, or --no-resume to start this job over"
+    if [k[:2] for k in theirs] != [k[:2] for k in ours]:
         raise UserError(f"{path} was trained on {len(theirs)} categories ({_names(theirs)}) and the training set now "
-                        f"has {len(ours)} ({_names(ours)}): resume it on its own data, or use another OUTPUT_DIR, or "
-                        "--no-resume to start this job over")
+                        f"has {len(ours)} ({_names(ours)}): {instead}")
+    if theirs != ours:  # the keypoint head's channels would mean other points (and flips swap others)
+        raise UserError(f"the training set now has other keypoints than {path} was trained with "
+                        f"({category_difference(ours, theirs)}): {instead}")
 
 
 def _names(categories: list, shown: int = 5) -> str:
-    names = ", ".join(str(name) for _, name in categories[:shown])
+    names = ", ".join(str(key[1]) for key in categories[:shown])
     return names + (f" and {len(categories) - shown} more" if len(categories) > shown else "")
