@@ -641,3 +641,23 @@ def test_synth_refuses_more_images_than_a_disk_holds(tmp_path, monkeypatch):
     result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "99999999999999999999999"])
     assert_exit_2(result, "Invalid value for '--num-images': 99999999999999999999999 is not in the range 1<=x<=1000000")
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["train", "--config", str(DEMO), "DATA_DIR", "~nobody-here-x9/data"], "DATA_DIR ~nobody-here-x9/data"),
+    (["train", "--config", str(DEMO), "TRAIN.DATASETS", "('~nobody-here-x9/set',)"], "dataset ~nobody-here-x9/set"),
+    (["eval", "--config", str(DEMO), "--weights", "~nobody-here-x9/m.pth"], "--weights ~nobody-here-x9/m.pth"),
+    (["predict", "--weights", "~nobody-here-x9/m.pth", "--out", "o", "IMAGE"], "--weights ~nobody-here-x9/m.pth"),
+    (["predict", "--weights", "w", "--out", "~nobody-here-x9/o", "IMAGE"], "--out ~nobody-here-x9/o"),
+])
+def test_a_tilde_of_a_user_that_does_not_exist_is_one_line(tmp_path, monkeypatch, data_dir, argv, shown):
+    """pathlib cannot expand the home of a user the system does not know: a RuntimeError traceback."""
+    monkeypatch.chdir(tmp_path)
+    image = next((data_dir / "synth_shapes" / "val").rglob("*.png"))
+    argv = [str(image) if a == "IMAGE" else a for a in argv]
+    if argv[0] != "predict" and "DATA_DIR" not in argv:
+        argv += ["DATA_DIR", str(data_dir)]
+    result = run_cli(argv + (["TRACKING.ENABLED", "false"] if argv[0] == "train" else []))
+    assert result.code == 2, result.stderr[-2000:]
+    assert result.last_line == f"error: {shown}: no home folder is known for ~nobody-here-x9", result.stderr[-2000:]
+    assert not list(tmp_path.iterdir())

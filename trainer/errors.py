@@ -3,6 +3,7 @@
 The CLI turns a UserError into a single line on stderr and exit status 2; everything else is a bug
 or a fault and keeps its traceback.
 """
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -17,3 +18,11 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception in one short line (MLflow's and botocore's messages run to pages)."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+def user_path(text: str, what: str) -> Path:
+    """`text` as a path with its ~ expanded: a ~user with no home is the input's fault, not a traceback."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory."
+        raise UserError(f"{what} {text}: no home folder is known for {text.split('/')[0]}") from None

@@ -21,7 +21,7 @@ from PIL import Image
 from trainer.atomic_write import write_atomic
 from trainer.config import defaults, flatten, load_config
 from trainer.data.images import read_file
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError, first_line, user_path
 from trainer.redaction import printable
 from trainer.inference import decode
 from trainer.tracking.logged_model import load_detector
@@ -79,7 +79,7 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
 
 def check_out_dir(out_dir: str) -> Path:
     """OUT is a folder, or can be made as one, and can be written: checked without writing anything."""
-    out = Path(out_dir).expanduser()
+    out = user_path(out_dir, "--out")
     try:
         existing = next(p for p in (out, *out.parents) if p.exists())
     except (OSError, ValueError) as e:  # a NUL in the name, a name too long
@@ -115,7 +115,7 @@ def check_image(image: str) -> None:
 
 
 def read_image(image: str) -> bytes:
-    path = Path(image).expanduser()
+    path = user_path(image, "IMAGE")
     try:
         if path.is_dir():
             raise UserError(f"IMAGE {image} is a folder; name image files (e.g. {image.rstrip('/')}/*.jpg)")

@@ -24,7 +24,7 @@ from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.data.workers import forking, init_worker
-from trainer.errors import UserError
+from trainer.errors import UserError, user_path
 
 log = logging.getLogger(__name__)
 # torchvision 0.29 deprecates its decoders for TorchCodec, which this project does not use.
@@ -52,7 +52,7 @@ CATALOG = {**_coco_catalog(), **{name: (f"synth_shapes/{split}/{IMAGES}", f"synt
 
 def resolve_dataset(cfg, name: str) -> tuple[Path, Path]:
     """(image dir, annotation file) of a catalog name, a DATASET_CATALOG entry or a dataset folder."""
-    data_dir = Path(cfg.DATA_DIR).expanduser()
+    data_dir = user_path(cfg.DATA_DIR, "DATA_DIR")
     user = cfg.DATASET_CATALOG.get(name)
     if user is not None:
         if not isinstance(user, dict) or not {"IM_DIR", "ANN_FN"} <= set(user):
@@ -65,7 +65,7 @@ def resolve_dataset(cfg, name: str) -> tuple[Path, Path]:
             log.info("generating %s (%d images) in %s", name, count, ann.parent)
             write_synthetic_dataset(ann.parent, num_images=count, image_size=128, seed=seed)
     elif "/" in name or os.sep in name or name.startswith((".", "~")) or Path(name).is_dir():
-        root = Path(name).expanduser()
+        root = user_path(name, "dataset")
         if not root.is_dir() and (data_dir / root).is_dir():  # relative to DATA_DIR
             root = data_dir / root
         if not root.is_dir():

@@ -14,7 +14,7 @@ from torch import nn
 from torchvision.models import detection as tvd
 from torchvision.models.detection._utils import overwrite_eps
 
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError, first_line, user_path
 from trainer.models.builders import unwrap
 from trainer.downloads import URL_SCHEMES, download
 from trainer.models.detectron_weights import convert, read_blobs
@@ -67,7 +67,7 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
         except UserError as e:  # a proxy's error page cached as weights: the next start fetches it again
             path.unlink(missing_ok=True)
             raise UserError(f"{e} (the downloaded copy was removed from the cache)") from None
-    path = Path(spec).expanduser()
+    path = user_path(spec, option)
     if path.is_file():
         return _read_path(path, option, shown, model), None
     if path.exists():  # a folder, a pipe, a device

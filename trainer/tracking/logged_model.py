@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from trainer.config import load_config
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.checkpoint.files import sha256_of
 from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
@@ -81,7 +81,7 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
     if spec.startswith(MLFLOW_URIS):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
             return load_local(download_uri(cfg, spec, tmp, option), spec, option, device)
-    path = Path(spec).expanduser()
+    path = user_path(spec, option)
     if not path.exists():
         raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")
     return load_local(path, spec, option, device)
