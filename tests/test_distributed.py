@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,19 +69,44 @@ def test_a_malformed_torchrun_environment_is_one_line_before_any_run_exists(tmp_
     assert not (tmp_path / "output").exists()
 
 
-def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_run(tmp_path, data_dir):
-    """Each rank gets its own overrides (a launcher script gone wrong): with another SOLVER.MAX_ITER
-    a rank waited in a collective forever, with another BASE_LR it trained at its own, silently."""
+def _with_a_star(data_dir, to):
+    """A copy of the synthetic data with a fourth category (in the training and the test set, so
+    that the rank given it passes its own checks)."""
+    shutil.copytree(data_dir, to)
+    for ann in to.glob("synth_shapes/*/annotations.json"):
+        data = json.loads(ann.read_text())
+        data["categories"].append({**data["categories"][0], "id": 4, "name": "star"})
+        ann.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("override, message", [
+    # another SOLVER.MAX_ITER waited in a collective forever, another BASE_LR trained at its own, silently
+    ("SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))", "another config than rank 0 (SOLVER.BASE_LR differ)"),
+    # rank 1 evaluated after iteration 3 alone (TEST is no part of the job's hash): a collective no other rank joins
+    ("TEST.EVAL_PERIOD $((LOCAL_RANK * 3))", "another config than rank 0 (TEST.EVAL_PERIOD differ)"),
+    # DATA_DIR is each node's own: rank 1's set has a category more (DDP's model mismatch, or other labels silently)
+    ("DATA_DIR {tmp}/data$LOCAL_RANK", "other training data than rank 0 (categories, num_classes differ)"),
+], ids=["base-lr", "eval-period", "categories"])
+def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_run(tmp_path, data_dir, override,
+                                                                                     message):
+    """Each rank gets its own overrides (a launcher script gone wrong) or its own data: every rank
+    stops at the join with the same line, before training."""
+    if override.startswith("DATA_DIR"):
+        shutil.copytree(data_dir, tmp_path / "data0")
+        _with_a_star(data_dir, tmp_path / "data1")
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRACKING.URI": uri})
     words = " ".join(f"'{a}'" for a in [sys.executable, "-m", "trainer", "train", "--config", str(DEMO), *args])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "--no-python", "sh", "-c", f"exec {words} SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))"]
+           "--no-python", "sh", "-c", f"exec {words} {override.format(tmp=tmp_path)}"]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
-    message = "rank 1 was started with another config than rank 0 (SOLVER.BASE_LR differ)"
+    message = f"rank 1 was started with {message}"
     assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # each rank says it, in one line
+    # exit status 2 (torchrun's summary): each rank exits 2 after its line, but torchrun stops the slower one
+    # with SIGTERM while its interpreter tears down
+    assert "exitcode  : 2 " in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-2000:]
     assert "/trainer/" not in result.stderr  # no traceback of ours (torchrun prints its own ChildFailedError)
     assert not list((tmp_path / "output").glob("*.pth"))
     from mlflow import MlflowClient

@@ -113,7 +113,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
                 log.info("MLflow run %s: %s", run.run_id, where)
                 _write_run_id(run.run_id)
             on_hard_exit(lambda reason: tracker.last_words("KILLED", reason))  # stuck past the grace period
-            ctx = _join(distributed, tracker, cfg)
+            ctx = _join(distributed, tracker, cfg, prepared)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
@@ -159,10 +159,11 @@ def _check_job(cfg, tracker, resumable: bool):
     return prepared
 
 
-def _join(distributed, tracker, cfg):
+def _join(distributed, tracker, cfg, prepared):
     """The job's process group, every rank on rank 0's job; a failure to join it, or a rank started
-    with another config, fails the run (never left RUNNING), in one line."""
-    from trainer.config import job_keys
+    with another config or other training data, fails the run (never left RUNNING), in one line."""
+    from trainer.config import flatten, job_keys
+    from trainer.data.checks import category_key
 
     try:
         ctx = distributed.setup()
@@ -170,8 +171,12 @@ def _join(distributed, tracker, cfg):
         reason = f"cannot join the job's other processes: {first_line(e)}"
         tracker.finish("FAILED", reason)
         raise UserError(reason) from None
+    keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k in distributed.EVAL_KEYS}
+    # each node has its own DATA_DIR: the datasets _check_job built are compared, not their paths
+    data = None if prepared is None else {"num_classes": prepared.dataset.num_classes,
+                                          "categories": category_key(prepared.dataset.categories, prepared.dataset.keypoints)}
     try:
-        distributed.check_same_job(ctx, job_keys(cfg))
+        distributed.check_same_job(ctx, keys, data)
     except UserError as e:
         distributed.teardown(ctx)
         tracker.finish("FAILED", str(e))

@@ -119,20 +119,33 @@ def broadcast_object(ctx: Context, obj):
     return box[0]
 
 
-def check_same_job(ctx: Context, keys: dict) -> None:
-    """Every rank was started with rank 0's job (config.job_keys: the keys that change what is
-    trained; paths and tracking may differ by node). A rank with another SOLVER.MAX_ITER would
-    wait in a collective forever, one with another BASE_LR train silently at its own."""
+# The TEST keys every rank must share too (config.job_keys leaves TEST out): when evaluation runs
+# (it is collective: a rank evaluating alone waits in it forever), on what and at which size (rank 0
+# scores the detections of every rank's shard).
+EVAL_KEYS = ("TEST.DATASETS", "TEST.EVAL_PERIOD", "TEST.SCALE", "TEST.MAX_SIZE")
+
+
+def check_same_job(ctx: Context, keys: dict, data: dict | None = None) -> None:
+    """Every rank was started with rank 0's job: `keys` (config.job_keys and EVAL_KEYS; paths and
+    tracking may differ by node) and `data`, what its training set is to the model (its categories;
+    None where a finished job's data is gone: it trains nothing). A rank with another SOLVER.MAX_ITER
+    would wait in a collective forever, one with another BASE_LR or other categories train silently."""
     if not ctx.distributed:
         return
     every = [None] * ctx.world_size
-    dist.all_gather_object(every, keys)  # each rank sees them all, so all stop with the same line
-    first = every[0]
-    for rank, theirs in enumerate(every):
-        if differ := sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k)):
-            raise UserError(f"rank {rank} was started with another config than rank 0 ({', '.join(differ[:5])}"
-                            f"{' ...' if len(differ) > 5 else ''} differ): every process of a job needs the same "
-                            "config and overrides")
+    dist.all_gather_object(every, (keys, data))  # each rank sees them all, so all stop with the same line
+    first, first_data = every[0]
+    for rank, (theirs, their_data) in enumerate(every):
+        data_differ = _differ(first_data, their_data) if first_data is not None and their_data is not None else []
+        if differ := _differ(first, theirs) + data_differ:
+            what, same = (("other training data", "datasets (DATA_DIR, DATASET_CATALOG)") if differ == data_differ
+                          else ("another config", "config and overrides"))
+            raise UserError(f"rank {rank} was started with {what} than rank 0 ({', '.join(differ[:5])}"
+                            f"{' ...' if len(differ) > 5 else ''} differ): every process of a job needs the same {same}")
+
+
+def _differ(ours: dict, theirs: dict) -> list[str]:
+    return sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
 
 
 def gather_object(ctx: Context, obj) -> list:
