@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 from PIL import Image
 
 from tests.conftest import DEMO
@@ -207,6 +208,28 @@ def test_a_launchers_run_id_of_another_job_is_refused_and_its_run_untouched(here
     assert after.info.status == "KILLED" and not after.data.metrics and not (here / "output").exists()
 
 
+def test_a_launchers_run_id_of_a_foreign_run_is_refused_and_its_run_untouched(here, monkeypatch):
+    """MLFLOW_RUN_ID left exported from another project's run (no tracktron.job tag): the job adopted
+    it, wrote its tags, metrics and checkpoints into it and set its status. A launcher's run
+    (`mlflow run`) is RUNNING with no metrics yet; an ended one, or one with metrics, is refused."""
+    client = MlflowClient(f"sqlite:///{here / 'mlflow.db'}")
+    exp = client.create_experiment("demo")
+    for status, metrics in (("FINISHED", {"accuracy": 0.9}), ("FAILED", {}), ("RUNNING", {"accuracy": 0.5})):
+        theirs = client.create_run(exp, tags={"team": "nlp"}).info.run_id
+        client.log_batch(theirs, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        if status != "RUNNING":
+            client.set_terminated(theirs, status)
+        before = client.get_run(theirs)
+        monkeypatch.setenv("MLFLOW_RUN_ID", theirs)
+        for dry_run in (True, False):
+            assert_exit_2(train(here, dry_run=dry_run), f"MLFLOW_RUN_ID {theirs} is not a tracktron run (no "
+                          f"tracktron.job tag) and is {status} with {len(metrics)} metrics: only an empty, unfinished "
+                          "run is adopted; unset MLFLOW_RUN_ID to start this job's run in a new one")
+        after = client.get_run(theirs)
+        assert (after.info.status, after.data.tags, after.data.metrics) == (status, before.data.tags, metrics)
+    assert len(client.search_runs([exp])) == 3 and not (here / "output").exists()
+
+
 def test_mlflow_experiment_id_is_read_as_mlflow_reads_it(here, monkeypatch, data_dir):
     """MLFLOW_EXPERIMENT_ID was ignored: the job went to the experiment named after its config."""
     uri = f"sqlite:///{here / 'mlflow.db'}"
@@ -354,7 +377,8 @@ def test_names_hide_a_urls_credentials_but_are_never_changed_by_other_secrets():
     word that happens to equal a secret this process holds (an env password) stays as typed, or
     every job would land in an experiment named ***."""
     from trainer.redaction import remember
-    from trainer.tracking.runs import _run_name, experiment_name
+    from trainer.tracking.job_run import _run_name
+    from trainer.tracking.runs import experiment_name
 
     remember("words-that-are-also-a-password")
     cfg = load_config(DEMO, ["TRACKING.EXPERIMENT", "words-that-are-also-a-password",

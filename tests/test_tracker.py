@@ -177,7 +177,7 @@ def test_two_jobs_starting_at_once_in_a_new_experiment_both_get_their_run(tmp_pa
 
 def test_an_experiment_made_by_another_job_between_lookup_and_create_is_taken(tmp_path, mlflow_server):
     """The race above, made certain: the lookup saw no experiment, another job then made it."""
-    from trainer.tracking.runs import _experiment
+    from trainer.tracking.job_run import _experiment
 
     name = f"raced-{tmp_path.name}"
     theirs = MlflowClient(mlflow_server.url).create_experiment(name)

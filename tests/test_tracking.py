@@ -266,6 +266,49 @@ def test_resume_of_another_jobs_run_is_refused_before_anything_is_touched(tmp_pa
     assert untracked.stderr.strip().splitlines()[-1].startswith("error: --resume RUN_ID continues a tracked run")
 
 
+def test_resume_of_a_foreign_run_is_refused_and_it_stays_as_it_was(tmp_path, data_dir):
+    """--resume of a run no tracktron job made (here another project's FINISHED run, with its own
+    metrics) was adopted: our tags, metrics and checkpoints written into it, its status overwritten.
+    Found by the red team."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("another-project", str(tmp_path / "artifacts"))  # not ./mlruns of the suite
+    theirs = client.create_run(exp, tags={"team": "nlp"}).info.run_id
+    client.log_metric(theirs, "accuracy", 0.91, step=3)
+    client.set_terminated(theirs, "FINISHED")
+    before = client.get_run(theirs)
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}) + ["--resume", theirs],
+                         cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: run {theirs} is not a tracktron run (no tracktron.job tag) and is FINISHED with 1 metrics: only an "
+        "empty, unfinished run is adopted; drop --resume to start this job's run in a new one"]
+    after = client.get_run(theirs)
+    assert (after.info.status, after.info.end_time, after.data.tags, after.data.metrics, after.data.params) == (
+        before.info.status, before.info.end_time, before.data.tags, before.data.metrics, before.data.params)
+    assert sorted(e.name for e in client.search_experiments()) == ["Default", "another-project"]  # none made
+    assert len(client.search_runs([before.info.experiment_id])) == 1 and not client.list_artifacts(theirs)
+    assert not (tmp_path / "output").exists()
+
+
+def test_resume_of_a_bare_running_run_without_metrics_still_adopts_it(tmp_path, data_dir):
+    """A run made for the job (as `mlflow run` leaves it: RUNNING, params and mlflow.* tags, no
+    metrics) is still adopted by --resume and trained into."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("made-for-it", str(tmp_path / "artifacts"))
+    made = client.create_run(exp, tags={"mlflow.source.type": "PROJECT"})
+    client.log_param(made.info.run_id, "opts", "")
+    result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 2})
+                         + ["--resume", made.info.run_id], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = client.get_run(made.info.run_id)
+    assert run.info.status == "FINISHED" and "tracktron.job" in run.data.tags
+    assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth" and run.data.params["opts"] == ""
+    assert steps(client, made.info.run_id) == [0, 1]
+    assert len(client.search_runs([made.info.experiment_id])) == 1
+
+
 def test_sigterm_checkpoints_the_current_iteration_and_marks_the_run_killed(tmp_path, data_dir, mlflow_server,
                                                                             s3_server):
     import signal

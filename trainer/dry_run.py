@@ -15,7 +15,8 @@ from trainer.output_lock import OutputLock
 from trainer.preflight import check_local, prepare
 from trainer.redaction import redact_text
 from trainer.solver import lr_at_iter
-from trainer.tracking.runs import find_job_run, tracking_uri
+from trainer.tracking.job_run import find_job_run
+from trainer.tracking.runs import tracking_uri
 
 
 @held_while_checking()
