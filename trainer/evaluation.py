@@ -26,7 +26,7 @@ from pycocotools.cocoeval import COCOeval
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
-from trainer.data.checks import category_difference
+from trainer.data.checks import category_difference, same_categories
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
@@ -293,7 +293,7 @@ def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
     for dataset in tests:
         ours = category_key_of(categories_of(dataset), dataset.keypoints)
         if ours != expected:
-            what = "keypoints" if [k[:2] for k in ours] == [k[:2] for k in expected] else "categories"
+            what = "keypoints" if same_categories(ours, expected) else "categories"
             raise UserError(f"{dataset.ann_file} has other {what} than {weights} was trained on "
                             f"({category_difference(ours, expected)}): evaluate it on test sets with the model's "
                             "categories")

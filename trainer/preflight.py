@@ -18,7 +18,7 @@ from trainer.checkpoint.state import newest_valid
 from trainer.config import Config, job_keys
 from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
-from trainer.data.checks import category_difference
+from trainer.data.checks import category_difference, same_categories
 from trainer.data.coco import check_batch_size
 from trainer.inference import categories_of, category_key_of
 from trainer.models import build_model, load_weights
@@ -92,7 +92,7 @@ def check_same_categories(path, state: dict, dataset) -> None:
     keypoints = dataset.keypoints and "keypoint_names" in stored
     theirs, ours = category_key_of(stored, keypoints), category_key_of(categories_of(dataset), keypoints)
     instead = "resume it on its own data, or use another OUTPUT_DIR, or --no-resume to start this job over"
-    if [k[:2] for k in theirs] != [k[:2] for k in ours]:
+    if not same_categories(theirs, ours):
         raise UserError(f"{path} was trained on {len(theirs)} categories ({_names(theirs)}) and the training set now "
                         f"has {len(ours)} ({_names(ours)}): {instead}")
     if theirs != ours:  # the keypoint head's channels would mean other points (and flips swap others)

@@ -188,6 +188,11 @@ def category_key(categories: list, keypoints: bool = True) -> list:
     return [(c["id"], c.get("name"), tuple(c.get("keypoints") or ()) if keypoints else ()) for c in categories]
 
 
+def same_categories(ours: list, theirs: list) -> bool:
+    """Whether two category_key lists name the same categories, whatever their keypoints."""
+    return [k[:2] for k in ours] == [k[:2] for k in theirs]
+
+
 def category_difference(ours: list, theirs: list) -> str:
     """The first difference of two category_key lists, for a message."""
     pairs = [(a, b) for a, b in zip(ours, theirs) if a != b]

@@ -281,7 +281,7 @@ class ConcatDetection(ConcatDataset):
         super().__init__(datasets)
         first = datasets[0]
         for other in datasets[1:]:
-            if (ours := _category_key(first)) != (theirs := _category_key(other)):
+            if (ours := dataset_category_key(first)) != (theirs := dataset_category_key(other)):
                 raise UserError(f"training datasets {first.ann_file} and {other.ann_file} have different categories "
                                 f"({category_difference(ours, theirs)})")
         for attr in ("ann_file", "keypoints", "categories", "label_to_cat_id", "cat_id_to_label", "class_names", "keypoint_names",
@@ -299,7 +299,8 @@ class ConcatDetection(ConcatDataset):
         return self.datasets[d][(index - (self.cumulative_sizes[d - 1] if d else 0), flip)]
 
 
-def _category_key(dataset) -> list:
+def dataset_category_key(dataset) -> list:
+    """checks.category_key of a dataset (or a ConcatDetection of several)."""
     return category_key(dataset.categories, dataset.keypoints)
 
 
@@ -355,11 +356,11 @@ def check_test_datasets(cfg, train_dataset) -> None:
     whole training (a rerun would then have nothing to do). Training sets' images are not opened: a
     COCO-sized set would take tens of seconds, and a bad one fails the job in one line, its
     checkpoints kept."""
-    ours = _category_key(train_dataset)
+    ours = dataset_category_key(train_dataset)
     for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
         test = CocoDetection(*resolve_dataset(cfg, name), train=False, sizes=input_sizes(cfg, False),
                              **model_needs(cfg))
-        if (theirs := _category_key(test)) != ours:  # labels would name other categories
+        if (theirs := dataset_category_key(test)) != ours:  # labels would name other categories
             raise UserError(f"test set {test.ann_file} has other categories than the training set "
                             f"{train_dataset.ann_file} ({category_difference(theirs, ours)})")
         check_image_headers(test.ann_file, test.image_dir, test._records)
