@@ -1,6 +1,7 @@
 """Shared fixtures: the synthetic dataset (made once), a trainer runner, real servers."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -62,6 +63,25 @@ def run_trainer(args: list[str], cwd: Path, env: dict | None = None, timeout: fl
                 config: Path = DEMO) -> subprocess.CompletedProcess:
     return subprocess.run(trainer_cmd(*args, config=config), cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run of a launcher (torchrun) whose workers start sessions of their own: on a
+    timeout every process under it is killed too, not left training after the test failed."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd[2:4]} did not end within {timeout}s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="session")

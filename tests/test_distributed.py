@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import DEMO, demo_overrides, run_trainer
+from tests.conftest import DEMO, demo_overrides, run_trainer, run_tree
 from tests.faultkit import Job, wait_until
 from tests.servers import free_port
 from trainer.checkpoint.state import load as load_checkpoint
@@ -22,8 +22,7 @@ from trainer.checkpoint.state import load as load_checkpoint
 def torchrun(args, cwd):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "trainer", "train", "--config", str(DEMO), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_tree(cmd, timeout=600, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
@@ -79,6 +78,16 @@ def _with_a_star(data_dir, to):
         ann.write_text(json.dumps(data))
 
 
+def _without_an_image(data_dir, to):
+    """A copy of the synthetic data whose training set has one image fewer."""
+    shutil.copytree(data_dir, to)
+    ann = next(to.glob("synth_shapes/train*/annotations.json"))
+    data = json.loads(ann.read_text())
+    gone = data["images"].pop()["id"]
+    data["annotations"] = [a for a in data["annotations"] if a["image_id"] != gone]
+    ann.write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize("override, message", [
     # another SOLVER.MAX_ITER waited in a collective forever, another BASE_LR trained at its own, silently
     ("SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))", "another config than rank 0 (SOLVER.BASE_LR differ)"),
@@ -86,27 +95,29 @@ def _with_a_star(data_dir, to):
     ("TEST.EVAL_PERIOD $((LOCAL_RANK * 3))", "another config than rank 0 (TEST.EVAL_PERIOD differ)"),
     # DATA_DIR is each node's own: rank 1's set has a category more (DDP's model mismatch, or other labels silently)
     ("DATA_DIR {tmp}/data$LOCAL_RANK", "other training data than rank 0 (categories, num_classes differ)"),
-], ids=["base-lr", "eval-period", "categories"])
+    # a node whose copy of the data is short: its sampler shards another list, so ranks train on overlapping images
+    ("DATA_DIR {tmp}/data$LOCAL_RANK", "other training data than rank 0 (images differ)"),
+], ids=["base-lr", "eval-period", "categories", "images"])
 def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_run(tmp_path, data_dir, override,
                                                                                      message):
     """Each rank gets its own overrides (a launcher script gone wrong) or its own data: every rank
     stops at the join with the same line, before training."""
     if override.startswith("DATA_DIR"):
         shutil.copytree(data_dir, tmp_path / "data0")
-        _with_a_star(data_dir, tmp_path / "data1")
+        (_with_a_star if "categories" in message else _without_an_image)(data_dir, tmp_path / "data1")
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRACKING.URI": uri})
     words = " ".join(f"'{a}'" for a in [sys.executable, "-m", "trainer", "train", "--config", str(DEMO), *args])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "--no-python", "sh", "-c", f"exec {words} {override.format(tmp=tmp_path)}"]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_tree(cmd, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     message = f"rank 1 was started with {message}"
     assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # each rank says it, in one line
-    # exit status 2 (torchrun's summary): each rank exits 2 after its line, but torchrun stops the slower one
-    # with SIGTERM while its interpreter tears down
-    assert "exitcode  : 2 " in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-2000:]
+    # exit status 2 (torchrun's summary), on every rank: the slower one was stopped by torchrun's SIGTERM (-15)
+    # while its interpreter tore down
+    assert "exitcode  : 2 " in result.stderr, result.stderr[-2000:]
+    assert "exitcode  : 1 " not in result.stderr and "exitcode  : -15 " not in result.stderr, result.stderr[-2000:]
     assert "/trainer/" not in result.stderr  # no traceback of ours (torchrun prints its own ChildFailedError)
     assert not list((tmp_path / "output").glob("*.pth"))
     from mlflow import MlflowClient

@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -317,6 +316,8 @@ def test_eval_of_test_sets_without_annotations_says_there_is_nothing_to_score(sh
 # ---- torchrun: every rank infers its shard, rank 0 gets them all ----
 
 def test_distributed_evaluation_equals_single_process(shapes, tmp_path):
+    from tests.conftest import run_tree  # not at the top: torchrun's workers run this file as a script
+
     cfg = make_cfg(shapes, TEST={"IMS_PER_BATCH": 1})  # batch of one: padding cannot differ between runs
     torch.manual_seed(0)
     model = build_model(cfg, num_classes=4)
@@ -324,8 +325,7 @@ def test_distributed_evaluation_equals_single_process(shapes, tmp_path):
     single = evaluate(cfg, model, Context(), tmp_path / "single")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            __file__, str(shapes), str(tmp_path / "w.pth"), str(tmp_path / "dist")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_tree(cmd, timeout=180, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     per_rank = [json.loads((tmp_path / "dist" / f"metrics{r}.json").read_text()) for r in range(2)]
     assert per_rank[0] == per_rank[1] == pytest.approx(single)

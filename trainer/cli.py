@@ -163,7 +163,7 @@ def _join(distributed, tracker, cfg, prepared):
     """The job's process group, every rank on rank 0's job; a failure to join it, or a rank started
     with another config or other training data, fails the run (never left RUNNING), in one line."""
     from trainer.config import flatten, job_keys
-    from trainer.data.checks import category_key
+    from trainer.data.coco import dataset_category_key
 
     try:
         ctx = distributed.setup()
@@ -173,13 +173,14 @@ def _join(distributed, tracker, cfg, prepared):
         raise UserError(reason) from None
     keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k in distributed.EVAL_KEYS}
     # each node has its own DATA_DIR: the datasets _check_job built are compared, not their paths
-    data = None if prepared is None else {"num_classes": prepared.dataset.num_classes,
-                                          "categories": category_key(prepared.dataset.categories, prepared.dataset.keypoints)}
+    dataset = None if prepared is None else prepared.dataset
+    data = None if dataset is None else {"num_classes": dataset.num_classes, "images": len(dataset),
+                                         "categories": dataset_category_key(dataset)}
     try:
         distributed.check_same_job(ctx, keys, data)
     except UserError as e:
-        distributed.teardown(ctx)
         tracker.finish("FAILED", str(e))
+        distributed.teardown(ctx, together=True)
         raise
     return ctx
 
@@ -365,11 +366,7 @@ def main(argv=None) -> None:
         check_arguments_are_text(sys.argv[1:] if argv is None else argv)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a console that is gone (a pipe, a hung-up terminal)
-                stream.flush()
-        os._exit(e.code)
+        _flush_and_exit(e.code)
     except click.exceptions.Abort as e:
         if isinstance(e.__cause__, EOFError):  # click takes any EOFError for an ended prompt: here it is a fault
             raise e.__cause__ from None
@@ -377,7 +374,19 @@ def main(argv=None) -> None:
     except (UserError, click.ClickException) as e:  # click's own usage errors: one line too, with the same prefix
         text = e.format_message() if isinstance(e, click.ClickException) else str(e)
         write_or_drop(sys.stderr, f"error: {_one_line(redact_text(text))}\n")
+        if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # torchrun SIGTERMs the other ranks once one
+            _flush_and_exit(2)  # exits: all of them end now, with their own status, not -15 in their teardown
         sys.exit(2)
+
+
+def _flush_and_exit(code: int) -> None:
+    """Exit now, without the interpreter's teardown (torch's and MLflow's take seconds): everything
+    of ours has finished, only the console is flushed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a console that is gone (a pipe, a hung-up terminal)
+            stream.flush()
+    os._exit(code)
 
 
 def _one_line(text: str, limit: int = 2000) -> str:

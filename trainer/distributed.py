@@ -97,8 +97,13 @@ def environment(ctx: Context) -> dict[str, str]:
             "cuda": torch.version.cuda or "none", "device": device, "world_size": str(ctx.world_size)}
 
 
-def teardown(ctx: Context) -> None:
+def teardown(ctx: Context, together: bool = False) -> None:
+    """`together` where every rank stops at the same point (a failed check): each waits for the
+    others first, so that rank 0 has marked the run before any rank exits (torchrun then stops
+    the rest with SIGTERM)."""
     if ctx.distributed and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 
