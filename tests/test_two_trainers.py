@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import trainer_cmd
+from tests.conftest import DEMO, demo_overrides, trainer_cmd
 from tests.servers import FaultProxy
 from tests.test_tracking import only_run, steps, tracked
 
@@ -219,3 +219,25 @@ def test_two_trainers_of_a_job_started_together_one_trains(tmp_path, data_dir, m
     run = only_run(client, exp)  # one run for the job (a run made second is deleted)
     logged = steps(client, run.info.run_id)
     assert logged == sorted(set(logged))  # one trainer's curve at a time: no step twice
+
+
+def test_two_trainers_handed_one_bare_run_adopt_it_once(tmp_path, data_dir):
+    """`mlflow run --run-id X` started twice, or `--resume X` of a bare run given to two machines:
+    both find the run bare and free, and each opens it once its checks are done. The first adopts
+    it; the second finds the first's heartbeat on it and is refused. Adopting did not claim the run
+    (only reopening the job's own did), so both trained into it."""
+    from trainer.config import load_config
+    from trainer.errors import UserError
+    from trainer.tracking.job_run import find_run, open_run
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    bare = client.create_run(client.create_experiment("demo", artifact_location=str(tmp_path / "artifacts")))
+    cfg = load_config(DEMO, demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}))
+    first, second = (find_run(client, uri, cfg, bare.info.run_id, new_run=False) for _ in range(2))
+    opened = open_run(client, uri, cfg, 1, first)
+    with pytest.raises(UserError, match=f"^run {bare.info.run_id} of this job is being trained right now by "):
+        open_run(client, uri, cfg, 1, second)
+    run = client.get_run(bare.info.run_id)
+    assert opened.run.info.run_id == run.info.run_id and HEARTBEAT in run.data.tags
+    assert run.data.tags[HEARTBEAT] == opened.run.data.tags[HEARTBEAT]  # the first's, not overwritten

@@ -80,8 +80,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
 
     try:
         run, note = found.run and client.get_run(found.run.info.run_id), None  # as it is now, after the checks
-        if found.resumes:
-            run = claim_run(client, found.run, run)  # before anything else is written to it
+        if run is not None:  # the job's own, or a bare one to adopt: before anything else is written to it
+            run = claim_run(client, found.run, run)
         if found.launcher_note:  # `mlflow run` made a new run for a job that has one: one job stays one run
             launcher_id, job_run_id, note = found.launcher_note
             client.log_batch(launcher_id, tags=[RunTag("tracktron.job_run_id", job_run_id),
