@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import run_trainer
@@ -307,6 +308,28 @@ def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(t
     assert load_checkpoint(out / f"model_iter{done}.pth")["iteration"] == done
     run = only_run(MlflowClient(mlflow_server.url), exp)
     assert sha_tag(f"model_iter{done}.pth") not in run.data.tags  # never claimed without its bytes
+
+
+@pytest.mark.parametrize("flags", [["--resume", "0123456789abcdef0123456789abcdef"], []],
+                         ids=["resume-run-id", "auto-resume"])
+def test_a_tracking_server_that_never_answers_the_run_lookup_stops_the_job_in_one_line(tmp_path, data_dir,
+                                                                                        mlflow_server, flags):
+    """The lookup of the job's run (and the check that --resume's run is this job's, not someone
+    else's) against a server that accepts and never answers: one line, within MLflow's request
+    timeout as the user set it, before anything is trained or written."""
+    with FaultProxy(mlflow_server.url) as proxy:
+        proxy.set_mode("hang")
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": "silent"})
+        start = time.monotonic()
+        done = run_trainer([*flags, *args], cwd=tmp_path, timeout=180,
+                           env={"MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+        took = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and proxy.url.split("//")[1] in lines[-1], lines[-1]
+    assert took < 60, f"{took:.0f}s with a 3 s request timeout and no retries"
+    assert not (tmp_path / "output").exists() or not list((tmp_path / "output").glob("*.pth"))
+    assert MlflowClient(mlflow_server.url).get_experiment_by_name("silent") is None
 
 
 # ---- tracking server: SIGKILL mid-upload, tampered local and truncated server checkpoints, slow server ---
