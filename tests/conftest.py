@@ -17,6 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _nothing_written_into_the_checkout():
+    """Tests keep stores and artifacts under tmp: a ./mlruns in the checkout (MLflow's default
+    artifact root, for an experiment made without one) is a test writing where a user's runs go."""
+    made = [p for p in (ROOT / "mlruns", ROOT / "mlflow.db") if not p.exists()]
+    yield
+    assert not [p for p in made if p.exists()], f"a test wrote {[str(p) for p in made if p.exists()]} into the checkout"
+
+
 @pytest.fixture(autouse=True)
 def _isolated_environment():
     """No ambient MLflow settings, and none leak out of a test (mlflow.set_tracking_uri writes
