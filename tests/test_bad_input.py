@@ -164,6 +164,17 @@ CONFIG_CASES = [
     ("unhashable-literal", ["TRAIN.SCALES", "{[1]: 2}"], "TRAIN.SCALES[0] must be int"),
     ("catalog-path-through-value", ["DATASET_CATALOG.a", "1", "DATASET_CATALOG.a.b", "2"],
      "DATASET_CATALOG.a is 1, not a mapping"),
+    # entries this job does not use are checked too: the job that names one later would fail there
+    ("catalog-entry-misspelt-key", ["DATASET_CATALOG.unused.IM_DIR", "x", "DATASET_CATALOG.unused.ANN_FILE", "y.json"],
+     "DATASET_CATALOG.unused needs IM_DIR and ANN_FN (an image folder and a COCO json, each a path relative to "
+     "DATA_DIR or absolute) and no other key but credentials: ANN_FN missing or not a path"),
+    ("catalog-entry-extra-key", ["DATASET_CATALOG.mine", "{IM_DIR: x, ANN_FN: y.json, IM_PREFIX: z}"],
+     "DATASET_CATALOG.mine needs IM_DIR and ANN_FN (an image folder and a COCO json, each a path relative to "
+     "DATA_DIR or absolute) and no other key but credentials: unknown key IM_PREFIX"),
+    ("catalog-entry-number", ["DATASET_CATALOG.mine", "{IM_DIR: 5, ANN_FN: y.json}"], ": IM_DIR missing or not a path"),
+    ("catalog-entry-blank", ["DATASET_CATALOG.mine", "{IM_DIR: ' ', ANN_FN: y.json}"], ": IM_DIR missing or not a path"),
+    ("catalog-entry-not-a-mapping", ["DATASET_CATALOG.mine", "[x, y.json]"],
+     "DATASET_CATALOG.mine must be a mapping with IM_DIR and ANN_FN, got list"),
 ]
 
 

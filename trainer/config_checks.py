@@ -11,6 +11,7 @@ from pathlib import Path
 
 
 from trainer.errors import ConfigError
+from trainer.redaction import is_secret_key
 from trainer.lr_policy import POLICIES, check_schedule
 
 LR_POLICIES = tuple(POLICIES)  # lr_policy.py has each policy once
@@ -39,6 +40,22 @@ def _same_test_folders(datasets: list) -> str:
                     "its metrics would overwrite each other's): rename a folder or give it a DATASET_CATALOG name")
         seen[tag] = name
     return ""
+
+
+def _catalog_problem(catalog: dict) -> str | None:
+    """Every DATASET_CATALOG entry, used by this job or not, is {IM_DIR: folder, ANN_FN: json}, plus
+    the entry's own credentials if it has any (secret-named keys, redacted wherever they would go):
+    a misspelt key (ANN_FILE) or a number for a path is found now, not by a later job that names it."""
+    for name, entry in catalog.items():
+        if not isinstance(entry, dict):
+            return f"DATASET_CATALOG.{name} must be a mapping with IM_DIR and ANN_FN, got {type(entry).__name__}"
+        missing = [k for k in ("IM_DIR", "ANN_FN") if not isinstance(entry.get(k), str) or not entry[k].strip()]
+        unknown = sorted(str(k) for k in entry if k not in ("IM_DIR", "ANN_FN") and not is_secret_key(str(k)))
+        if missing or unknown:
+            said = f"{' and '.join(missing)} missing or not a path" if missing else f"unknown key {', '.join(unknown)}"
+            return (f"DATASET_CATALOG.{name} needs IM_DIR and ANN_FN (an image folder and a COCO json, each a path "
+                    f"relative to DATA_DIR or absolute) and no other key but credentials: {said}")
+    return None
 
 
 def _best_metric_ok(cfg) -> bool:
@@ -169,6 +186,8 @@ def validate(cfg) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if problem := _catalog_problem(cfg.DATASET_CATALOG):
+        raise ConfigError(problem)
     if clash := _same_test_folders(cfg.TEST.DATASETS):
         raise ConfigError(clash)
     if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
