@@ -153,7 +153,6 @@ def bad(tmp_path, images, model_dir):
     data = good.read_bytes()
     (tmp_path / "truncated.png").write_bytes(data[: len(data) // 2])
     (tmp_path / "shots").mkdir()
-    (tmp_path / "preds" / "good.png").mkdir(parents=True)  # where good.png's drawing would go
     (tmp_path / "taken").write_text("a file where OUT should go\n")
     Image.new("RGB", (400, 1)).save(tmp_path / "strip.png")  # scaled to no pixel on its short side
     Image.new("RGB", (32, 32)).save(tmp_path / "pic.bmp")  # PIL reads it, torchvision does not
@@ -176,7 +175,6 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),
     ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
     ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
-    ("folder where a result goes", lambda a: a("good.png", out="preds"), "--out preds: good.png is a folder there"),
     # os.access says yes to root under /proc: the traceback came after the inference (the red team's)
     ("out where nothing can be made", lambda a: a("good.png", out="/proc/tracktron-out"),
      "--out /proc/tracktron-out"),
@@ -248,7 +246,7 @@ def test_arguments_split_at_the_first_config_key_and_stems_stay_unique():
 
 def test_names_reach_the_terminal_escaped_and_a_link_loop_in_out_is_a_name_taken(tmp_path, model_dir, images):
     """A file name is anyone's to choose: its escape sequences and newlines are shown escaped on
-    stdout. A symlink loop where a result would go is no traceback: the drawing replaces the link."""
+    stdout. A symlink loop where a result would go is no traceback, and is left as it is (the user's)."""
     name = "evil\x1b[31mRED\x1b]0;pwned\x07\nline2"
     shutil.copy(images["png"], tmp_path / f"{name}.png")
     out = tmp_path / "out"
@@ -260,8 +258,9 @@ def test_names_reach_the_terminal_escaped_and_a_link_loop_in_out_is_a_name_taken
     assert result.returncode == 0, result.stderr
     assert not set("\x1b\x07\r") & set(result.stdout) and len(result.stdout.splitlines()) == 2
     assert "evil\\x1b[31mRED\\x1b]0;pwned\\x07\\nline2.png: " in result.stdout
-    with Image.open(out / "x.png") as drawn:
+    with Image.open(out / "x-2.png") as drawn:
         assert drawn.size == image_size(images["png"])
+    assert os.readlink(out / "x.png") == "y.png" and os.readlink(out / "y.png") == "x.png"
 
 
 def test_out_as_the_images_folder_never_overwrites_an_image(tmp_path, model_dir, images, categories):
@@ -274,6 +273,25 @@ def test_out_as_the_images_folder_never_overwrites_an_image(tmp_path, model_dir,
     assert all(p.read_bytes() == data for p, data in before.items())  # the user's images as they were
     check_outputs(shots, f"{png.stem}-2", png, categories)  # its drawing beside it, under another name
     check_outputs(shots, "photo", jpg, categories)
+
+
+def test_out_as_the_images_folder_never_replaces_a_users_file_but_replaces_its_own(tmp_path, model_dir, images,
+                                                                                   categories):
+    """cat.jpg with the user's cat.png and a LabelMe cat.json beside it, predicted into its own
+    folder: both were replaced by the drawing and the detections, exit 0. They are left as they
+    are; a rerun replaces its own earlier results. Found by the red team of 2026-12-03."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    cat = Path(shutil.copy(images["jpg"], photos / "cat.jpg"))
+    shutil.copy(images["png"], photos / "cat.png")
+    (photos / "cat.json").write_text('{"version": "5.0.1", "shapes": [], "imagePath": "cat.jpg"}')
+    before = {p.name: p.read_bytes() for p in photos.iterdir()}
+    for _ in range(2):
+        result = predict_cli("--weights", model_dir, "--out", photos, cat, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert all((photos / name).read_bytes() == data for name, data in before.items())
+        check_outputs(photos, "cat-2", cat, categories)
+    assert sorted(p.name for p in photos.iterdir()) == ["cat-2.json", "cat-2.png", "cat.jpg", "cat.json", "cat.png"]
 
 
 # ------------------------------------------------------------------------------------------ drawing
