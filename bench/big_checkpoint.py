@@ -43,7 +43,7 @@ kind, path, bucket, key, url, run_id, expected = sys.argv[1:8]
 path = Path(path)
 import boto3
 from mlflow import MlflowClient
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 from trainer.tracking.prefetch import download_verified
 from trainer.tracking.runs import bound_http
 from trainer.tracking.transfers import run_repository, upload
@@ -79,7 +79,7 @@ def run(env: Env) -> Section:
     from mlflow import MlflowClient
 
     from tests.servers import MlflowServer
-    from trainer.checkpoint.files import sha256_of
+    from trainer.hashing import sha256_of
 
     size, rounds = (256 * MB, (2, 1)) if env.quick else (1024 * MB, (5, 1))  # (upload, download) rounds
     s3, proxy = env.s3, env.mlflow

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from trainer.checkpoint.files import checkpoint_name, prune, sha256_of
+from trainer.checkpoint.files import checkpoint_name, prune
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import CheckpointWriteError, capture_rng, load as load_checkpoint, save_atomic
 from trainer.checkpoint.writer import CheckpointWriter
 

@@ -29,7 +29,8 @@ from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file ar
     assert_gone, assert_same_weights, flip_bytes, HUP_DEFAULT, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
     only_run, reference, sha_tag, steps, temp_files, wait_until)
 from tests.servers import FaultProxy
-from trainer.checkpoint.files import iteration_of, local_checkpoints, sha256_of
+from trainer.checkpoint.files import iteration_of, local_checkpoints
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
 
 

@@ -20,7 +20,7 @@ from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file ar
     assert_same_weights, job_args, jobs, MAX_ITER, _no_run_id_file, only_run, reference, sha_tag, steps,
     temp_files, wait_until)
 from tests.servers import FaultProxy
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
 
 

@@ -243,7 +243,7 @@ def test_a_pickled_model_is_refused_not_unpickled(tmp_path, data_dir, monkeypatc
 def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_parent(job, data_dir, tmp_path):
     """TRAIN.WEIGHTS models:/<name>@best on a dataset with one category less: the class head is
     new, everything else starts as the parent's; the new run names its parent and its datasets."""
-    from trainer.checkpoint.files import sha256_of
+    from trainer.hashing import sha256_of
 
     val = data_dir / "synth_shapes" / "val"
     ann = json.loads((val / "annotations.json").read_text())
@@ -295,7 +295,7 @@ def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_
 def test_a_run_checkpoint_as_weights_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):
     """TRAIN.WEIGHTS runs:/<run>/checkpoints/<file>: an upload without its tag (unfinished) or with
     bytes that do not match it is refused in one line; with the right tag the job can start."""
-    from trainer.checkpoint.files import sha256_of
+    from trainer.hashing import sha256_of
 
     client = job["client"]
     holder = client.create_run(client.create_experiment(f"{job['name']}-holder")).info.run_id

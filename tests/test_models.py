@@ -1,4 +1,6 @@
 """trainer.models: every type builds, tiny models train and evaluate on CPU, weights load or fail clearly."""
+import shutil
+
 import pytest
 import torch
 import torchvision
@@ -6,6 +8,7 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from trainer import config
 from trainer.errors import UserError
+from trainer.hashing import sha256_of
 from trainer.models import (MODEL_TYPES, build_model, describe_model, load_weights, set_test_size,
                             set_train_size)
 
@@ -187,8 +190,14 @@ def test_classification_weights_go_into_the_backbone(tmp_path, monkeypatch):
     report = load_weights(model, str(tmp_path / "r18.pth"))
     assert report.target == "backbone.body" and set(report.unexpected) == {"fc.weight", "fc.bias"}
     assert torch.equal(model.backbone.body.conv1.weight, imagenet["conv1.weight"])
-    # The same through a torchvision weight name, with the download faked (no network here).
-    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", lambda self, **kw: imagenet)
+    # The same through a torchvision weight name, its file already in torch hub's cache (no network
+    # here), named as torchvision names its files: the first hex digits of its sha256 after the dash.
+    digest = sha256_of(tmp_path / "r18.pth")
+    weight = torchvision.models.get_weight("ResNet18_Weights.IMAGENET1K_V1")
+    monkeypatch.setattr(weight.value, "url", f"https://download.pytorch.org/models/resnet18-{digest[:8]}.pth")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    (tmp_path / "torch" / "hub" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "r18.pth", tmp_path / "torch" / "hub" / "checkpoints" / f"resnet18-{digest[:8]}.pth")
     assert load_weights(model, "ResNet18_Weights.IMAGENET1K_V1").target == "backbone.body"
 
 
@@ -202,9 +211,10 @@ def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "r18.pth")
     cases.append((str(tmp_path / "r18.pth"), "no tensor that fits"))  # resnet18 body vs a mobilenet model
 
-    def offline(self, **kw):
+    def offline(*args, **kw):
         raise OSError("[Errno -3] Temporary failure in name resolution")
-    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty-torch-home"))
     cases.append(("ResNet18_Weights.IMAGENET1K_V1", "download failed"))
     for spec, message in cases:
         with pytest.raises(UserError, match=message) as e:

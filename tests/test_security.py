@@ -27,7 +27,7 @@ from mlflow import MlflowClient
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
 from tests.servers import MlflowServer
 from tests.test_bad_input import Outcome, run_cli
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
 from trainer.config import job_hash, load_config
 
@@ -99,6 +99,30 @@ def test_malicious_train_weights_are_refused_in_one_line(train, trap):
     assert result.last_line.startswith(f"error: TRAIN.WEIGHTS {evil} is not a weights file tracktron loads: it holds pickled")
     assert "Traceback" not in result.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "dry-run"])
+def test_a_torchvision_weight_name_whose_cached_file_was_replaced_runs_nothing(train, tmp_path, monkeypatch, trap,
+                                                                               command):
+    """TRAIN.WEIGHTS as a torchvision weight name reads torch hub's cache, which torch.hub trusts
+    as it is (it checks the hash only of what it downloads) and unpickles with weights_only=False:
+    a pickle put there under the weight's file name ran its code. Found by the red team of
+    2026-12-03 (with the COCO configs' ImageNet weights)."""
+    import torchvision
+
+    evil, marker = trap
+    weight = torchvision.models.get_weight("MobileNet_V3_Large_Weights.IMAGENET1K_V1")
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / weight.url.rsplit("/", 1)[1]
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(evil.read_bytes())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    result = train("TRAIN.WEIGHTS", "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
+                   *(["--dry-run"] if command == "dry-run" else []))
+    assert result.code == 2, result.stderr[-2000:]
+    assert result.last_line == (f"error: TRAIN.WEIGHTS MobileNet_V3_Large_Weights.IMAGENET1K_V1: {cached} is not "
+                                "the file torchvision publishes (its sha256 does not start with 8738ca79, as its "
+                                "name says): delete it, and it is downloaded again")
+    assert not marker.exists() and cached.read_bytes() == evil.read_bytes()
 
 
 def test_malicious_eval_weights_are_refused_in_one_line(tmp_path, monkeypatch, data_dir, trap):

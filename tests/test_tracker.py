@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 
 from tests.conftest import DEMO
 from tests.servers import FaultProxy, MlflowServer
-from trainer.checkpoint.files import checkpoint_name, sha256_of
+from trainer.checkpoint.files import checkpoint_name
+from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
 from trainer.tracking.runs import sha_tag
@@ -194,10 +195,11 @@ def test_an_experiment_made_by_another_job_between_lookup_and_create_is_taken(tm
     assert _experiment(LateLookup(mlflow_server.url), name) == theirs
 
 
-def test_a_stop_whose_time_runs_out_behind_a_stuck_upload_still_sets_the_runs_status(tmp_path):
+def test_a_stop_whose_time_runs_out_behind_a_stuck_upload_still_sets_the_runs_status(tmp_path, monkeypatch):
     """A SIGTERM with little grace left while the uploader is busy (the final model was being logged):
     the status job, queued behind it, never ran, and the run stayed RUNNING."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.chdir(tmp_path)  # a new SQLite store's experiment keeps its artifacts in ./mlruns, as MLflow's does
     tracker = new_tracker(tmp_path, uri)
     tracker.checks_passed()
     run_id = tracker.run.run_id

@@ -15,7 +15,8 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import demo_overrides, run_trainer, trainer_cmd
-from trainer.checkpoint.files import iteration_of, sha256_of
+from trainer.checkpoint.files import iteration_of
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
 
 METRIC_KEYS = {"loss", "loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg", "lr", "time",

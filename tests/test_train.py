@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import demo_overrides, run_trainer, trainer_cmd
-from trainer.checkpoint.files import remove_stale_temps, sha256_of
+from trainer.checkpoint.files import remove_stale_temps
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint, save_atomic
 from trainer.engine import NonFiniteLoss, check_finite
 

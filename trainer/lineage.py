@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 from trainer.data import resolve_dataset
 from trainer.tracking.logged_model import fetch_weights
 from trainer.tracking.model_uris import MLFLOW_URIS

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, sha256_of
+from trainer.checkpoint.files import FINAL
+from trainer.hashing import sha256_of
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.config import Config
 from trainer.inference import save as save_model

@@ -4,7 +4,6 @@ these before torch is imported (a resume starts its download while torch loads).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -33,12 +32,6 @@ def iteration_of(name: str) -> float:
     return int(m.group(1)) if m else -1
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"

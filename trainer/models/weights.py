@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import urllib.parse
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch import nn
 from torchvision.models import detection as tvd
 from torchvision.models.detection._utils import overwrite_eps
 
+from trainer.hashing import sha256_of
 from trainer.errors import UserError, first_line, user_path
 from trainer.models.builders import unwrap
 from trainer.downloads import URL_SCHEMES, download
@@ -79,11 +81,29 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
         weight = torchvision.models.get_weight(spec)
     except (ValueError, KeyError, AttributeError):
         raise UserError(f"{option} {spec}: unknown torchvision weight name") from None
-    try:
-        return weight.get_state_dict(progress=False, check_hash=True), weight
-    except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
-        raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
-                        f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
+    return _read_file(hub_file(weight, option, spec), option, spec), weight
+
+
+def hub_file(weight, option: str, spec: str) -> Path:
+    """torchvision's file for `weight` in torch hub's cache, downloaded there if it is not yet, and
+    checked against the sha256 prefix in its name whoever put it there: torch.hub checks only what
+    it downloads, and its loader (weight.get_state_dict) unpickles whatever the file holds."""
+    from torch.hub import HASH_REGEX, download_url_to_file, get_dir
+
+    name = Path(urllib.parse.urlsplit(weight.url).path).name
+    path = Path(get_dir()) / "checkpoints" / name
+    expected = HASH_REGEX.search(name)
+    if not path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            download_url_to_file(weight.url, str(path), expected and expected.group(1), progress=False)
+        except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
+            raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
+                            f"fetch {weight.url} elsewhere and set {option} to the file's path") from None
+    if expected and not sha256_of(path).startswith(expected.group(1)):
+        raise UserError(f"{option} {spec}: {path} is not the file torchvision publishes (its sha256 does not start "
+                        f"with {expected.group(1)}, as its name says): delete it, and it is downloaded again")
+    return path
 
 
 def _read_path(path: Path, option: str, shown: str, model: nn.Module) -> dict:

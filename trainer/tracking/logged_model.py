@@ -17,7 +17,7 @@ import yaml
 from trainer.config import load_config
 from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
 from trainer.tracking.runs import download_uri, sha_tag, tracking_uri
 

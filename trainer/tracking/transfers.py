@@ -36,7 +36,7 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trainer.checkpoint.files import sha256_of
+from trainer.hashing import sha256_of
 
 STORE_FLOOR_BPS = 8 * 1024**2  # a server storing a file onward slower than this is taken for hung
 CONNECT_S = 10.0
