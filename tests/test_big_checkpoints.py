@@ -27,7 +27,8 @@ from tests.conftest import DEMO, demo_overrides
 from tests.faultkit import (  # noqa: F401 - jobs is a fixture
     jobs, only_run, sha_tag, steps, wait_until)
 from tests.servers import FaultProxy, MlflowServer
-from trainer.checkpoint.files import checkpoint_name, sha256_of
+from trainer.checkpoint.files import checkpoint_name
+from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
 from trainer.tracking.transfers import download, repository, run_repository, upload
@@ -283,6 +284,26 @@ def test_keep_2_leaves_the_newest_two_and_every_checkpoint_that_is_best_evaluate
     assert _stored(url, run_id) == expected and _tagged(tags) == expected
     assert tags["tracktron.best_checkpoint"] == "model_iter1.pth" and tags["tracktron.ckpt.latest"] == "model_final.pth"
     assert _s3_checkpoints(s3_server, run_id) == expected  # gone from the store, not only from the listing
+
+
+def test_keep_never_deletes_the_jobs_new_checkpoints_for_a_tag_of_a_later_iteration(tmp_path, mlflow_server,
+                                                                                   s3_server):
+    """The run carries a sha256 tag of a later iteration than the job now reaches: a checkpoint that
+    failed its sha256 (the job went on from an earlier one), or a hand-made tag. Counted as the
+    newest, it had each checkpoint the job uploaded deleted as soon as it was tagged, and a job
+    killed then lost everything. Found by the red team of 2026-12-03."""
+    url, exp = mlflow_server.url, f"later-{uuid.uuid4().hex[:6]}"
+    first = _tracker(tmp_path, url, exp)
+    run_id = first.run.run_id
+    assert first.finish(None, timeout=30) == []
+    MlflowClient(url).set_tag(run_id, "tracktron.ckpt.model_iter999.pth.sha256", "00")
+    second = _tracker(tmp_path, url, exp, resume=run_id)
+    for it in (1, 3, 5):
+        _checkpoint(tmp_path, second, it)
+    assert second.finish(None, timeout=30) == []
+    tags = MlflowClient(url).get_run(run_id).data.tags
+    assert _stored(url, run_id) == {"model_iter3.pth", "model_iter5.pth"}  # keep 2 of this job's own
+    assert _tagged(tags) == {"model_iter3.pth", "model_iter5.pth", "model_iter999.pth"}  # the user's tag, untouched
 
 
 def _s3_checkpoints(s3_server, run_id: str) -> set[str]:

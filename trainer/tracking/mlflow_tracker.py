@@ -260,13 +260,13 @@ class MlflowTracker(Tracker):
         return self._repo
 
     def _prune(self) -> None:
-        """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only, so
-        it is logged, not retried (the next checkpoint's upload tries again)."""
+        """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only (logged)."""
         from trainer.tracking.pruning import prune_run
 
+        newest = max((iteration_of(n) for n in list(self._uploaded) if n != FINAL), default=-1)  # this job's own
         try:
             gone = prune_run(self.client, self._artifacts(), self._run.run_id, self._experiment_id(),
-                             self._keep_on_server, self._evaluated)
+                             self._keep_on_server, self._evaluated, newest)
         except Exception as e:  # the server refused or failed a delete: everything is still there
             log.warning("tracking: older checkpoints stay on the server for now: %s", first_line(e, 300))
             return

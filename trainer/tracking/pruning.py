@@ -4,16 +4,18 @@ Called on the tracker's uploader thread right after a checkpoint is uploaded and
 An older `model_iter` goes (its artifact, then its sha256 tag) unless something still names it:
 the run's best-checkpoint tag, a LoggedModel of the run (an evaluated checkpoint), a registered
 model version whose source is that file, or an evaluation of this process not linked yet.
-`model_final` and the newest complete checkpoint always stay. The artifact goes before its tag, so
-a delete that fails leaves the checkpoint whole and complete (the next upload tries again); a tag
-whose own delete failed names an old checkpoint that a resume (newest first) reaches only when every
-newer one fails its sha256, and the next pruning, which starts from the tags, removes it.
+`model_final` and the checkpoint just uploaded always stay; a tag of a later iteration than that
+(a checkpoint the job could not resume from, or a hand-made tag) is neither counted nor deleted.
+The artifact goes before its tag, so a delete that fails leaves the checkpoint whole and complete
+(the next upload tries again); a tag whose own delete failed names an old checkpoint that a resume
+(newest first) reaches only when every newer one fails its sha256, and the next pruning, which
+starts from the tags, removes it.
 """
 from __future__ import annotations
 
 import logging
 
-from trainer.checkpoint.files import FINAL
+from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.tracking.checkpoint_models import BEST_TAGS, CHECKPOINT_TAG
 from trainer.tracking.runs import checkpoints_from, sha_tag
 from trainer.tracking.search import every_page
@@ -21,13 +23,18 @@ from trainer.tracking.search import every_page
 log = logging.getLogger(__name__)
 
 
-def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluated: set[str]) -> list[str]:
-    """Delete the run's complete model_iter checkpoints past the newest `keep` that nothing names;
-    returns their names. keep 0 keeps all."""
+def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluated: set[str],
+              newest: float) -> list[str]:
+    """Delete the run's complete model_iter checkpoints past the newest `keep` up to `newest` (the
+    one this process has just uploaded) that nothing names; returns their names. keep 0 keeps all.
+    A tag of a later iteration is no newer checkpoint of this job: one whose file failed its sha256
+    (the job went on from an earlier one), or a hand-made tag; counted first, it had every checkpoint
+    this job uploaded deleted as it arrived. Such a tag is left to the user."""
     if keep <= 0:
         return []
     tags = client.get_run(run_id).data.tags
-    older = [n for n in checkpoints_from(tags) if n != FINAL][keep:]  # newest first: the newest is never here
+    ours = [n for n in checkpoints_from(tags) if n != FINAL and iteration_of(n) <= newest]
+    older = ours[keep:]  # newest first: the one just uploaded is never here
     doomed = [n for n in older if n not in evaluated and n != tags.get(BEST_TAGS[0])]
     if doomed:
         named = _named_by_models(client, experiment_id, run_id) | _registered(client, run_id)
