@@ -63,9 +63,11 @@ def launch_trainjob(template: str, job_id: str, num_nodes: int, config: str, opt
     head = trainer["args"][:trainer["args"].index("train") + 1]  # torchrun's flags, -m trainer train
     head = [f"--rdzv-id={name}" if a.startswith("--rdzv-id=") else a for a in head]
     # opts goes to --opts whole, as in the single-pod step: the trainer splits it (quotes honoured)
-    # after DATA_DIR and OUTPUT_DIR, and refuses a flag among them.
-    trainer["args"] = head + ["--config", config, "--opts", opts, "--", "DATA_DIR", data_dir,
-                              "OUTPUT_DIR", "/output/train"]
+    # after DATA_DIR and OUTPUT_DIR, and refuses a flag among them. Kubernetes replaces $(VAR) in a
+    # container's args with its environment (the Secret's password among it): the user's words
+    # are escaped ($$ is one $), so they reach the trainer as typed and never expand.
+    words = [w.replace("$", "$$") for w in ("--config", config, "--opts", opts, "--", "DATA_DIR", data_dir)]
+    trainer["args"] = head + words + ["OUTPUT_DIR", "/output/train"]
     env = [e for e in trainer["env"] if e["name"] not in ("MLFLOW_EXPERIMENT_NAME", "TRACKTRON_RUN_ID_FILE")]
     for e in env:
         if "secretKeyRef" in e.get("valueFrom", {}):

