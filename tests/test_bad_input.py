@@ -672,3 +672,16 @@ def test_a_tilde_of_a_user_that_does_not_exist_is_one_line(tmp_path, monkeypatch
     assert result.code == 2, result.stderr[-2000:]
     assert result.last_line == f"error: {shown}: no home folder is known for ~nobody-here-x9", result.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_config_that_is_the_output_dirs_own_config_yaml_is_refused_and_kept(train, tmp_path):
+    """--config OUTPUT_DIR/config.yaml (a job rerun from its output's config): the job wrote its
+    resolved config over the file, its comments gone and the password in its URI as ***. Found by
+    the red team of 2026-12-03."""
+    mine = tmp_path / "output" / "config.yaml"
+    mine.parent.mkdir()
+    mine.write_text(DEMO.read_text() + "\n# my notes\n")
+    before = mine.read_bytes()
+    assert_exit_2(train(config=mine), f"--config {mine} is the file this job writes its resolved config to "
+                                      "(OUTPUT_DIR/config.yaml): copy it elsewhere and give that copy")
+    assert mine.read_bytes() == before and sorted(p.name for p in mine.parent.iterdir()) == ["config.yaml"]

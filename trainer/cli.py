@@ -20,7 +20,7 @@ from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import check_arguments_are_text, held_while_checking, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
-from trainer.output_dir import check_output_dir
+from trainer.output_dir import check_config_file_kept, check_output_dir
 from trainer.output_lock import OutputLock
 from trainer.redaction import printable, redact_text
 from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
@@ -82,6 +82,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     check_output_dir(Path(cfg.OUTPUT_DIR))
+    check_config_file_kept(config_file, Path(cfg.OUTPUT_DIR))
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
     from trainer.tracking.model_uris import check_source
 

@@ -37,6 +37,14 @@ def check_output_dir(path: Path) -> None:
                         f"(a folder, a pipe, a device or a broken link); move it away")
 
 
+def check_config_file_kept(config_file: str | None, output_dir: Path) -> None:
+    """The job writes its resolved config (redacted) as OUTPUT_DIR/config.yaml: a --config that is
+    that file (a job rerun from its output's config) was replaced, its comments and secrets gone."""
+    if config_file and Path(config_file).resolve() == (output_dir / "config.yaml").resolve():
+        raise UserError(f"--config {config_file} is the file this job writes its resolved config to "
+                        f"(OUTPUT_DIR/config.yaml): copy it elsewhere and give that copy")
+
+
 def _loops(link: Path) -> bool:
     try:
         os.stat(link)
