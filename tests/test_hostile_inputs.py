@@ -31,13 +31,13 @@ def here(tmp_path, monkeypatch):
     return tmp_path
 
 
-def train(tmp: Path, *opts: str, data_dir: Path | None = None, dry_run: bool = False):
+def train(tmp: Path, *opts: str, data_dir: Path | None = None, dry_run: bool = False, flags: tuple = ()):
     base = ["OUTPUT_DIR", str(tmp / "output"), "TRACKING.URI", f"sqlite:///{tmp / 'mlflow.db'}",
             "SOLVER.MAX_ITER", "4", "TRAIN.SNAPSHOT_ITERS", "1", "DATA_LOADER.NUM_THREADS", "0",
             "TRAIN.IMS_PER_BATCH", "2", "TEST.DATASETS", "()", "TRACKING.LOG_MODEL", "false"]
     if data_dir is not None:
         base += ["DATA_DIR", str(data_dir)]
-    return run_cli(["train", "--config", str(DEMO), *(["--dry-run"] if dry_run else []), *base, *opts])
+    return run_cli(["train", "--config", str(DEMO), *(["--dry-run"] if dry_run else []), *flags, *base, *opts])
 
 
 def digest(path: Path) -> str:
@@ -228,6 +228,23 @@ def test_a_launchers_run_id_of_a_foreign_run_is_refused_and_its_run_untouched(he
         after = client.get_run(theirs)
         assert (after.info.status, after.data.tags, after.data.metrics) == (status, before.data.tags, metrics)
     assert len(client.search_runs([exp])) == 3 and not (here / "output").exists()
+
+
+def test_a_launchers_run_id_of_this_jobs_run_with_no_resume_is_refused(here, monkeypatch, data_dir):
+    """MLFLOW_RUN_ID of the job's own run with --no-resume ("start over in a new run"): the job
+    resumed that run from its checkpoint, silently. --resume RUN_ID --no-resume was refused.
+    Found by the red team of 2026-12-03."""
+    first = train(here, data_dir=data_dir)
+    assert first.code is None, first.stderr
+    client = MlflowClient(f"sqlite:///{here / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    before = client.get_run(run.info.run_id)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    refused = train(here, data_dir=data_dir, flags=("--no-resume",))
+    assert_exit_2(refused, f"MLFLOW_RUN_ID {run.info.run_id} is this job's run, which --no-resume would not continue: "
+                           "unset MLFLOW_RUN_ID to start the job over in a new run, or drop --no-resume")
+    after = client.get_run(run.info.run_id)
+    assert (after.info.status, after.data.tags) == (before.info.status, before.data.tags)
 
 
 def test_mlflow_experiment_id_is_read_as_mlflow_reads_it(here, monkeypatch, data_dir):

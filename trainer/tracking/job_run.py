@@ -119,6 +119,9 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
         launcher = _get(client.get_run, uri, "MLFLOW_RUN_ID", launcher_id)
         _check_ours(launcher, cfg, "MLFLOW_RUN_ID", "unset MLFLOW_RUN_ID")  # also before a launcher-only note
         exp_id = launcher.info.experiment_id
+        if new_run and JOB_TAG in launcher.data.tags:  # it would be continued, checkpoints and all
+            raise UserError(f"MLFLOW_RUN_ID {launcher_id} is this job's run, which --no-resume would not continue: "
+                            "unset MLFLOW_RUN_ID to start the job over in a new run, or drop --no-resume")
         if JOB_TAG in launcher.data.tags or not resume:
             return FoundRun(launcher, "", exp_id)
         earlier = _newest_job_run(client, exp_id, cfg)
