@@ -25,6 +25,7 @@ import argparse
 import datetime
 import gc
 import logging
+import os
 import platform
 import sys
 import tempfile
@@ -199,22 +200,27 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rows, t0 = [], time.perf_counter()
+    args.out, home = str(Path(args.out).resolve()), os.getcwd()
     with tempfile.TemporaryDirectory(prefix="tracktron-gpu-bench-") as tmp:
-        for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
-            for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
-                if precision not in ("fp32", "amp"):
-                    print(f"unknown precision {precision!r} (fp32, amp)", file=sys.stderr)
-                    return 2
-                print(f"== {model_type} {precision} ...", file=sys.stderr, flush=True)
-                r = bench_one(args, model_type, precision == "amp", device, Path(tmp))
-                gc.collect()  # the model, optimizer and batches of this configuration go before the next
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                print(f"   bare {r['bare']:.1f} img/s, ours {r['ours']:.1f} img/s ({r['ours'] / r['bare']:.3f}); "
-                      f"peak {r['bare_peak']:.2f} / {r['ours_peak']:.2f} GiB", file=sys.stderr, flush=True)
-                rows.append(r)
-                # written after every configuration, so a run cut short by gpu.sh's timeout keeps its rows
-                Path(args.out).write_text(render(args, rows, device, time.perf_counter() - t0))
+        os.chdir(tmp)  # the sqlite store's new experiment keeps artifacts in ./mlruns (MLflow's default): here
+        try:
+            for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
+                for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+                    if precision not in ("fp32", "amp"):
+                        print(f"unknown precision {precision!r} (fp32, amp)", file=sys.stderr)
+                        return 2
+                    print(f"== {model_type} {precision} ...", file=sys.stderr, flush=True)
+                    r = bench_one(args, model_type, precision == "amp", device, Path(tmp))
+                    gc.collect()  # the model, optimizer and batches of this configuration go before the next
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    print(f"   bare {r['bare']:.1f} img/s, ours {r['ours']:.1f} img/s ({r['ours'] / r['bare']:.3f}); "
+                          f"peak {r['bare_peak']:.2f} / {r['ours_peak']:.2f} GiB", file=sys.stderr, flush=True)
+                    rows.append(r)
+                    # written after every configuration, so a run cut short by gpu.sh's timeout keeps its rows
+                    Path(args.out).write_text(render(args, rows, device, time.perf_counter() - t0))
+        finally:
+            os.chdir(home)
     text = render(args, rows, device, time.perf_counter() - t0)
     Path(args.out).write_text(text)
     print(text)
