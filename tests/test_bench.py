@@ -106,3 +106,17 @@ def test_a_subset_run_over_a_file_it_did_not_write_says_so_instead_of_merging():
     for old in ("", "notes by hand\n", "# tracktron benchmarks\n\n## Summary\n\nnothing yet\n"):
         with pytest.raises(ValueError, match="no summary table"):
             merge(old, fresh, "_now_")
+
+
+def test_strict_fails_a_missed_target_or_a_broken_benchmark_but_not_one_within_the_noise():
+    """.ci/nightly runs `bench.run --quick --strict`: red for a target missed (or a benchmark that
+    broke), green for UNRESOLVED, and without --strict a run always ends 0 (its file says the rest)."""
+    from bench.common import UNRESOLVED, Section
+    from bench.run import exit_status
+
+    def sections(*verdicts):
+        return [Section(f"s{i}", "S", "how", "h", "-", v) for i, v in enumerate(verdicts)]
+
+    assert exit_status(sections(True, UNRESOLVED, None), strict=True) == 0
+    assert exit_status(sections(True, False), strict=True) == 1
+    assert exit_status(sections(True, False), strict=False) == 0
