@@ -150,6 +150,9 @@ REFUSED_TYPES = [  # (id, text, what the one line must name)
     ("deep-yaml-list-200", edit(FASTER, "SCALES: (800,)", "SCALES: " + "[" * 200 + "800" + "]" * 200), "TRAIN.SCALES"),
     ("5000-digit-number", edit(FASTER, "SCALES: (800,)", "SCALES: (" + "9" * 5000 + ",)"), "TRAIN.SCALES"),
     ("9**9**9-not-evaluated", edit(FASTER, "SCALES: (800,)", "SCALES: (9**9**9,)"), "TRAIN.SCALES"),
+    # an OverflowError traceback in float(): the red team of 2026-12-03
+    ("400-digit-MAX_ITER", edit(FASTER, "MAX_ITER: 90000", "MAX_ITER: " + "9" * 400), "SOLVER.MAX_ITER is out of range"),
+    ("400-digit-scale", edit(FASTER, "SCALES: (800,)", "SCALES: (" + "9" * 400 + ",)"), "TRAIN.SCALES[0] is out of range"),
     ("tracktron-section-inside", FASTER + "TRACKING:\n  ENABLED: false\n", "TRACKING.ENABLED"),
     ("RPN_ONLY-as-type", edit(FASTER, "TYPE: generalized_rcnn", "TYPE: rpn"), "MODEL.TYPE 'rpn'"),
     ("TEST.SCALES-two-values", edit(FASTER, "  SCALE: 800\n", "  SCALES: (800, 1000)\n"), "TEST.SCALE"),

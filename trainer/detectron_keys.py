@@ -292,10 +292,15 @@ def typed(key: str, value):
     return _scalar(key, value, default)
 
 
+_LARGEST = 2**53  # config.MAX_INT: the largest integer a config takes exactly
+
+
 def _scalar(key: str, value, default):
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, (int, float)):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _LARGEST:  # float() overflows
+            raise ConfigError(f"{key} is out of range: {short(value)}")
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
             isinstance(default, float) or float(value).is_integer()) and math.isfinite(value)
         value = type(default)(value) if ok else value
