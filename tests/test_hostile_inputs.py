@@ -52,16 +52,25 @@ DEEP = "[" * 5000 + "]" * 5000
 @pytest.mark.parametrize("opts, message", [
     (["OUTPUT_DIR", ""], "OUTPUT_DIR must name a folder"),  # it trained into the working directory
     (["OUTPUT_DIR", "out\nput"], "OUTPUT_DIR must be printable"),  # YAML made it `out put`
+    (["DATA_DIR", '"data\\n"'], "DATA_DIR must be printable"),  # a folder named with its newline, even by --dry-run
     (["SOLVER.MAX_ITER", "1000000000000000"], "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),  # OverflowError in the ETA
     (["LOG_PERIOD", "99999999999999999999999"], "LOG_PERIOD is out of range"),  # OverflowError in a deque
     (["NUM_GPUS", "99999999999999999999999"], "NUM_GPUS is out of range"),  # accepted silently
     (["TRAIN.DATASETS", "synth_shapes_train #x"], "' #' starts a YAML comment"),  # the rest dropped
     (["TRAIN.SCALES", DEEP], "TRAIN.SCALES: the value is nested too deeply"),  # RecursionError
-], ids=["empty-output-dir", "newline-output-dir", "huge-max-iter", "huge-log-period", "huge-num-gpus",
+], ids=["empty-output-dir", "newline-output-dir", "newline-data-dir", "huge-max-iter", "huge-log-period", "huge-num-gpus",
         "yaml-comment", "deep-override"])
 def test_config_values_past_what_a_job_can_be(here, opts, message):
     assert_exit_2(train(here, *opts), message)
     assert sorted(p.name for p in here.iterdir()) == []
+
+
+def test_dry_run_shows_a_name_with_escape_sequences_escaped(here, data_dir):
+    """NAME (and the paths and dataset names beside it) reached the terminal raw in the plan: an
+    escape sequence cleared the screen or retitled the window. Found by the red team of 2026-12-03."""
+    plan = train(here, "NAME", "'job\x1b[2J\x1b]0;pwned\x07'", data_dir=data_dir, dry_run=True)
+    assert plan.code is None, plan.stderr[-2000:]
+    assert "job\\x1b[2J\\x1b]0;pwned\\x07" in plan.stdout and not set("\x1b\x07") & set(plan.stdout)
 
 
 def test_a_config_file_nested_hundreds_deep_or_not_a_file_is_one_line(here):

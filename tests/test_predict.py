@@ -174,6 +174,7 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("a link to /dev/zero", lambda a: a("zero.png"), "IMAGE zero.png: cannot read it (not an image file"),
     ("only overrides", lambda a: a("TEST.SCALE", "64"), "no IMAGE given"),
     ("out is a file", lambda a: a("good.png", out="taken"), "--out taken is a file"),
+    ("out empty", lambda a: a("good.png", out=""), "--out must name a folder, got an empty value"),  # wrote into cwd
     ("out under a file", lambda a: a("good.png", out="taken/preds"), "cannot be made: taken is a file"),
     # os.access says yes to root under /proc: the traceback came after the inference (the red team's)
     ("out where nothing can be made", lambda a: a("good.png", out="/proc/tracktron-out"),

@@ -162,6 +162,7 @@ def validate(cfg) -> None:
         (1 <= cfg.LOG_PERIOD <= MAX_ITERS, f"LOG_PERIOD must be 1 to {MAX_ITERS:,}, got {cfg.LOG_PERIOD}"),
         (cfg.OUTPUT_DIR.strip() != "", "OUTPUT_DIR must name a folder, got an empty value"),
         (cfg.OUTPUT_DIR.isprintable(), f"OUTPUT_DIR must be printable (no newline or control character), got {cfg.OUTPUT_DIR!r}"),
+        (cfg.DATA_DIR.isprintable(), f"DATA_DIR must be printable (no newline or control character), got {cfg.DATA_DIR!r}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),
         (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),

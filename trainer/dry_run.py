@@ -13,7 +13,7 @@ from trainer.data.coco import CocoDetection, resolve_dataset
 from trainer.models import load_weights
 from trainer.output_lock import OutputLock
 from trainer.preflight import check_local, prepare
-from trainer.redaction import redact_text
+from trainer.redaction import printable, redact_text
 from trainer.solver import lr_at_iter
 from trainer.tracking.job_run import find_job_run
 from trainer.tracking.runs import tracking_uri
@@ -39,7 +39,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
              _schedule(cfg),
              _tracking(cfg, resume_run_id, new_run),
              f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg)}"]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)  # NAME, paths and dataset names are anyone's to choose
 
 
 def _test_sets(cfg: Config) -> str:

@@ -78,6 +78,8 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
 
 def check_out_dir(out_dir: str) -> Path:
     """OUT is a folder, or can be made as one, and can be written: checked without writing anything."""
+    if not out_dir.strip():  # Path("") is the working directory
+        raise UserError("--out must name a folder, got an empty value")
     out = user_path(out_dir, "--out")
     try:
         existing = next(p for p in (out, *out.parents) if p.exists())
