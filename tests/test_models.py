@@ -210,6 +210,15 @@ def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
     cases.append((str(tmp_path / "empty.pth"), "holds no model weights"))
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "r18.pth")
     cases.append((str(tmp_path / "r18.pth"), "no tensor that fits"))  # resnet18 body vs a mobilenet model
+    # Found by the red team of 2026-12-03: a run was made, then the loss was NaN at iteration 0 (or a traceback)
+    state = tiny_faster.state_dict()
+    key = next(k for k, v in state.items() if v.is_floating_point())
+    torch.save({**state, key: torch.full_like(state[key], float("nan"))}, tmp_path / "nan.pth")
+    cases.append((str(tmp_path / "nan.pth"), f"{key} holds NaN or infinite values"))
+    torch.save({**state, 7: torch.zeros(1)}, tmp_path / "int-key.pth")
+    cases.append((str(tmp_path / "int-key.pth"), "is not a weights file tracktron loads: 7 is a key that is no name"))
+    torch.save({**state, key: state[key].to_sparse()}, tmp_path / "sparse.pth")
+    cases.append((str(tmp_path / "sparse.pth"), f"'{key}' is a sparse, quantized or meta tensor"))
 
     def offline(*args, **kw):
         raise OSError("[Errno -3] Temporary failure in name resolution")

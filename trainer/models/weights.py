@@ -45,6 +45,9 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", sho
         return None
     model, shown = unwrap(model), shown or spec
     state, weight = _read_weights(spec, option, shown, model)
+    if bad := next((k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())), None):
+        raise UserError(f"{option} {shown}: {bad} holds NaN or infinite values (a diverged job's weights, or a "
+                        "damaged file): the first iteration's loss would be NaN")
     target, module, state = _pick_target(model, state)
     own = module.state_dict()
     skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
@@ -135,6 +138,10 @@ def _read_file(path: Path, option: str, shown: str) -> dict:
     state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
     if not state:
         raise UserError(f"{option} {shown} holds no model weights (a state_dict or {{'model': state_dict}})")
+    for key, value in state.items():  # what torch.load takes but load_state_dict cannot (a traceback there)
+        if not isinstance(key, str) or value.layout != torch.strided or value.is_quantized or value.is_meta:
+            what = "a key that is no name" if not isinstance(key, str) else "a sparse, quantized or meta tensor"
+            raise UserError(f"{option} {shown} is not a weights file tracktron loads: {key!r} is {what}")
     if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
         state = {k[len("module."):]: v for k, v in state.items()}
     return state
