@@ -440,6 +440,14 @@ def test_keypoint_counts_must_agree_for_a_keypoint_model(tmp_path):
     data["annotations"][0]["keypoints"] = [1, 1, 2]
     with pytest.raises(UserError, match="annotation 1 has 1 keypoints; its categories name 2"):
         check(ann, data, image_dir, keypoints=True)
+    # a name twice: the flip map paired "l" with itself, and flipped samples lost one point and doubled
+    # another (the red team of 2026-12-03); a box model never reads the names
+    data["annotations"][0]["keypoints"] = [1, 1, 2, 3, 3, 2]
+    for c in data["categories"]:
+        c["keypoints"] = ["l", "l"]
+    with pytest.raises(UserError, match="category 7 names keypoint 'l' twice; each needs its own name"):
+        check(ann, data, image_dir, keypoints=True)
+    check(ann, data, image_dir, keypoints=False)
 
 
 def test_an_animated_image_is_read_as_its_first_frame(tmp_path):

@@ -75,6 +75,9 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         names = c.get("keypoints")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise UserError(f"{path}: category {c['id']!r} has keypoints {_short(names)}, not a list of names")
+        if keypoints and names and len(set(names)) < len(names):  # the flip map pairs points by name
+            twice = next(n for n in names if names.count(n) > 1)
+            raise UserError(f"{path}: category {c['id']!r} names keypoint {twice!r} twice; each needs its own name")
     counts = sorted({len(c.get("keypoints") or []) for c in data["categories"] if c.get("keypoints")})
     if keypoints and len(counts) > 1:  # one keypoint head: one skeleton
         raise UserError(f"{path}: categories name {' and '.join(map(str, counts))} keypoints; a keypoint model "
