@@ -241,3 +241,23 @@ def test_two_trainers_handed_one_bare_run_adopt_it_once(tmp_path, data_dir):
     run = client.get_run(bare.info.run_id)
     assert opened.run.info.run_id == run.info.run_id and HEARTBEAT in run.data.tags
     assert run.data.tags[HEARTBEAT] == opened.run.data.tags[HEARTBEAT]  # the first's, not overwritten
+
+
+def test_a_run_made_twice_by_a_retried_create_leaves_only_the_trainers_own(tmp_path):
+    """MLflow's client sends runs/create again when the answer is lost (a reset link): the server
+    made the run twice, with the same start time and heartbeat. The copy the trainer never got
+    back stayed RUNNING, and won ties: the trainer then refused itself ("being trained right now by
+    <its own pid>"), or a later start continued the empty copy from iteration 0. Found by the red
+    team of 2026-12-03; the two requests are made here as the retry makes them."""
+    from trainer.tracking.job_run import drop_copies
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
+    exp = client.create_experiment("demo", artifact_location=str(tmp_path / "artifacts"))
+    tags = {"tracktron.job": "0123456789abcdef", HEARTBEAT: json.dumps({"host": "vm", "pid": 5601, "time": 1.0})}
+    lost, mine = (client.create_run(exp, start_time=1_700_000_000_000, tags=tags) for _ in range(2))
+    other_job = client.create_run(exp, start_time=1_700_000_000_000, tags={**tags, "tracktron.job": "fedcba9876543210"})
+    other_trainer = client.create_run(exp, start_time=1_700_000_000_000, tags={**tags, HEARTBEAT: "{}"})
+    drop_copies(client, exp, mine)
+    assert client.get_run(lost.info.run_id).info.lifecycle_stage == "deleted"
+    for kept in (mine, other_job, other_trainer):  # another job's run, another trainer's: not copies of this one
+        assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"

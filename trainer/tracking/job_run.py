@@ -91,6 +91,7 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         last_step = -1
         if run is None:
             run = client.create_run(exp_id, tags=_start_tags(cfg, world_size), run_name=_run_name(cfg))
+            drop_copies(client, exp_id, run)
             if found.auto_resume:
                 _first_of_its_job(client, exp_id, cfg, run)
         elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
@@ -224,6 +225,17 @@ def _active(found, uri: str):
     kind, key = ("run", found.info.run_id) if run else ("experiment", found.experiment_id)
     raise UserError(f"{kind} {key} on {uri} is deleted: restore it (`mlflow {kind}s restore --{kind}-id {key}`) "
                     f"or name another {kind}")
+
+
+def drop_copies(client, exp_id: str, run) -> None:
+    """MLflow's client sends a POST again when its answer is lost: the server may have made the run
+    twice, the same request (start time, heartbeat) each time. The copy this trainer never got
+    back is deleted: left, a later start could continue it, empty, instead of the job's run."""
+    same = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{run.data.tags[JOB_TAG]}' and "
+                              f"attributes.start_time = {run.info.start_time}", max_results=20)
+    for other in same:
+        if other.info.run_id != run.info.run_id and other.data.tags.get(HEARTBEAT_TAG) == run.data.tags[HEARTBEAT_TAG]:
+            client.delete_run(other.info.run_id)
 
 
 def _first_of_its_job(client, exp_id: str, cfg: Config, run) -> None:
