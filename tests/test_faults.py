@@ -333,6 +333,19 @@ def test_a_tracking_server_that_never_answers_the_run_lookup_stops_the_job_in_on
     assert MlflowClient(mlflow_server.url).get_experiment_by_name("silent") is None
 
 
+def test_a_tracking_server_that_answers_errors_is_not_called_unreachable(tmp_path, data_dir):
+    """A server (or its proxy) that is up and answers 503 to everything: the line said "cannot reach
+    the tracking server (is it running?)", which sends the user to check the wrong thing. Found
+    by the red team of 2026-12-03."""
+    with FaultProxy("http://127.0.0.1:9") as proxy:  # answers 503 itself, whatever is behind it
+        proxy.set_mode("error")
+        done = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url}), cwd=tmp_path, timeout=180,
+                           env={"MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (f"error: the tracking server at {proxy.url} answers with HTTP 503 "
+                                                    "errors (see its log); TRACKING.ENABLED false trains without tracking")
+
+
 # ---- tracking server: SIGKILL mid-upload, tampered local and truncated server checkpoints, slow server ---
 
 def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_server(

@@ -5,6 +5,7 @@ line. Finding or opening the job's run is job_run.py's, which builds on these.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -160,6 +161,9 @@ _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refuse
 
 def start_error(uri: str, e: BaseException) -> str:
     text = str(e)
+    if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
+        return (f"the tracking server at {uri} answers with HTTP {answered.group(1)} errors (see its log); "
+                "TRACKING.ENABLED false trains without tracking")
     if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
         return (f"cannot reach the tracking server at {uri} (is it running?); "
                 "TRACKING.ENABLED false trains without tracking")
