@@ -173,6 +173,8 @@ CONFIG_CASES = [
      "DATA_DIR or absolute) and no other key but credentials: unknown key IM_PREFIX"),
     ("catalog-entry-number", ["DATASET_CATALOG.mine", "{IM_DIR: 5, ANN_FN: y.json}"], ": IM_DIR missing or not a path"),
     ("catalog-entry-blank", ["DATASET_CATALOG.mine", "{IM_DIR: ' ', ANN_FN: y.json}"], ": IM_DIR missing or not a path"),
+    # an OSError traceback (file name too long), in eval and --dry-run: the red team of 2026-12-03
+    ("test-set-name-too-long", ["TEST.DATASETS", f"('{'v' * 300}',)"], "200 at most"),
     ("catalog-entry-not-a-mapping", ["DATASET_CATALOG.mine", "[x, y.json]"],
      "DATASET_CATALOG.mine must be a mapping with IM_DIR and ANN_FN, got list"),
 ]

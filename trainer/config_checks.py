@@ -34,6 +34,9 @@ def _same_test_folders(datasets: list) -> str:
     seen: dict = {}
     for name in datasets:
         tag = dataset_dirname(name)
+        if len(tag.encode()) > 200:  # a folder name (255 bytes at most) and a metric key's prefix (250)
+            return (f"TEST.DATASETS {name[:40]!r}...: a test set's name is its evaluation folder's and its metrics' "
+                    f"prefix, {len(tag.encode())} bytes here; 200 at most")
         if tag in seen:
             return (f"TEST.DATASETS lists {name!r} twice" if seen[tag] == name else
                     f"TEST.DATASETS {seen[tag]!r} and {name!r} are both {tag!r} in evaluation (eval/{tag}/ and "
