@@ -687,3 +687,18 @@ def test_a_config_that_is_the_output_dirs_own_config_yaml_is_refused_and_kept(tr
     assert_exit_2(train(config=mine), f"--config {mine} is the file this job writes its resolved config to "
                                       "(OUTPUT_DIR/config.yaml): copy it elsewhere and give that copy")
     assert mine.read_bytes() == before and sorted(p.name for p in mine.parent.iterdir()) == ["config.yaml"]
+
+
+def test_opts_given_twice_add_up_in_order_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """A second --opts silently replaced the first (click keeps the last value of an option): a
+    launcher that appends its own --opts dropped the user's. Found by the red team of 2026-12-03."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    shown = run_cli(["config", "--config", str(DEMO), "--opts", "SOLVER.MAX_ITER 7 SOLVER.BASE_LR 0.1",
+                     "--opts", "SOLVER.BASE_LR 0.5"])
+    assert shown.code is None, shown.stderr
+    cfg = yaml.safe_load(shown.stdout.split("## resolved config\n")[1].split("\n## ")[0])
+    assert (cfg["SOLVER"]["MAX_ITER"], cfg["SOLVER"]["BASE_LR"]) == (7, 0.5)
+    assert_exit_2(run_cli(["config", "--config", str(DEMO), "--opts", "SOLVER.MAX_ITER 7", "--opts", "NAME 'x"]),
+                  "--opts: No closing quotation in \"NAME 'x\"")

@@ -40,16 +40,20 @@ def cli():
 def _opts_option(command):
     """--opts: the trailing KEY VALUE pairs as one string, for launchers that pass a single value
     (MLproject's -P opts=..., `docker run IMAGE`, Kubeflow)."""
-    return click.option("--opts", "opts_text", default="", metavar="TEXT",
+    return click.option("--opts", "opts_text", multiple=True, metavar="TEXT",
                         help="More KEY VALUE pairs in one string, split as a shell would (quotes honoured, nothing "
-                             "expanded or run); they come after the trailing pairs, so they win.")(command)
+                             "expanded or run); they come after the trailing pairs, so they win. May be given "
+                             "more than once, in order.")(command)
 
 
-def _overrides(opts: tuple[str, ...], opts_text: str) -> list[str]:
-    try:
-        return [*opts, *shlex.split(opts_text)]
-    except ValueError as e:  # an unclosed quote or a trailing backslash
-        raise UserError(f"--opts: {e} in {opts_text!r}") from None
+def _overrides(opts: tuple[str, ...], opts_text: tuple[str, ...]) -> list[str]:
+    words = list(opts)
+    for text in opts_text:  # each --opts in turn: a second one adds to the first (it replaced it)
+        try:
+            words += shlex.split(text)
+        except ValueError as e:  # an unclosed quote or a trailing backslash
+            raise UserError(f"--opts: {e} in {text!r}") from None
+    return words
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
