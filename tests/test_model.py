@@ -23,7 +23,7 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image
 
-from tests.conftest import demo_overrides, run_trainer
+from tests.conftest import demo_overrides, run_trainer, trainer_cmd
 from tests.servers import BIN, free_port, wait_http
 from trainer.checkpoint.state import load as load_checkpoint
 
@@ -292,29 +292,42 @@ def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_
         torch.testing.assert_close(trained[k], parent[k], atol=1e-5, rtol=0)
 
 
-def test_a_run_checkpoint_as_weights_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):
-    """TRAIN.WEIGHTS runs:/<run>/checkpoints/<file>: an upload without its tag (unfinished) or with
-    bytes that do not match it is refused in one line; with the right tag the job can start."""
+def test_a_run_checkpoint_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):
+    """runs:/<run>/checkpoints/<file> as TRAIN.WEIGHTS, `eval --weights` and `predict --weights`: an
+    upload without its tag (unfinished) or with bytes that do not match it is refused in one line;
+    with the right tag each of them goes ahead."""
     from trainer.hashing import sha256_of
 
     client = job["client"]
     holder = client.create_run(client.create_experiment(f"{job['name']}-holder")).info.run_id
     final = job["tmp"] / "output" / "model_final.pth"
     client.log_artifact(holder, str(final), "checkpoints")
-    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": job["server"].url, "TRACKING.EXPERIMENT": "holder-ft",
-                                                 "TRAIN.WEIGHTS": f"runs:/{holder}/checkpoints/model_final.pth"})
+    weights = f"runs:/{holder}/checkpoints/model_final.pth"
+    image = sorted((data_dir / "synth_shapes" / "val" / "images").glob("*.png"))[0]
+    demo = str(Path(__file__).parents[1] / "configs/demo.yaml")
+    where = ["DATA_DIR", str(data_dir), "TRACKING.URI", job["server"].url]
+    commands = {
+        "train": trainer_cmd("--dry-run", *demo_overrides(tmp_path, data_dir, **{
+            "TRACKING.URI": job["server"].url, "TRACKING.EXPERIMENT": "holder-ft", "TRAIN.WEIGHTS": weights})),
+        "eval": [sys.executable, "-m", "trainer", "eval", "--config", demo, "--weights", weights, *where,
+                 "OUTPUT_DIR", str(tmp_path / "eval")],
+        "predict": [sys.executable, "-m", "trainer", "predict", "--weights", weights, "--out", str(tmp_path / "p"),
+                    str(image), "--config", demo, *where]}
 
-    def dry_run():
-        return run_trainer(["--dry-run", *args], cwd=tmp_path, env=job["env"])
+    def run(cmd):
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=job["env"], timeout=300)
 
     for tag, message in ((None, "not a complete checkpoint of that run"),
                          ("0" * 64, "do not match the run's sha256 tag")):
         if tag:
             client.set_tag(holder, "tracktron.ckpt.model_final.pth.sha256", tag)
-        result = dry_run()
-        assert result.returncode == 2, result.stderr
-        assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
+        for what, cmd in commands.items():
+            result = run(cmd)
+            assert result.returncode == 2, (what, result.stderr)
+            assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr, what
+    assert not (tmp_path / "p").exists() and not (tmp_path / "eval").exists()
     client.set_tag(holder, "tracktron.ckpt.model_final.pth.sha256", sha256_of(final))
-    result = dry_run()
-    assert result.returncode == 0, result.stderr
-    assert f"from runs:/{holder}/checkpoints/model_final.pth" in result.stdout
+    results = {what: run(cmd) for what, cmd in commands.items()}
+    assert all(r.returncode == 0 for r in results.values()), {w: r.stderr[-2000:] for w, r in results.items()}
+    assert f"from {weights}" in results["train"].stdout
+    assert "| bbox |" in results["eval"].stdout and (tmp_path / "p" / f"{image.stem}.json").is_file()

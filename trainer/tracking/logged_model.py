@@ -17,9 +17,8 @@ import yaml
 from trainer.config import load_config
 from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.hashing import sha256_of
 from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
-from trainer.tracking.runs import download_uri, sha_tag, tracking_uri
+from trainer.tracking.runs import download_uri
 
 CODE = Path(__file__).with_name("detector_code.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it
@@ -115,26 +114,9 @@ def fetch_weights(cfg, spec: str, dest: Path) -> tuple[Path, dict]:
     """TRAIN.WEIGHTS from MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`, `models:/...`):
     the weights file, downloaded into `dest`, and what the new run records of its parent."""
     path = download_uri(cfg, spec, str(dest), "TRAIN.WEIGHTS")
-    _check_run_checkpoint(cfg, spec, path)
     if path.is_dir():
         folder = _detector_folder(path, spec, "TRAIN.WEIGHTS") if (path / "MLmodel").is_file() else path
         path = folder / WEIGHTS
         if not path.is_file():
             raise UserError(f"TRAIN.WEIGHTS {spec}: neither a checkpoint nor a tracktron model")
     return path, parent_of(cfg, spec)
-
-
-def _check_run_checkpoint(cfg, spec: str, path: Path) -> None:
-    """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: its bytes match
-    the sha256 tag set once its upload finished (an unfinished or tampered upload is refused)."""
-    parts = spec[len("runs:/"):].split("/") if spec.startswith("runs:/") else []
-    if len(parts) != 3 or parts[1] != "checkpoints" or not path.is_file():
-        return
-    from mlflow import MlflowClient
-
-    expected = MlflowClient(tracking_uri=tracking_uri(cfg)).get_run(parts[0]).data.tags.get(sha_tag(parts[2]))
-    if expected is None:
-        raise UserError(f"TRAIN.WEIGHTS {spec}: not a complete checkpoint of that run (no sha256 tag: its upload "
-                        "never finished)")
-    if sha256_of(path) != expected:
-        raise UserError(f"TRAIN.WEIGHTS {spec}: the downloaded bytes do not match the run's sha256 tag")

@@ -12,6 +12,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 from trainer.checkpoint.files import iteration_of
 from trainer.config import Config
 from trainer.errors import UserError, first_line
+from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
@@ -136,11 +137,29 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
     try:
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
-            return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+            path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+            expected = _complete_sha256(where, uri, path)
     except UserError as e:
         raise UserError(f"{option} {uri}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
         raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
+    if expected and sha256_of(path) != expected:
+        raise UserError(f"{option} {uri}: the downloaded bytes do not match the run's sha256 tag")
+    return path
+
+
+def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
+    """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: the sha256 its
+    tag holds, set once its upload finished (an unfinished or tampered upload is refused)."""
+    parts = uri[len("runs:/"):].split("/") if uri.startswith("runs:/") else []
+    if len(parts) != 3 or parts[1] != "checkpoints" or not path.is_file():
+        return None
+    from mlflow import MlflowClient
+
+    expected = MlflowClient(tracking_uri=where).get_run(parts[0]).data.tags.get(sha_tag(parts[2]))
+    if expected is None:
+        raise UserError("not a complete checkpoint of that run (no sha256 tag: its upload never finished)")
+    return expected
 
 
 def retryable(e: BaseException) -> bool:
