@@ -222,6 +222,16 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
         "eval/synth_shapes_val/detections.json", "eval/synth_shapes_val/per_category_ap.md",
         "eval/synth_shapes_val/per_category_ap_iter19.json"}
 
+    # The run, trained without test sets, now holds scores of synth_shapes_val: scores of another set
+    # are printed, not logged under the same names as its own.
+    other = write_synthetic_dataset(tmp_path / "other", num_images=4, image_size=64, seed=5)
+    elsewhere = config.load_config(ROOT / "configs" / "demo.yaml", [
+        "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "other_out"), "TRACKING.URI", uri,
+        "TEST.DATASETS", f"('{other}',)"])
+    assert 0.0 <= eval_command(elsewhere, f"runs:/{run_id}/checkpoints/model_final.pth")["bbox/AP"] <= 1.0
+    assert len(client.get_metric_history(run_id, "bbox/AP")) == 1
+    assert not client.list_artifacts(run_id, "eval/other")
+
     # The registered model and the local checkpoint give the same numbers.
     assert eval_command(cfg, "models:/demo_eval/1") == pytest.approx(metrics)
     assert eval_command(cfg, str(tmp_path / "output" / "model_final.pth")) == pytest.approx(metrics)

@@ -292,6 +292,31 @@ def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_
         torch.testing.assert_close(trained[k], parent[k], atol=1e-5, rtol=0)
 
 
+def test_eval_of_a_runs_checkpoint_on_other_test_sets_leaves_its_scores_and_best_alone(job, tmp_path):
+    """The job's run is scored on synth_shapes_val. `tracktron eval` of its checkpoint on a set of
+    the same name whose annotation file differs (DATASET_CATALOG points elsewhere) prints its
+    scores; the run's bbox/AP curve and its best checkpoint stay as training left them."""
+    from trainer.data.synth import write_synthetic_dataset
+
+    client, run_id = job["client"], job["run"].info.run_id
+    before = client.get_run(run_id).data.tags
+    curve = [(p.step, p.value) for p in client.get_metric_history(run_id, "bbox/AP")]
+    other = write_synthetic_dataset(tmp_path / "easy", num_images=3, image_size=64, seed=11)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "eval", "--config", str(Path(__file__).parents[1] / "configs/demo.yaml"),
+         "--weights", f"runs:/{run_id}/checkpoints/model_iter1.pth", "OUTPUT_DIR", str(tmp_path / "out"),
+         "TRACKING.URI", job["server"].url, "DATASET_CATALOG.synth_shapes_val.IM_DIR", str(other / "images"),
+         "DATASET_CATALOG.synth_shapes_val.ANN_FN", str(other / "annotations.json")],
+        capture_output=True, text=True, env=job["env"], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "| bbox |" in result.stdout and f"not logged into run {run_id}" in result.stderr
+    assert [(p.step, p.value) for p in client.get_metric_history(run_id, "bbox/AP")] == curve
+    after = client.get_run(run_id).data.tags
+    assert {k: after.get(k) for k in before if k.startswith("tracktron.best")} == \
+        {k: v for k, v in before.items() if k.startswith("tracktron.best")}
+    assert "tracktron.eval.datasets" not in after
+
+
 def test_a_run_checkpoint_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):
     """runs:/<run>/checkpoints/<file> as TRAIN.WEIGHTS, `eval --weights` and `predict --weights`: an
     upload without its tag (unfinished) or with bytes that do not match it is refused in one line;

@@ -6,7 +6,8 @@ Metrics are COCOeval's stats (0..1): `bbox/AP`, `bbox/AP50`, ..., `segm/...`, `k
 COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` without a large
 object) is dropped, not logged as a -1 that would read as a score. With several TEST.DATASETS the
 first keeps the plain names (`bbox/AP`), the others are prefixed: `<dataset>/bbox/AP`. Results go
-to the run through the Tracker; `tracktron eval --weights runs:/<id>/...` logs into that run.
+to the run through the Tracker; `tracktron eval --weights runs:/<id>/checkpoints/...` logs into that
+run when it scores the run's own test sets (tracking.attach).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from trainer.data.checks import category_difference, same_categories
 from trainer.distributed import Context, broadcast_object, gather_object
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
+from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking
 from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import categories_of, category_key_of, encode_masks
@@ -314,7 +316,7 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     # a logged model names no iteration: its metrics are printed, not logged at a made-up step.
     run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") and iteration is not None else None
     checkpoint = Path(weights).name if run_id and "/checkpoints/" in weights else None
-    tracker = attach(cfg, run_id) if run_id and ctx.is_main else Tracker()
+    tracker = attach(cfg, run_id, dataset_inputs(cfg, training=False)) if run_id and ctx.is_main else Tracker()
     try:
         metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0, checkpoint=checkpoint)
     finally:

@@ -20,9 +20,10 @@ from trainer.tracking.logged_model import fetch_weights
 from trainer.tracking.model_uris import MLFLOW_URIS
 
 
-def dataset_inputs(cfg) -> list[dict]:
+def dataset_inputs(cfg, training: bool = True) -> list[dict]:
+    """The job's datasets as MLflow inputs; training=False: its test sets only (`tracktron eval`)."""
     found = []
-    for context, names in (("training", cfg.TRAIN.DATASETS), ("evaluation", cfg.TEST.DATASETS)):
+    for context, names in (("training", cfg.TRAIN.DATASETS if training else []), ("evaluation", cfg.TEST.DATASETS)):
         for name in names:
             _, annotations = resolve_dataset(cfg, name)
             digest = sha256_of(annotations)

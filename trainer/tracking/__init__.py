@@ -10,8 +10,13 @@ from TRACKING.ENABLED and the rank.
 """
 from __future__ import annotations
 
+import logging
+
 from trainer.config import Config
+from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunInfo", "Tracker", "attach", "create_tracker"]
 
@@ -25,10 +30,29 @@ def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
     return MlflowTracker(cfg, world_size)
 
 
-def attach(cfg: Config, run_id: str) -> Tracker:
-    """A tracker that logs into an existing run and leaves its status alone (`tracktron eval`)."""
+def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
+    """A tracker that logs `tracktron eval`'s scores of a run's checkpoint into that run (its status
+    left alone), when they are scores of the run's own test sets (names, order and annotation files:
+    `datasets` as lineage.dataset_inputs gives them). Those of other sets would read as the run's own
+    `bbox/AP` and could move its best checkpoint: they are printed, not logged. A run trained without
+    test sets takes those of its first evaluation as its own."""
+    import json
+
     from trainer.tracking.mlflow_tracker import MlflowTracker
+    from trainer.tracking.runs import EVAL_SETS_TAG, evaluation_sets, start_error
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
+    ours = [[d["name"], d["digest"]] for d in datasets]
+    try:
+        own = evaluation_sets(tracker.client.get_run(run_id))
+    except Exception as e:  # the checkpoint's download just worked: a server that fails now
+        raise UserError(start_error(tracker.uri, e)) from None
+    if not own:
+        tracker.set_tags({EVAL_SETS_TAG: json.dumps(ours)})
+    elif own != ours:
+        log.warning("not logged into run %s: its scores are of %s; these of %s (or other annotation files)",
+                    run_id, ", ".join(n for n, _ in own), ", ".join(n for n, _ in ours))
+        tracker.finish(None)
+        return Tracker()
     return tracker

@@ -4,6 +4,8 @@ line. Finding or opening the job's run is job_run.py's, which builds on these.
 """
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 from pathlib import Path
@@ -22,6 +24,7 @@ LATEST_TAG = "tracktron.ckpt.latest"
 
 
 STATUS_REASON = "tracktron.status_reason"  # why a run ended FAILED or KILLED
+EVAL_SETS_TAG = "tracktron.eval.datasets"  # the test sets `tracktron eval` scored a run on (trained without)
 
 
 def sha_tag(name: str) -> str:
@@ -117,6 +120,20 @@ def last_step_of(run, key: str = "loss") -> int:
 
 
 # ---- fetching what a run holds ----
+
+def evaluation_sets(run) -> list[list[str]]:
+    """The test sets a run's scores are of, in order, as [name, annotation digest] pairs: those its
+    config names (TEST.DATASETS; digests from its dataset inputs), or, for a run trained without,
+    those its first `tracktron eval` recorded. Empty: the run has been scored on nothing yet."""
+    if tagged := run.data.tags.get(EVAL_SETS_TAG):
+        return json.loads(tagged)
+    try:
+        names = ast.literal_eval(run.data.params.get("TEST.DATASETS", "[]"))
+    except (ValueError, SyntaxError):  # a param cut at MLflow's length limit: matches nothing
+        return [["?", "?"]]
+    digests = {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs}
+    return [[name, digests.get(name, "?")] for name in names]
+
 
 def check_shape(spec: str, option: str) -> None:
     """No `..`, `?`, `#` or empty part: a URI reaches only what it names (not a file beside the run)."""
