@@ -63,7 +63,7 @@ def test_a_damaged_model_folder_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="do not fit"):
         Detector.load(folder)
     (folder / "categories.json").write_text(json.dumps({"categories": "two"}))
-    with pytest.raises(UserError, match="not a usable tracktron model"):
+    with pytest.raises(UserError, match="categories.json lists no categories"):
         Detector.load(folder)
     (folder / "weights.pt").write_bytes(b"\x80\x04garbage")
     with pytest.raises(UserError, match="not a usable tracktron model"):

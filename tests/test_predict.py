@@ -361,3 +361,44 @@ def test_to_png_round_trips():
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(to_png(pixels)))), pixels)
     with pytest.raises(ValueError, match="HxWx3 uint8"):
         to_png(pixels[..., 0])
+
+
+# A checkpoint's or model folder's categories and config of the wrong types: (id, the change made to
+# the good ones, what the line says)
+def _first_category(**change):
+    return lambda meta: {**meta, "categories": [{**meta["categories"][0], **change}, *meta["categories"][1:]]}
+
+
+WRONG_METADATA = [
+    ("categories a string", lambda meta: "circle", "categories"),
+    ("category list a string", lambda meta: {**meta, "categories": "circle"}, "categories"),
+    ("a category id a string", _first_category(id="1"), "categories"),
+    ("a category name a number", _first_category(name=5), "categories"),
+    ("keypoint names a number", lambda meta: {**meta, "keypoint_names": 5}, "keypoint_names"),
+    ("config a string", "MODEL", "config"),
+    ("config section a number", {"MODEL": 5}, "MODEL"),
+]
+
+
+@pytest.mark.parametrize("change, expected", [c[1:] for c in WRONG_METADATA], ids=[c[0] for c in WRONG_METADATA])
+def test_wrong_types_in_a_checkpoint_or_model_folder_are_one_line(tmp_path, monkeypatch, checkpoint, model_dir, images,
+                                                                   data_dir, change, expected):
+    """predict of a checkpoint and of a model folder, and eval of the checkpoint (whose config is
+    --config's, not the file's): one line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    state = torch.load(checkpoint, weights_only=True)
+    folder = Path(shutil.copytree(model_dir, tmp_path / "odd"))
+    commands = [["predict", "--weights", "odd.pth", "--out", "out", str(images["png"])],
+                ["predict", "--weights", "odd", "--out", "out", str(images["png"])]]
+    if callable(change):  # the categories
+        torch.save({**state, "categories": change(state["categories"])}, tmp_path / "odd.pth")
+        (folder / "categories.json").write_text(json.dumps(change(json.loads((folder / "categories.json").read_text()))))
+        commands.append(["eval", "--config", str(DEMO), "--weights", "odd.pth", "DATA_DIR", str(data_dir),
+                         "OUTPUT_DIR", "o"])
+    else:
+        torch.save({**state, "config": change}, tmp_path / "odd.pth")
+        (folder / "config.yaml").write_text(json.dumps(change))
+    for argv in commands:
+        code, stderr = run_in_process(argv)
+        assert_one_error_line(code, stderr, expected)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

@@ -34,7 +34,7 @@ from trainer.errors import UserError, user_path
 from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking
 from trainer.eval_images import drawings, per_category_rows
-from trainer.inference import categories_of, category_key_of, encode_masks
+from trainer.inference import categories_of, category_key_of, checked_categories, encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
 from trainer.tracking.logged_model import load_detector, load_local
@@ -257,7 +257,7 @@ def _of_detector(detector):
 
 
 def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list = (), shown: str | None = None):
-    iteration, categories = _stored(path)
+    iteration, categories = _stored(path, shown or path)
     check_categories(shown or path, categories, tests)
     model = build_model(cfg, num_classes, num_keypoints)
     report = load_weights(model, path, option="--weights", shown=shown)
@@ -271,7 +271,7 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list
     return model, iteration, categories
 
 
-def _stored(path: str) -> tuple[int | None, dict | None]:
+def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
     """A tracktron checkpoint's iteration and categories; (None, None) for other weights."""
     try:  # mmap: reads these small entries, not the tensors again
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -280,8 +280,10 @@ def _stored(path: str) -> tuple[int | None, dict | None]:
     if not isinstance(state, dict):
         return None, None
     iteration = state["iteration"] if isinstance(state.get("iteration"), int) else None
-    categories = state.get("categories") if isinstance(state.get("categories"), dict) else None
-    return iteration, categories
+    if "categories" not in state:
+        return iteration, None
+    categories, keypoint_names = checked_categories(state["categories"], shown)
+    return iteration, {"categories": categories, "keypoint_names": keypoint_names}
 
 
 def check_categories(weights: str, theirs: dict | None, tests: list) -> None:

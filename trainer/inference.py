@@ -77,6 +77,21 @@ def save(folder: Path, cfg: Config, state_dict: dict, categories: list[dict], ke
     return folder
 
 
+def checked_categories(meta, source) -> tuple[list[dict], list[str]]:
+    """The categories and keypoint names a checkpoint or model folder carries, as save() writes them
+    ({"categories": [{"id": int, "name": str}, ...], "keypoint_names": [str, ...]}); another shape is
+    a UserError naming `source`."""
+    cats = meta.get("categories") if isinstance(meta, dict) else None
+    if not isinstance(cats, list) or not cats or not all(
+            isinstance(c, dict) and type(c.get("id")) is int and isinstance(c.get("name", ""), str) for c in cats):
+        raise UserError(f"{source} lists no categories as tracktron writes them "
+                        '({"categories": [{"id": <int>, "name": <str>}, ...]})')
+    names = meta.get("keypoint_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{source}: its keypoint_names are not a list of names")
+    return cats, names
+
+
 class Detector:
     """A trained detector for images one at a time, as the test loader feeds evaluation."""
 
@@ -107,13 +122,12 @@ class Detector:
         try:
             cfg = load_config(folder / CONFIG)
             meta = json.loads((folder / CATEGORIES).read_text())
-            categories, keypoint_names = meta["categories"], meta.get("keypoint_names", [])
-            if not all(isinstance(c, dict) and "id" in c for c in categories):
-                raise ValueError(f"{CATEGORIES} lists no categories")
             state = torch.load(folder / WEIGHTS, map_location="cpu", weights_only=True)
+        except UserError:  # a config.yaml of unknown keys or values of the wrong type says which
+            raise
         except Exception as e:  # missing files, bad json, a tampered or truncated weights file
             raise UserError(f"{folder} is not a usable tracktron model ({type(e).__name__}: {first_line(e)})") from None
-        return cls(cfg, state, categories, keypoint_names, device)
+        return cls(cfg, state, *checked_categories(meta, folder / CATEGORIES), device)
 
     @classmethod
     def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu") -> Detector:
@@ -127,9 +141,10 @@ class Detector:
         if "categories" not in state:
             raise UserError(f"{path} names no categories (written by an older tracktron): evaluate it with "
                             "`tracktron eval --config FILE --weights PATH`, whose dataset names them")
-        meta = state["categories"]
-        return cls(config_from_dict(state["config"]), state["model"], meta["categories"],
-                   meta.get("keypoint_names", []), device)
+        if not isinstance(state["config"], dict):
+            raise UserError(f"{path}: its config is not a mapping of config keys")
+        return cls(config_from_dict(state["config"]), state["model"], *checked_categories(state["categories"], path),
+                   device)
 
     @torch.inference_mode()
     def predict(self, images) -> list[dict]:
