@@ -380,3 +380,20 @@ def test_eval_names_its_own_options_and_checks_its_output_dir(tmp_path, data_dir
                              capture_output=True, text=True, cwd=tmp_path)
     assert blocked.returncode == 2
     assert blocked.stderr.strip().splitlines()[-1] == f"error: cannot write to OUTPUT_DIR {blocker / 'out'}: {blocker} is a file"
+
+
+def test_eval_into_an_output_dir_where_nothing_can_be_written_stops_before_inference(tmp_path, data_dir):
+    """Root's os.access says yes under /proc, where no file can be made: the evaluation ran in full,
+    then the detections could not be written (the red team's traceback)."""
+    import subprocess
+    import sys
+
+    cfg = config.load_config(ROOT / "configs" / "demo.yaml", ["DATA_DIR", str(data_dir)])
+    torch.save(build_model(cfg, 4).state_dict(), tmp_path / "weights.pth")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "eval", "--config", str(ROOT / "configs" / "demo.yaml"), "--weights",
+         str(tmp_path / "weights.pth"), "DATA_DIR", str(data_dir), "TRACKING.ENABLED", "false",
+         "OUTPUT_DIR", "/proc/tracktron-eval"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: OUTPUT_DIR /proc/tracktron-eval: cannot write there")
+    assert "Traceback" not in result.stderr and "images inferred" not in result.stderr

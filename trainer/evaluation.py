@@ -33,6 +33,7 @@ from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
 from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking
+from trainer.output_dir import make_writable
 from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import categories_of, category_key_of, checked_categories, encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
@@ -313,6 +314,8 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
         tests = [CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg)) for name in cfg.TEST.DATASETS]
         model, iteration, categories = _load_for_eval(cfg, weights, tests[0].num_classes, tests[0].num_keypoints, tests)
         check_categories(weights, categories, tests)
+    if ctx.is_main:
+        make_writable(Path(cfg.OUTPUT_DIR), f"OUTPUT_DIR {cfg.OUTPUT_DIR}")
     model.to(ctx.device)
     # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;
     # a logged model names no iteration: its metrics are printed, not logged at a made-up step.

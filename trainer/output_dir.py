@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from pathlib import Path
 
 from trainer.checkpoint.files import not_files
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 
 _NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
 
@@ -35,6 +36,16 @@ def check_output_dir(path: Path) -> None:
     if odd := not_files(path):
         raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
                         f"(a folder, a pipe, a device or a broken link); move it away")
+
+
+def make_writable(path: Path, name: str) -> None:
+    """`path` made and written once, after every check and before the first result: os.access says
+    yes where writing fails (root under /proc or /sys, a read-only mount)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"{name}: cannot write there ({e.strerror or first_line(e)})") from None
 
 
 def check_config_file_kept(config_file: str | None, output_dir: Path) -> None:

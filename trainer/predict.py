@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from trainer.data.images import read_file
 from trainer.errors import UserError, first_line, user_path
 from trainer.redaction import printable
 from trainer.inference import decode
+from trainer.output_dir import make_writable
 from trainer.tracking.logged_model import load_detector
 from trainer.visualize import draw, to_png
 
@@ -58,7 +58,7 @@ def predict_command(weights: str, images: list[str], out_dir: str, config_file: 
             detector.pixels(read_image(image))
         except ValueError as e:
             raise UserError(f"IMAGE {image}: {first_line(e)}") from None
-    make_out_dir(out, out_dir)
+    make_writable(out, f"--out {out_dir}")
     for image, name in zip(images, names):
         predict_one(detector, image, out, name, score_threshold)
 
@@ -91,16 +91,6 @@ def check_out_dir(out_dir: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--out {out_dir}: permission denied on {existing}")
     return out
-
-
-def make_out_dir(out: Path, out_dir: str) -> None:
-    """OUT made and written once, after every check and before the first result: os.access says yes
-    where writing fails (root under /proc or /sys, a read-only mount)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot write there ({e.strerror or first_line(e)})") from None
 
 
 def check_image(image: str) -> None:
