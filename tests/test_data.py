@@ -480,6 +480,32 @@ def test_an_animated_image_decodes_its_first_frame_alone(tmp_path):
     assert shape == "(3, 4000, 4000)" and int(grown_mb) < 600  # the first frame as float is 192 MB
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_a_photo_is_turned_upright_for_inference_and_read_as_stored_for_training(fmt):
+    """Each EXIF orientation (1-8), against PIL's ImageOps.exif_transpose: upright for predict and
+    the served model, as viewers show it; as stored for training and evaluation, whose annotations
+    are boxes on the stored pixels. torchvision turns JPEG and PNG, PIL the other formats."""
+    import io
+
+    from PIL import ImageOps
+
+    from trainer.data.images import decode
+
+    stored = np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        Image.fromarray(stored).save(buf, fmt, exif=exif.tobytes(), **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
+        data = buf.getvalue()
+        with Image.open(io.BytesIO(data)) as im:
+            as_stored, upright = np.array(im.convert("RGB")), np.array(ImageOps.exif_transpose(im).convert("RGB"))
+        for turn, expected in ((True, upright), (False, as_stored)):
+            got = (decode(data, upright=turn) * 255).round().byte().permute(1, 2, 0).numpy()
+            assert got.shape == expected.shape, (fmt, orientation, turn)
+            assert np.abs(got.astype(int) - expected).mean() < 3, (fmt, orientation, turn)  # lossy codecs differ a little
+
+
 def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
     """50000x50000 would be decoded into gigabytes; a polygon point at 1e9 crashes pycocotools'
     rasteriser (a segfault, not an exception)."""

@@ -142,6 +142,23 @@ def test_predict_from_a_training_checkpoint(tmp_path, checkpoint, images, catego
     assert result.stdout.startswith(f"{images['jpg']}: ")
 
 
+def test_a_phone_photo_with_an_exif_orientation_is_detected_upright(tmp_path, model_dir, images):
+    """A portrait shot stored sideways with EXIF orientation 6 (as phones save them) gets the
+    detections, drawing size and width/height of the same picture stored upright without a tag."""
+    stored = np.array(Image.open(images["png"]).convert("RGB"))[:, :96]  # not square: the sides swap
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to view
+    Image.fromarray(stored).save(tmp_path / "sideways.png", exif=exif.tobytes())
+    Image.fromarray(np.rot90(stored, k=-1)).save(tmp_path / "upright.png")
+    result = predict_cli("--weights", model_dir, "--out", tmp_path / "out", "sideways.png", "upright.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    sideways, upright = (json.loads((tmp_path / "out" / f"{n}.json").read_text()) for n in ("sideways", "upright"))
+    assert (sideways["width"], sideways["height"]) == (upright["width"], upright["height"]) == \
+        (stored.shape[0], stored.shape[1])
+    assert sideways["boxes"] == upright["boxes"] and sideways["scores"] == upright["scores"]
+    assert image_size(tmp_path / "out" / "sideways.png") == image_size(tmp_path / "out" / "upright.png")
+
+
 # ---------------------------------------------------------------------------------------- bad input
 
 @pytest.fixture

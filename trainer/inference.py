@@ -159,7 +159,7 @@ class Detector:
     def pixels(self, image) -> torch.Tensor:
         """The decoded image, once it is known to survive the network's resize: a strip (400x1)
         would be scaled to no pixel on its short side (a RuntimeError deep in torchvision)."""
-        pixels = decode(image)
+        pixels = decode(image, upright=True)
         t = self.model.transform
         if getattr(t, "fixed_size", None) is None:
             h, w = pixels.shape[-2:]

@@ -67,7 +67,7 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
     """OUT/<name>.png and OUT/<name>.json for one image, and its line on stdout."""
     data = read_image(image)
     found = detector.predict([data])[0]
-    pixels = decode(data)
+    pixels = decode(data, upright=True)
     drawing = out / f"{name}.png"
     write_atomic(drawing, to_png(draw(pixels, found, score_threshold=score_threshold)))
     record = {"image": image, "width": pixels.shape[2], "height": pixels.shape[1], **found}
@@ -99,7 +99,7 @@ def check_image(image: str) -> None:
     if not data:
         raise UserError(f"IMAGE {image}: the file is empty")
     try:
-        decode(data)
+        decode(data, upright=True)
     # Not an image, a truncated one, one too large (PIL's bomb check, over ~179M pixels, is no ValueError).
     except (ValueError, Image.DecompressionBombError) as e:
         raise UserError(f"IMAGE {image}: {first_line(e)}") from None

@@ -6,6 +6,11 @@ refused before anything is allocated, and a PNG is fully decoded by PIL too, bec
 torchvision kills the process (SIGSEGV) on a corrupt PNG instead of raising. Then torchvision
 decodes it (the pixels every earlier model was trained on), except an animated image, whose first
 frame PIL decodes alone (torchvision would decode every frame).
+
+Training and evaluation read the pixels as stored, as COCO's tools and torchvision's references do:
+annotations are boxes on those. A photo for `predict` or the served model is turned upright
+(`upright`: its EXIF orientation applied, as every viewer shows it; torchvision does so for JPEG and
+PNG, PIL for the rest), so that a phone's portrait shot is not detected on its side.
 """
 from __future__ import annotations
 
@@ -39,9 +44,9 @@ def read_file(path: Path) -> bytes:
         return f.read(size)  # read(n) reserves n bytes at once: 512 MB per image failed under a memory limit
 
 
-def decode(image) -> torch.Tensor:
+def decode(image, upright: bool = False) -> torch.Tensor:
     """Encoded bytes (PNG, JPEG, GIF, WebP, ...) or an HxWx3 uint8 RGB array -> float CHW in [0, 1];
-    ValueError with one line for anything else."""
+    ValueError with one line for anything else. upright: the EXIF orientation applied."""
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"an image array must be HxWx3 uint8 (RGB), got {image.shape} {image.dtype}")
@@ -54,29 +59,32 @@ def decode(image) -> torch.Tensor:
                          f"got {type(image).__name__}")
     if not image:
         raise ValueError("an image is empty (0 bytes)")
-    if (first_frame := _check_with_pil(image)) is not None:
-        return torch.from_numpy(first_frame).permute(2, 0, 1).float().div_(255)
+    if (by_pil := _check_with_pil(image, upright)) is not None:
+        return torch.from_numpy(by_pil).permute(2, 0, 1).float().div_(255)
     from torchvision.io import ImageReadMode, decode_image
 
     try:
-        decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        decoded = decode_image(torch.frombuffer(bytearray(image), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                               apply_exif_orientation=upright)
     except (RuntimeError, ValueError) as e:  # without the C++ source path torchvision puts first
         raise ValueError(f"cannot decode the image ({_CXX_PLACE.sub('', first_line(e))})") from None
     return decoded.float().div_(torch.iinfo(decoded.dtype).max)
 
 
-def _check_with_pil(data: bytes) -> np.ndarray | None:
-    """Checks the header's size; an animated image (GIF, WebP) comes back as its first frame, HxWx3,
-    decoded by PIL alone: torchvision decodes every frame, and forty 4000x4000 frames fit in 500 kB."""
-    from PIL import Image, UnidentifiedImageError
+def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:
+    """Checks the header's size. Decoded by PIL alone, HxWx3: an animated image (GIF, WebP), its first
+    frame (torchvision decodes every frame, and forty 4000x4000 frames fit in 500 kB); with upright, an
+    image of another format than JPEG and PNG that has an EXIF orientation (torchvision ignores it)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
-    first_frame = None
+    by_pil = None
     try:
         with Image.open(io.BytesIO(data)) as probe:
             size = probe.size
             if max(size) <= MAX_IMAGE_SIDE and size[0] * size[1] <= MAX_PIXELS:
-                if getattr(probe, "is_animated", False):  # read from the headers: no frame is decoded
-                    first_frame = np.array(probe.convert("RGB"))
+                turned = upright and probe.format not in ("JPEG", "PNG") and _orientation(probe) != 1
+                if getattr(probe, "is_animated", False) or turned:  # read from the headers: no frame is decoded
+                    by_pil = np.array((ImageOps.exif_transpose(probe) if upright else probe).convert("RGB"))
                 elif data.startswith(_PNG):
                     probe.load()
     except UnidentifiedImageError:
@@ -84,7 +92,14 @@ def _check_with_pil(data: bytes) -> np.ndarray | None:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode the image ({first_line(e)})") from None
     check_size(*size)
-    return first_frame
+    return by_pil
+
+
+def _orientation(image) -> int:
+    try:
+        return int(image.getexif().get(0x0112, 1))
+    except Exception:  # an EXIF block that does not parse: the pixels as stored, as torchvision does
+        return 1
 
 
 def check_size(width: int, height: int) -> None:
