@@ -150,13 +150,13 @@ def _b64(image: Path) -> str:
 
 
 @contextlib.contextmanager
-def serving(job, tmp_path):
-    """`mlflow models serve -m models:/<name>@final` on 127.0.0.1; yields post(body) -> the json
-    answer (urllib's HTTPError for a 4xx)."""
+def serving(job, tmp_path, *options):
+    """`mlflow models serve -m models:/<name>@final` on 127.0.0.1 (its log in tmp_path/serve.log);
+    yields post(body) -> the json answer (urllib's HTTPError for a 4xx)."""
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{job['name']}@final",
-                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1", *options],
                               stdout=log, stderr=subprocess.STDOUT, env=job["env"])
 
     def post(body: dict) -> dict:
@@ -171,6 +171,26 @@ def serving(job, tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_a_request_past_the_servers_timeout_stops_inferring(job, data_dir, tmp_path):
+    """A request of 2,000 images to a server with a 3 s request timeout: the client gets MLflow's
+    504 at 3 s, and the model stops there too (it inferred on for minutes, holding the CPU), so the
+    next request is answered at once."""
+    import time
+
+    image = _b64(sorted((data_dir / "synth_shapes" / "val" / "images").glob("*.png"))[0])
+    with serving(job, tmp_path, "-t", "3") as post:
+        start = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as answered:
+            post({"dataframe_split": {"columns": ["image"], "data": [[image]] * 2000}})
+        assert answered.value.code == 504
+        log = tmp_path / "serve.log"
+        while "past the server's request timeout" not in log.read_text() and time.monotonic() - start < 60:
+            time.sleep(0.2)
+        assert "of 2000: past the server's request timeout (3 s)" in log.read_text()
+        (one,) = post({"dataframe_split": {"columns": ["image"], "data": [[image]]}})["predictions"]
+        assert set(one) >= {"boxes", "scores"}
 
 
 def test_mlflow_models_serve_answers_with_the_boxes_tracktron_eval_finds(job, data_dir, tmp_path):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
+import os
 import re
+import time
 
 import mlflow
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, REQUEST_LIMIT_EXCEEDED
 import pandas as pd
 import torch
 
@@ -20,6 +23,11 @@ from trainer.inference import Detector
 
 
 _MAGIC = (b"\x89PNG", b"\xff\xd8", b"GIF8", b"RIFF")  # PNG, JPEG, GIF, WebP: GIF's header is ASCII
+# `mlflow models serve` puts its request timeout (-t, default 60 s) in the server's environment. Past
+# it the client has had its 504 while the request's thread would infer on: a request of thousands of
+# images held the worker's CPU for minutes. Loaded in Python (pyfunc.load_model) there is no timeout.
+_TIMEOUT = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"
+log = logging.getLogger(__name__)
 
 
 def image_bytes(image):
@@ -53,13 +61,25 @@ class DetectorModel(mlflow.pyfunc.PythonModel):
             images = model_input["image"].tolist()
         else:
             images = list(model_input)
-        results = []
+        results, deadline = [], _deadline()
         for i, image in enumerate(images):  # a bad image: a 400 that says which and why, no traceback
+            if deadline and time.monotonic() > deadline:
+                message = (f"stopped at image {i} of {len(images)}: past the server's request timeout "
+                           f"({os.environ[_TIMEOUT]} s); send fewer images per request")
+                log.warning(message)
+                raise MlflowException(message, error_code=REQUEST_LIMIT_EXCEEDED)
             try:
                 results.extend(self.detector.predict([image_bytes(image)]))
             except ValueError as e:
                 raise MlflowException(f"image {i}: {e}", error_code=INVALID_PARAMETER_VALUE) from None
         return results
+
+
+def _deadline() -> float | None:
+    try:
+        return time.monotonic() + float(os.environ[_TIMEOUT])
+    except (KeyError, ValueError):
+        return None
 
 
 mlflow.models.set_model(DetectorModel())
