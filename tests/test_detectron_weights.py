@@ -15,6 +15,7 @@ import http.server
 import io
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -378,6 +379,28 @@ def imagenet_blobs(norm: str, seed: int = 0) -> dict[str, np.ndarray]:
     blobs["fc1000_w"] = rng.normal(0, 0.01, (1000, 2048)).astype(np.float32)
     blobs["fc1000_b"] = np.zeros(1000, np.float32)
     return blobs | {f"{k}_momentum": np.full_like(v, np.nan) for k, v in blobs.items()}
+
+
+def test_a_py3_pickle_and_an_upper_case_name_load_the_same_tensors(tmp_path):
+    """The blobs as Detectron's Python 2 wrote them, pickled again by Python 3 (protocol 5: numpy's
+    _frombuffer, C and Fortran order), and a file named R-50.PKL: the very same tensors each time.
+    Found by the red team of 2026-12-03: both were refused."""
+    blobs = imagenet_blobs("bn")
+    blobs["res2_0_branch2a_w"] = np.asfortranarray(blobs["res2_0_branch2a_w"])  # pickled in Fortran order
+    files = [write_py2_pickle(tmp_path / "R-50.pkl", blobs)]
+    with open(tmp_path / "py3.pkl", "wb") as f:
+        pickle.dump(blobs, f, protocol=5)
+    files.append(tmp_path / "py3.pkl")
+    files.append(Path(shutil.copy(files[0], tmp_path / "R-50-upper.PKL")))
+    assert b"_frombuffer" in files[1].read_bytes()
+    states = []
+    for path in files:
+        model = build(write_config(tmp_path, "faster_fpn"))
+        report = load_weights(model, str(path))
+        assert len(report.loaded) == 53 + 53 * 4, path
+        states.append({k: model.state_dict()[k] for k in report.loaded})
+    for state in states[1:]:
+        assert state.keys() == states[0].keys() and all(torch.equal(state[k], states[0][k]) for k in state)
 
 
 # ------------------------------------------------------------------------------ 1. ImageNet backbones

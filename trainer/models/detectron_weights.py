@@ -54,8 +54,17 @@ def _latin1(text, encoding="latin1"):  # protocol 2's way to pickle bytes: _code
     return text.encode("latin1")
 
 
-_ALLOWED = {  # what a pickle of numpy arrays needs, under numpy 1 and 2 module names
+def _frombuffer(buffer, dtype, shape, order):  # protocol 5's way to pickle a contiguous array
+    if order not in ("C", "F") or not isinstance(buffer, (bytes, bytearray)):
+        raise pickle.UnpicklingError("an array of protocol 5 without its bytes in the file")
+    parts = _Array()
+    parts.state = (1, shape, dtype, order == "F", bytes(buffer))
+    return parts
+
+
+_ALLOWED = {  # what a pickle of numpy arrays needs, under numpy 1 and 2 module names, protocols 2 to 5
     ("numpy.core.multiarray", "_reconstruct"): _Array, ("numpy._core.multiarray", "_reconstruct"): _Array,
+    ("numpy.core.numeric", "_frombuffer"): _frombuffer, ("numpy._core.numeric", "_frombuffer"): _frombuffer,
     ("numpy", "ndarray"): _Parts, ("numpy", "dtype"): _DType, ("_codecs", "encode"): _latin1,
     ("collections", "OrderedDict"): dict,
 }

@@ -110,7 +110,7 @@ def hub_file(weight, option: str, spec: str) -> Path:
 
 
 def _read_path(path: Path, option: str, shown: str, model: nn.Module) -> dict:
-    if path.suffix == ".pkl" and not zipfile.is_zipfile(path):  # Detectron's Caffe2 blobs (torch.save's are zips)
+    if path.suffix.lower() == ".pkl" and not zipfile.is_zipfile(path):  # Detectron's Caffe2 blobs (torch.save's are zips)
         return convert(read_blobs(path, shown, option), model)
     return _read_file(path, option, shown)
 
