@@ -566,6 +566,31 @@ def test_tracking_stores_that_cannot_hold_the_job_are_one_line(tmp_path, monkeyp
     assert not Path("/nonexistent-tracktron").exists()  # no folder made for it
 
 
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A read-only file system (tmpfs mounted ro), as a container's or a shared volume's: root may
+    write wherever permissions say no, so only a mount shows it."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
+def test_a_new_store_in_a_read_only_folder_is_one_line_in_the_plan_too(tmp_path, monkeypatch, read_only_folder,
+                                                                        dry_run):
+    """--dry-run said `a new store, experiment demo, a new run` where the job exits 2."""
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["train", *(["--dry-run"] if dry_run else []), "--config", str(DEMO), "DATA_DIR",
+                      str(tmp_path / "data"), "TRACKING.URI", f"sqlite:///{read_only_folder}/m.db"])
+    assert_exit_2(result, f"the store cannot be made in {read_only_folder} (a read-only file system")
+    assert not (tmp_path / "output").exists()
+
+
 def test_clicks_own_usage_errors_are_one_line_too(tmp_path):
     result = run_cli(["train", "--config", str(tmp_path)])  # a folder
     assert_exit_2(result, "Invalid value for '--config'")

@@ -25,6 +25,12 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
     user's mistake, said now."""
     if not uri.startswith("sqlite:///") or sqlite_path(uri).exists():
         return False
+    folder = sqlite_path(uri).parent
+    if not folder.is_dir():
+        raise UserError(f"tracking URI {uri}: the folder {folder} does not exist")
+    if os.statvfs(folder).f_flag & os.ST_RDONLY or not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"tracking URI {uri}: the store cannot be made in {folder} (a read-only file system, or "
+                        "no permission to write there)")
     for named, given in (("run", resume_run_id), ("MLFLOW_RUN_ID", os.environ.get("MLFLOW_RUN_ID")),
                          ("MLFLOW_EXPERIMENT_ID", experiment_id)):
         if given:
