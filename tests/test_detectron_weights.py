@@ -10,6 +10,7 @@ kept small at run time: R-50 at 128 px, few proposals and detections, CPU, eval 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import io
@@ -21,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -719,6 +721,58 @@ def test_weights_url_is_downloaded_once_then_read_from_the_cache(tmp_path, data_
     line = error_line(failed)
     assert closed in line and "download failed" in line and "local file" in line, line
     assert sorted(p.name for p in (cache / "weights").iterdir()) == [cached[0].name], "no partial download is left"
+
+
+class _DripServer:
+    """An HTTP server that announces 10 MB and sends a byte every 0.2 s, for ever."""
+
+    def __init__(self):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(10_000_000))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    while True:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/R-50.pkl"
+
+
+def test_a_weights_url_that_drips_is_given_up_and_killed_downloads_are_cleaned(tmp_path, data_dir):
+    """A byte every 0.2 s never trips the socket's timeout: the start waited for hours. Now a window
+    (TRACKTRON_DOWNLOAD_STALL_S, 2 s here) with under 64 kB ends it in one line. A `.part-*` an hour
+    old (a download killed by a signal) is dropped by the next download; a fresh one (another job's,
+    running) is left alone."""
+    cache = tmp_path / "cache"
+    (cache / "weights").mkdir(parents=True)
+    old, running = cache / "weights" / ".part-killed", cache / "weights" / ".part-running"
+    old.write_bytes(b"half")
+    running.write_bytes(b"going")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    server = _DripServer()
+    env = {"TRACKTRON_CACHE": str(cache), "TRACKTRON_DOWNLOAD_STALL_S": "2", "NO_PROXY": "127.0.0.1",
+           "no_proxy": "127.0.0.1"}
+    try:
+        start = time.monotonic()
+        result = tracktron(*dry_run_args(write_config(tmp_path, "faster_fpn"), server.url, data_dir, tmp_path / "out"),
+                           env=env)
+        took = time.monotonic() - start
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+    line = error_line(result)
+    assert "download failed" in line and "too slow to wait for" in line, line
+    assert took < 60, took
+    assert sorted(p.name for p in (cache / "weights").iterdir()) == [".part-running"]
 
 
 # --- eval

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,10 @@ from trainer.redaction import redact_urls
 
 log = logging.getLogger(__name__)
 URL_SCHEMES = ("http://", "https://")
+# A server that sends a byte now and then never trips a socket's timeout: less than this many bytes
+# in a window of TRACKTRON_DOWNLOAD_STALL_S seconds (default 60) gives the download up.
+MIN_BYTES_PER_WINDOW = 64 * 1024
+STALE_PART_S = 3600  # a `.part-*` untouched this long is a download killed before it could clean up
 
 
 def download(url: str, option: str) -> Path:
@@ -34,6 +39,7 @@ def download(url: str, option: str) -> Path:
         if target.is_file():
             return target
         cache.mkdir(parents=True, exist_ok=True)
+        _drop_stale_parts(cache)
         _fetch(url, cache, target)
     except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
         raise UserError(f"{option} {shown}: download failed ({type(e).__name__}: {first_line(e)}); fetch it where "
@@ -50,10 +56,34 @@ def _fetch(url: str, cache: Path, target: Path) -> None:
                 size = int(response.headers.get("Content-Length") or -1)
                 if size > shutil.disk_usage(cache).free:
                     raise OSError(f"{size:,} bytes do not fit in {cache}")
-                shutil.copyfileobj(response, part, length=1 << 20)
+                _copy(response, part)
             part.flush()
             if size >= 0 and part.tell() != size:
                 raise OSError(f"the server sent {part.tell():,} of {size:,} bytes")
             os.replace(part.name, target)
         finally:
             Path(part.name).unlink(missing_ok=True)
+
+
+def _copy(response, part) -> None:
+    """The body into `part`, given up when a window passes with too few bytes (read1 returns what
+    one read brings, so the clock is looked at while a slow server drips)."""
+    window = float(os.environ.get("TRACKTRON_DOWNLOAD_STALL_S") or 60)
+    start, got = time.monotonic(), 0
+    while chunk := response.read1(1 << 20):
+        part.write(chunk)
+        got += len(chunk)
+        if (elapsed := time.monotonic() - start) >= window:
+            if got < MIN_BYTES_PER_WINDOW:
+                raise OSError(f"the server sent {got:,} bytes in {elapsed:.0f} s: too slow to wait for")
+            start, got = time.monotonic(), 0
+
+
+def _drop_stale_parts(cache: Path) -> None:
+    """What a download killed by a signal left (a running one keeps writing to its part)."""
+    for part in cache.glob(".part-*"):
+        try:
+            if time.time() - part.stat().st_mtime > STALE_PART_S:
+                part.unlink()
+        except OSError:  # another job dropped it first
+            pass
