@@ -411,3 +411,27 @@ def test_names_hide_a_urls_credentials_but_are_never_changed_by_other_secrets():
                              "TRACKING.RUN_NAME", "https://bob:SECRETPW@host/x?token=SECRETTOK"])
     assert experiment_name(cfg) == "words-that-are-also-a-password"
     assert _run_name(cfg) == "https://***@host/x?token=***"
+
+
+def test_an_annotation_file_past_the_memory_limit_is_one_line(tmp_path):
+    """A 2 GB sparse file (no disk used) under a memory limit, as a container's: a MemoryError
+    traceback. `tracktron train --dry-run` in a process whose address space may grow 1 GB past
+    what its imports took."""
+    import subprocess
+    import sys
+
+    (tmp_path / "images").mkdir()
+    with open(tmp_path / "annotations.json", "wb") as f:
+        f.truncate(2 << 30)
+    code = ("import resource, re, sys; from trainer import cli; import torch, torchvision, mlflow; "
+            "size = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024; "
+            "resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), size + (1 << 30))); cli.main(sys.argv[1:])")
+    result = subprocess.run(
+        [sys.executable, "-c", code, "train", "--dry-run", "--config", str(DEMO), "TRACKING.ENABLED", "false",
+         "DATASET_CATALOG.big.IM_DIR", str(tmp_path / "images"),
+         "DATASET_CATALOG.big.ANN_FN", str(tmp_path / "annotations.json"), "TRAIN.DATASETS", "('big',)"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == (f"error: annotation file {tmp_path / 'annotations.json'} (2,147,483,648 bytes) does not fit "
+                         "in this process's memory") and "Traceback" not in result.stderr

@@ -404,3 +404,33 @@ def test_basic_auth_echoed_by_the_server_is_not_printed(tmp_path, data_dir, wher
     last = result.stderr.strip().splitlines()[-1]
     assert "400" in last and "Authorization: Basic ***" in last, last  # the echo reached the line, redacted
     assert secret not in result.stdout + result.stderr and encoded not in result.stdout + result.stderr
+
+
+def test_a_small_weights_file_that_inflates_to_a_huge_tensor_is_refused_before_loading(train, tmp_path, monkeypatch,
+                                                                                       data_dir):
+    """torch.load inflates deflated zip entries: a 256 kB .pth held a 256 MiB tensor (the red team's,
+    1 MB for 1 GiB), taken into memory before any check. TRAIN.WEIGHTS, eval and predict refuse it."""
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(64 << 20)}, buf)
+    bomb = tmp_path / "small.pth"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as plain, \
+            zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as deflated:
+        for entry in plain.infolist():
+            deflated.writestr(entry.filename, plain.read(entry.filename))
+    assert bomb.stat().st_size < 1 << 20
+    monkeypatch.chdir(tmp_path)
+    image = sorted((data_dir / "synth_shapes" / "val" / "images").glob("*.png"))[0]
+    for result, option in (
+            (train("TRAIN.WEIGHTS", str(bomb)), "TRAIN.WEIGHTS"),
+            (run_cli(["eval", "--config", str(DEMO), "--weights", str(bomb), "DATA_DIR", str(data_dir),
+                      "TRACKING.ENABLED", "false"]), "--weights"),
+            (run_cli(["predict", "--weights", str(bomb), "--out", str(tmp_path / "p"), str(image)]), None)):
+        assert result.code == 2, result.stderr[-2000:]
+        assert "inflates" in result.last_line and "torch.save writes no compressed entries" in result.last_line
+        assert option is None or result.last_line.startswith(f"error: {option} {bomb}")
+        assert "Traceback" not in result.stderr

@@ -24,6 +24,7 @@ import torch
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from trainer import torch_load
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
@@ -275,7 +276,7 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list
 def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
     """A tracktron checkpoint's iteration and categories; (None, None) for other weights."""
     try:  # mmap: reads these small entries, not the tensors again
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch_load.load(path, mmap=True)
     except Exception:  # a raw state_dict, or an old (non-zip) file mmap cannot map: load_weights says more
         return None, None
     if not isinstance(state, dict):

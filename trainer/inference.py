@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from pycocotools import mask as mask_utils
 
+from trainer import torch_load
 from trainer.atomic_write import write_atomic
 from trainer.config import Config, config_from_dict, load_config, write_config
 from trainer.data.checks import category_key
@@ -122,7 +123,7 @@ class Detector:
         try:
             cfg = load_config(folder / CONFIG)
             meta = json.loads((folder / CATEGORIES).read_text())
-            state = torch.load(folder / WEIGHTS, map_location="cpu", weights_only=True)
+            state = torch_load.load(folder / WEIGHTS)
         except UserError:  # a config.yaml of unknown keys or values of the wrong type says which
             raise
         except Exception as e:  # missing files, bad json, a tampered or truncated weights file
@@ -133,7 +134,7 @@ class Detector:
     def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu") -> Detector:
         """A training checkpoint (model_iter*.pth, model_final.pth): it carries its config and categories."""
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch_load.load(path)
         except Exception as e:  # not a zip, a tampered pickle, a truncated file
             raise UserError(f"{path} {load_error(e)}") from None
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:

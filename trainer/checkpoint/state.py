@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer import torch_load
 from trainer.checkpoint.files import local_checkpoints, temp_name
 from trainer.errors import first_line
 
@@ -171,7 +172,7 @@ def load(path: Path, sha256_checked: bool = False) -> dict:
     if not sha256_checked:
         verify_archive(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load.load(path)
     except Exception as e:  # truncated zip, tampered pickle, not a torch file
         raise CheckpointError(f"{path}: {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(state, dict) or "model" not in state or "iteration" not in state:

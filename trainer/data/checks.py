@@ -25,6 +25,9 @@ def read_json(path: Path) -> dict:
         raise UserError(f"malformed annotation file {path}: {e}") from None
     except RecursionError:
         raise UserError(f"malformed annotation file {path}: nested too deeply") from None
+    except MemoryError:  # under a memory limit (ulimit -v, a container's): a 2 GB file of nothing
+        raise UserError(f"annotation file {path} ({os.path.getsize(path):,} bytes) does not fit in this "
+                        "process's memory") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read annotation file {path}: {e}") from None
     except ValueError as e:  # an integer of more than 4,300 digits

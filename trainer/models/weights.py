@@ -15,6 +15,7 @@ from torch import nn
 from torchvision.models import detection as tvd
 from torchvision.models.detection._utils import overwrite_eps
 
+from trainer import torch_load
 from trainer.hashing import sha256_of
 from trainer.errors import UserError, first_line, user_path
 from trainer.models.builders import unwrap
@@ -123,6 +124,8 @@ def load_error(e: Exception) -> str:
                 "(unpickling them would run code)")
     if isinstance(e, pickle.UnpicklingError):
         return "is not a valid torch checkpoint (not a pickle of tensors)"
+    if isinstance(e, MemoryError):  # a small file can announce a huge tensor (a compressed zip entry)
+        return "does not fit in this process's memory (its tensors are larger than the memory it may use)"
     if isinstance(e, EOFError):  # torch.load of an empty file, or of one cut before its pickle
         return "is not a valid torch checkpoint (the file is empty or cut short)"
     return f"is not a valid torch checkpoint ({type(e).__name__}: {first_line(e)})"
@@ -130,7 +133,7 @@ def load_error(e: Exception) -> str:
 
 def _read_file(path: Path, option: str, shown: str) -> dict:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch_load.load(path)
     except Exception as e:  # pickle, zip and format errors of every kind
         raise UserError(f"{option} {shown} {load_error(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
