@@ -239,6 +239,35 @@ def test_dry_run_checks_everything_says_what_it_would_do_and_writes_nothing(tmp_
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: unknown dataset")
 
 
+def test_a_job_whose_experiment_was_renamed_in_the_ui_is_found_there(tmp_path, data_dir):
+    """The experiment renamed (the UI's Rename): the job found no experiment of its name, and
+    started over in a new one. Its run now says which name it was made under. A config that names
+    another experiment still starts a new run there."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4})
+    assert run_trainer(args, cwd=tmp_path).returncode == 0
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    client.rename_experiment(run.info.experiment_id, "demo (baseline)")
+
+    elsewhere = [*args, "OUTPUT_DIR", str(tmp_path / "elsewhere")]  # no local model_final: the store decides
+    plan = run_trainer(["--dry-run", *elsewhere], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert f"run {run.info.run_id} has model_final: nothing to do" in plan.stdout
+    assert "the job's run " + run.info.run_id + " is in experiment demo (baseline) (renamed)" in plan.stderr
+    again = run_trainer(elsewhere, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert client.get_experiment_by_name("demo") is None
+    assert [r.info.run_id for e in client.search_experiments() for r in client.search_runs([e.experiment_id])] == \
+        [run.info.run_id]
+
+    other = run_trainer(["--dry-run", *elsewhere, "TRACKING.EXPERIMENT", "ablation"], cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
+    assert "experiment ablation (new), a new run" in other.stdout
+
+
 def test_a_new_job_trains_from_a_local_weights_file(tmp_path, data_dir):
     """TRAIN.WEIGHTS a file (a checkpoint, a Detectron .pkl, a torchvision name: what preflight
     loads): every such job failed at its start with a TypeError, after its run was made, while

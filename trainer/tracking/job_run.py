@@ -4,6 +4,7 @@ run, refused), then opened: made, adopted, or marked RUNNING. Functions of an Ml
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoin
                                    experiment_name, last_step_of, start_error)
 from trainer.tracking.sqlite_store import check_store, not_made_yet
 
+log = logging.getLogger(__name__)
+# The experiment a job's run was made in, by the name the job gave: renamed in the UI, it is found by this.
+EXPERIMENT_TAG = "tracktron.experiment"
 
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     tags = {  # torch's versions and the device come with set_tags() once torch is imported
         JOB_TAG: job_hash(cfg),
+        EXPERIMENT_TAG: experiment_name(cfg),
         "tracktron.config_name": cfg.NAME,
         "tracktron.world_size": str(world_size),
         HEARTBEAT_TAG: beat(),  # the run's trainer from its first write on
@@ -135,9 +140,35 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
     else:
         exp = client.get_experiment_by_name(experiment_name(cfg))
         exp = exp and _active(exp, uri)
+    if exp is None and resume and not given_id and (moved := _renamed_home(client, cfg)) is not None:
+        return FoundRun(moved[1], moved[0].name, moved[0].experiment_id, auto_resume=resume)
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
     return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id,
                     auto_resume=resume)
+
+
+def _renamed_home(client, cfg: Config) -> tuple | None:
+    """(experiment, run): the job's newest run in an experiment renamed since the run was made in it
+    under the name the job gives (EXPERIMENT_TAG). A job whose config names a new experiment has no
+    run tagged with that name, and starts there."""
+    from trainer.tracking.search import every_page
+
+    name, found = experiment_name(cfg), []
+    if "'" in name or "\\" in name:  # no quoting in a search filter's value is sure to hold
+        return None
+    ids = [e.experiment_id for e in every_page(client.search_experiments)]
+    for i in range(0, len(ids), 100):  # a hundred experiments per request
+        found += client.search_runs(ids[i:i + 100], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}' and "
+                                    f"tags.`{EXPERIMENT_TAG}` = '{name}'",
+                                    order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        return None
+    run = max(found, key=lambda r: r.info.start_time)
+    exp = client.get_experiment(run.info.experiment_id)
+    log.warning("no experiment is named %s: the job's run %s is in experiment %s (renamed), and continues there",
+                name, run.info.run_id, exp.name)
+    return exp, run
+
 
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
