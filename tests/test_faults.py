@@ -549,6 +549,20 @@ def test_a_resume_into_a_run_that_lacks_iterations_says_so(tmp_path, data_dir, j
     assert steps(MlflowClient(uri), run.info.run_id) == list(range(stopped_at + 1, 40))
 
 
+def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp_path, data_dir):
+    """A job whose metrics never reached its run (every log-batch failed; trained untracked, here)
+    and that is then started again: "nothing to do", exit 0, and not a word of the empty curve.
+    Found by the red team of 2026-12-03."""
+    assert run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.ENABLED": "false", "SOLVER.MAX_ITER": 6}),
+                       cwd=tmp_path).returncode == 0
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 6}), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    run = only_run(MlflowClient(uri), "demo")
+    assert "nothing to do" in again.stdout + again.stderr
+    assert f"run {run.info.run_id} has no metrics for iterations 0-5 " in again.stderr
+
+
 def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_path, data_dir, jobs):
     """--no-resume in a folder with a finished job's files left its model_final in place: the new
     start, stopped and run again, took it for its own (nothing to do) and closed its new run with

@@ -213,3 +213,20 @@ def test_a_stop_whose_time_runs_out_behind_a_stuck_upload_still_sets_the_runs_st
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "KILLED" and run.data.tags["tracktron.status_reason"] == "stopped by SIGTERM"
     os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the abandoned upload end
+
+
+def test_the_metric_senders_count_of_what_it_gave_up_on_is_in_iterations(caplog):
+    """A server that fails every log-batch: the warning said `1 iterations not sent` for a batch of
+    ten given up on (the batch in flight counted as one). Found by the red team of 2026-12-03."""
+    from trainer.tracking.background import MetricSender
+
+    def refuse(batch):
+        if batch:
+            raise ConnectionError("HTTP 500")
+
+    sender = MetricSender(refuse, interval=0.05)
+    for step in range(10):
+        sender.put({"loss": 1.0, "lr": 0.1}, step)
+    caplog.set_level("WARNING", logger="trainer.tracking.background")
+    assert sender.close(timeout=1.0) is False
+    assert "metrics: 10 iterations not sent before the deadline, 0 dropped on overflow" in caplog.messages

@@ -49,6 +49,7 @@ class MetricSender:
         self._stop = threading.Event()
         self._nudge = threading.Event()  # send now, don't wait out the interval
         self._inflight_from: int | None = None  # the first step of the batch being sent
+        self._inflight_steps = 0  # how many iterations that batch holds
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
@@ -91,7 +92,7 @@ class MetricSender:
         self._stop.set()
         self._nudge.set()
         self._thread.join(max(0.0, timeout))  # not a moment longer: a hung server must not hold the exit
-        left = len(self._pending) + (self._inflight_from is not None)  # a batch given up on counts too
+        left = len(self._pending) + (self._inflight_steps if self._inflight_from is not None else 0)  # given up on too
         if left or self.dropped:
             log.warning("metrics: %d iterations not sent before the deadline, %d dropped on overflow",
                         left, self.dropped)
@@ -101,11 +102,13 @@ class MetricSender:
         batch: list = []
         if self._pending:
             self._inflight_from = self._pending[0][0]  # before the pop: wait_sent() must see it somewhere
+        self._inflight_steps = 0
         while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
             step, ts, metrics = self._pending[0]
             if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH and batch:
                 break
             self._pending.popleft()
+            self._inflight_steps += 1
             batch.extend((k, float(v), ts, step) for k, v in metrics.items())
         if not batch:
             self._inflight_from = None
