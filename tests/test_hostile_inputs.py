@@ -435,3 +435,18 @@ def test_an_annotation_file_past_the_memory_limit_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == (f"error: annotation file {tmp_path / 'annotations.json'} (2,147,483,648 bytes) does not fit "
                          "in this process's memory") and "Traceback" not in result.stderr
+
+
+def test_the_demos_rpn_keys_under_retinanet_are_said_to_be_ignored(here, data_dir):
+    """configs/demo.yaml with MODEL.TYPE retinanet: its RPN and R-CNN head keys do nothing there.
+    The job trains as before (a config shared across types is no mistake), with one warning."""
+    result = train(here, "MODEL.TYPE", "retinanet_resnet50_fpn", "MODEL.ANCHOR_SIZES", "[16,32,64,128]",
+                   data_dir=data_dir, dry_run=True)
+    assert result.code is None, result.stderr[-2000:]
+    (line,) = [x for x in result.stderr.splitlines() if "mean nothing" in x]
+    assert line.endswith("7 of the MODEL keys set mean nothing for retinanet_resnet50_fpn and are ignored: "
+                         "MODEL.REPRESENTATION_SIZE, MODEL.ROI_BATCH_SIZE_PER_IMAGE, MODEL.RPN_BATCH_SIZE_PER_IMAGE, "
+                         "MODEL.RPN_POST_NMS_TOP_N_TEST, MODEL.RPN_POST_NMS_TOP_N_TRAIN, MODEL.RPN_PRE_NMS_TOP_N_TEST, "
+                         "MODEL.RPN_PRE_NMS_TOP_N_TRAIN")
+    plain = train(here, data_dir=data_dir, dry_run=True)
+    assert plain.code is None and "mean nothing" not in plain.stderr

@@ -244,3 +244,44 @@ def test_test_size_and_back():
 def test_describe_model_counts_parameters(tiny_faster):
     text = describe_model(tiny_faster)
     assert f"{n_params(tiny_faster):,} total" in text and "FasterRCNN(" in text
+
+
+_CHANGED = {"REPRESENTATION_SIZE": 48, "RPN_PRE_NMS_TOP_N_TRAIN": 40, "RPN_POST_NMS_TOP_N_TRAIN": 10,
+            "RPN_PRE_NMS_TOP_N_TEST": 40, "RPN_POST_NMS_TOP_N_TEST": 10, "RPN_BATCH_SIZE_PER_IMAGE": 16,
+            "RPN_NMS_THRESH": 0.6, "RPN_FG_IOU": 0.8, "RPN_BG_IOU": 0.2, "RPN_POSITIVE_FRACTION": 0.4,
+            "ROI_BATCH_SIZE_PER_IMAGE": 8, "POSITIVE_FRACTION": 0.5, "MASK_POOL_SIZE": 7, "KEYPOINT_POOL_SIZE": 7,
+            "TOPK_CANDIDATES": 50, "FG_IOU": 0.6, "BG_IOU": 0.3}
+
+
+def _fingerprint(model) -> dict:
+    """Every setting a built model holds: its modules' plain attributes and its tensors' shapes."""
+    skip = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+    plain = (int, float, bool, str, tuple, list, dict)
+    found = {}
+    for name, module in model.named_modules():
+        for k, v in vars(module).items():
+            if k in skip or "hook" in k:
+                continue
+            if isinstance(v, plain):
+                found[f"{name}.{k}"] = repr(v)
+            elif hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor)):  # a matcher, a sampler
+                found |= {f"{name}.{k}.{kk}": repr(vv) for kk, vv in vars(v).items() if isinstance(vv, plain)}
+    return found | {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["fasterrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn",
+                                    "retinanet_resnet50_fpn", "fcos_resnet50_fpn"])
+def test_the_model_keys_said_to_be_ignored_are_the_ones_the_build_never_reads(family):
+    """The warning of unread MODEL keys (the demo's RPN keys under retinanet...) is true both ways:
+    changing a key it names leaves the built model as it was, changing any other one of these
+    changes it. Found by the red team of 2026-12-03: such keys did nothing, and nothing said so."""
+    from trainer.models import unread_keys
+
+    keypoints = 3 if family.startswith("keypoint") else 0
+    torch.manual_seed(0)
+    base = _fingerprint(build_model(tiny_cfg(family), 4, keypoints))
+    for key, value in _CHANGED.items():
+        cfg = tiny_cfg(family, **{key: value})
+        torch.manual_seed(0)
+        same = _fingerprint(build_model(cfg, 4, keypoints)) == base
+        assert same == (f"MODEL.{key}" in unread_keys(cfg)), (family, key, same)

@@ -5,6 +5,7 @@ the checkpoint it would resume from is its own, trained on its categories. The
 engine then trains on what was built here, so nothing is built twice."""
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.checks import category_difference, same_categories
 from trainer.data.coco import check_batch_size
 from trainer.inference import categories_of, category_key_of
-from trainer.models import build_model, load_weights
+from trainer.models import build_model, load_weights, unread_keys
 from trainer.tracking.model_uris import MLFLOW_URIS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +57,9 @@ def prepare(cfg: Config) -> Prepared:
     check_test_datasets(cfg, dataset)
     check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
+    if unread := unread_keys(cfg):  # said, not refused: a config shared across model types is no mistake
+        log.warning("%d of the MODEL keys set mean nothing for %s and are ignored: %s", len(unread), cfg.MODEL.TYPE,
+                    ", ".join(unread))
     here = bool(cfg.TRAIN.WEIGHTS) and not cfg.TRAIN.WEIGHTS.startswith(MLFLOW_URIS)
     if here:
         load_weights(model, cfg.TRAIN.WEIGHTS)

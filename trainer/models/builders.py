@@ -154,6 +154,25 @@ def _size_kwargs(cfg, family: str) -> dict:
                       "box_score_thresh": m.SCORE_THRESH})}
 
 
+_RCNN_ONLY = {"REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN", "RPN_PRE_NMS_TOP_N_TEST",
+              "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE", "RPN_NMS_THRESH", "RPN_FG_IOU", "RPN_BG_IOU",
+              "RPN_POSITIVE_FRACTION", "ROI_BATCH_SIZE_PER_IMAGE", "POSITIVE_FRACTION"}
+
+
+def unread_keys(cfg) -> list[str]:
+    """MODEL keys set away from their defaults that MODEL.TYPE's family never reads (_size_kwargs and
+    the heads say which it does): a demo's RPN keys under retinanet, a mask pool size on Faster R-CNN."""
+    from trainer.config import defaults
+
+    family, default = _family(cfg.MODEL.TYPE), defaults().MODEL
+    unread = set() if family.endswith("rcnn") else set(_RCNN_ONLY)
+    unread |= {"MASK_POOL_SIZE"} if family != "maskrcnn" else set()
+    unread |= {"KEYPOINT_POOL_SIZE"} if family != "keypointrcnn" else set()
+    unread |= {"TOPK_CANDIDATES"} if family.endswith("rcnn") else set()
+    unread |= {"FG_IOU", "BG_IOU"} if family in ("fcos", "ssdlite320") else set()
+    return sorted(f"MODEL.{k}" for k in unread if cfg.MODEL[k] != default[k])
+
+
 def _given(values: dict) -> dict:
     """The ones set (-1 leaves torchvision's default for the type)."""
     return {k: v for k, v in values.items() if v != -1}
