@@ -385,8 +385,8 @@ def imagenet_blobs(norm: str, seed: int = 0) -> dict[str, np.ndarray]:
 
 def test_a_py3_pickle_and_an_upper_case_name_load_the_same_tensors(tmp_path):
     """The blobs as Detectron's Python 2 wrote them, pickled again by Python 3 (protocol 5: numpy's
-    _frombuffer, C and Fortran order), and a file named R-50.PKL: the very same tensors each time.
-    Found by the red team of 2026-12-03: both were refused."""
+    _frombuffer, C and Fortran order), and files named R-50.PKL and R-50: the very same tensors each
+    time. Found by the red team of 2026-12-03: all were refused."""
     blobs = imagenet_blobs("bn")
     blobs["res2_0_branch2a_w"] = np.asfortranarray(blobs["res2_0_branch2a_w"])  # pickled in Fortran order
     files = [write_py2_pickle(tmp_path / "R-50.pkl", blobs)]
@@ -394,6 +394,7 @@ def test_a_py3_pickle_and_an_upper_case_name_load_the_same_tensors(tmp_path):
         pickle.dump(blobs, f, protocol=5)
     files.append(tmp_path / "py3.pkl")
     files.append(Path(shutil.copy(files[0], tmp_path / "R-50-upper.PKL")))
+    files.append(Path(shutil.copy(files[0], tmp_path / "R-50")))  # no suffix: refused as pickled objects
     assert b"_frombuffer" in files[1].read_bytes()
     states = []
     for path in files:

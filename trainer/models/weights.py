@@ -111,9 +111,17 @@ def hub_file(weight, option: str, spec: str) -> Path:
 
 
 def _read_path(path: Path, option: str, shown: str, model: nn.Module) -> dict:
-    if path.suffix.lower() == ".pkl" and not zipfile.is_zipfile(path):  # Detectron's Caffe2 blobs (torch.save's are zips)
-        return convert(read_blobs(path, shown, option), model)
+    if not zipfile.is_zipfile(path) and (path.suffix.lower() == ".pkl" or _numpy_pickle(path)):
+        return convert(read_blobs(path, shown, option), model)  # Detectron's Caffe2 blobs (torch.save's are zips)
     return _read_file(path, option, shown)
+
+
+def _numpy_pickle(path: Path) -> bool:
+    """A pickle of numpy arrays under another name than *.pkl (R-50, model_final.pickle): read by the
+    arrays-only reader too, which refuses whatever else it may hold. A legacy torch.save names torch."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    return head[:1] == b"\x80" and b"numpy" in head and b"torch" not in head
 
 
 def load_error(e: Exception) -> str:
