@@ -249,7 +249,7 @@ def test_a_run_made_twice_by_a_retried_create_leaves_only_the_trainers_own(tmp_p
     back stayed RUNNING, and won ties: the trainer then refused itself ("being trained right now by
     <its own pid>"), or a later start continued the empty copy from iteration 0. Found by the red
     team of 2026-12-03; the two requests are made here as the retry makes them."""
-    from trainer.tracking.job_run import drop_copies
+    from trainer.tracking.job_run import settle_new_run
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'store.db'}")
     exp = client.create_experiment("demo", artifact_location=str(tmp_path / "artifacts"))
@@ -257,7 +257,7 @@ def test_a_run_made_twice_by_a_retried_create_leaves_only_the_trainers_own(tmp_p
     lost, mine = (client.create_run(exp, start_time=1_700_000_000_000, tags=tags) for _ in range(2))
     other_job = client.create_run(exp, start_time=1_700_000_000_000, tags={**tags, "tracktron.job": "fedcba9876543210"})
     other_trainer = client.create_run(exp, start_time=1_700_000_000_000, tags={**tags, HEARTBEAT: "{}"})
-    drop_copies(client, exp, mine)
+    settle_new_run(client, exp, mine, first_wins=False)
     assert client.get_run(lost.info.run_id).info.lifecycle_stage == "deleted"
     for kept in (mine, other_job, other_trainer):  # another job's run, another trainer's: not copies of this one
         assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"

@@ -96,9 +96,7 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         last_step = -1
         if run is None:
             run = client.create_run(exp_id, tags=_start_tags(cfg, world_size), run_name=_run_name(cfg))
-            drop_copies(client, exp_id, run)
-            if found.auto_resume:
-                _first_of_its_job(client, exp_id, cfg, run)
+            settle_new_run(client, exp_id, run, first_wins=found.auto_resume)
         elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
             tags = _start_tags(cfg, world_size)
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
@@ -258,23 +256,26 @@ def _active(found, uri: str):
                     f"or name another {kind}")
 
 
-def drop_copies(client, exp_id: str, run) -> None:
-    """MLflow's client sends a POST again when its answer is lost: the server may have made the run
-    twice, the same request (start time, heartbeat) each time. The copy this trainer never got
-    back is deleted: left, a later start could continue it, empty, instead of the job's run."""
-    same = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{run.data.tags[JOB_TAG]}' and "
-                              f"attributes.start_time = {run.info.start_time}", max_results=20)
-    for other in same:
-        if other.info.run_id != run.info.run_id and other.data.tags.get(HEARTBEAT_TAG) == run.data.tags[HEARTBEAT_TAG]:
+def settle_new_run(client, exp_id: str, run, first_wins: bool) -> None:
+    """One search of the job's newest runs, right after this trainer made its own:
+    - MLflow's client sends a POST again when its answer is lost, so the server may have made the run
+      twice, the same request (start time, heartbeat) each time. The copy this trainer never got
+      back is deleted: left, a later start could continue it, empty, instead of the job's run.
+    - first_wins (a new job that found no run): of two trainers that each made one, the first made
+      keeps the job; the other deletes its own (still empty) and stops."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{run.data.tags[JOB_TAG]}'",
+                              order_by=["attributes.start_time DESC"], max_results=20)
+    others = []
+    for other in runs:
+        if other.info.run_id == run.info.run_id:
+            continue
+        if (other.info.start_time, other.data.tags.get(HEARTBEAT_TAG)) == (run.info.start_time,
+                                                                           run.data.tags[HEARTBEAT_TAG]):
             client.delete_run(other.info.run_id)
-
-
-def _first_of_its_job(client, exp_id: str, cfg: Config, run) -> None:
-    """Two trainers of a new job that both found no run made one each: the first made keeps the job,
-    the other deletes its own (still empty) and stops."""
-    runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'", max_results=20)
-    first = min([*runs, run], key=lambda r: (r.info.start_time, r.info.run_id))
-    if first.info.run_id != run.info.run_id:
+        else:
+            others.append(other)
+    first = min([*others, run], key=lambda r: (r.info.start_time, r.info.run_id))
+    if first_wins and first.info.run_id != run.info.run_id:
         client.delete_run(run.info.run_id)
         raise taken(first)
 
