@@ -74,20 +74,26 @@ def run_trainer(args: list[str], cwd: Path, env: dict | None = None, timeout: fl
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it (torchrun starts each worker in a session of its
+    own, so a process group does not hold them), the children listed first."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
 def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run of a launcher (torchrun) whose workers start sessions of their own: on a
     timeout every process under it is killed too, not left training after the test failed."""
-    import psutil
-
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd[2:4]} did not end within {timeout}s:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 from mlflow import MlflowClient
 
-from tests.conftest import DEMO, demo_overrides
+from tests.conftest import DEMO, demo_overrides, kill_tree
 from tests.faultkit import assert_same_weights, only_run, sha_tag, steps
 from tests.servers import free_port
 from trainer.checkpoint.state import load as load_checkpoint
@@ -60,12 +60,8 @@ class Node:
         return None
 
     def kill(self) -> None:
-        """The agent and its workers (torchrun starts each in a session of its own)."""
-        try:
-            for process in [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]:
-                process.kill()
-        except psutil.NoSuchProcess:
-            pass
+        """The agent and its workers."""
+        kill_tree(self.proc.pid)
         self.proc.wait()
 
     def text(self) -> str:
