@@ -397,3 +397,23 @@ def test_eval_into_an_output_dir_where_nothing_can_be_written_stops_before_infer
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: OUTPUT_DIR /proc/tracktron-eval: cannot write there")
     assert "Traceback" not in result.stderr and "images inferred" not in result.stderr
+
+
+def test_a_runs_test_sets_edited_by_hand_match_no_evaluation():
+    """runs.evaluation_sets of a run whose tag or param was edited into something else (not JSON,
+    not a list of names): what no evaluation matches, never an exception from the parse."""
+    from types import SimpleNamespace
+
+    from trainer.tracking.runs import EVAL_SETS_TAG, evaluation_sets
+
+    def run(tags=None, params=None, inputs=()):
+        return SimpleNamespace(data=SimpleNamespace(tags=tags or {}, params=params or {}),
+                               inputs=SimpleNamespace(dataset_inputs=list(inputs)))
+
+    ds = SimpleNamespace(dataset=SimpleNamespace(name="val", digest="abc"))
+    assert evaluation_sets(run(params={"TEST.DATASETS": "['val']"}, inputs=[ds])) == [["val", "abc"]]
+    assert evaluation_sets(run(tags={EVAL_SETS_TAG: '[["val", "abc"]]'})) == [["val", "abc"]]
+    assert evaluation_sets(run()) == []
+    for odd in (run(tags={EVAL_SETS_TAG: "{not json"}), run(params={"TEST.DATASETS": "5"}),
+                run(params={"TEST.DATASETS": "[1, 2]"}), run(params={"TEST.DATASETS": "['val', ..."})):
+        assert evaluation_sets(odd) == [["?", "?"]]

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # The experiment a job's run was made in, by the name the job gave: renamed in the UI, it is found by this.
 EXPERIMENT_TAG = "tracktron.experiment"
 
+
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     tags = {  # torch's versions and the device come with set_tags() once torch is imported
         JOB_TAG: job_hash(cfg),

@@ -125,12 +125,18 @@ def evaluation_sets(run) -> list[list[str]]:
     """The test sets a run's scores are of, in order, as [name, annotation digest] pairs: those its
     config names (TEST.DATASETS; digests from its dataset inputs), or, for a run trained without,
     those its first `tracktron eval` recorded. Empty: the run has been scored on nothing yet."""
+    unknown = [["?", "?"]]  # what no evaluation matches: a value cut at MLflow's length limit, or edited by hand
     if tagged := run.data.tags.get(EVAL_SETS_TAG):
-        return json.loads(tagged)
+        try:
+            return json.loads(tagged)
+        except ValueError:
+            return unknown
     try:
         names = ast.literal_eval(run.data.params.get("TEST.DATASETS", "[]"))
-    except (ValueError, SyntaxError):  # a param cut at MLflow's length limit: matches nothing
-        return [["?", "?"]]
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return unknown
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return unknown
     digests = {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs}
     return [[name, digests.get(name, "?")] for name in names]
 
