@@ -794,3 +794,14 @@ def test_eval_of_a_converted_detectron_model(tmp_path, data_dir):
     assert "| bbox |" in result.stdout, result.stdout
     detections = out / "eval" / "synth_shapes_val" / "detections.json"
     assert detections.is_file() and (detections.parent / "per_category_ap.md").is_file()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])
+def test_a_stall_window_that_is_no_positive_number_is_one_line(tmp_path, data_dir, value):
+    """TRACKTRON_DOWNLOAD_STALL_S=0 failed every download at its first chunk (TLS reads bring 16 kB);
+    nan turned the check off; a word failed the download with a ValueError."""
+    result = tracktron(*dry_run_args(write_config(tmp_path, "faster_fpn"), "http://127.0.0.1:9/R-50.pkl", data_dir,
+                                     tmp_path / "out"),
+                       env={"TRACKTRON_CACHE": str(tmp_path / "cache"), "TRACKTRON_DOWNLOAD_STALL_S": value})
+    assert error_line(result) == f"error: TRACKTRON_DOWNLOAD_STALL_S={value}: must be a number of seconds above 0"
+    assert not (tmp_path / "cache").exists()

@@ -414,6 +414,29 @@ def test_a_runs_test_sets_edited_by_hand_match_no_evaluation():
     assert evaluation_sets(run(params={"TEST.DATASETS": "['val']"}, inputs=[ds])) == [["val", "abc"]]
     assert evaluation_sets(run(tags={EVAL_SETS_TAG: '[["val", "abc"]]'})) == [["val", "abc"]]
     assert evaluation_sets(run()) == []
-    for odd in (run(tags={EVAL_SETS_TAG: "{not json"}), run(params={"TEST.DATASETS": "5"}),
+    for odd in (run(tags={EVAL_SETS_TAG: "{not json"}), run(tags={EVAL_SETS_TAG: '[["a", "b", "c"]]'}),
+                run(tags={EVAL_SETS_TAG: '{"a": 1}'}), run(params={"TEST.DATASETS": "5"}),
                 run(params={"TEST.DATASETS": "[1, 2]"}), run(params={"TEST.DATASETS": "['val', ..."})):
         assert evaluation_sets(odd) == [["?", "?"]]
+
+
+def test_an_evaluation_on_some_of_a_runs_sets_scores_what_the_run_names():
+    """The first set gives the plain names (bbox/AP), the others their prefixed ones: an evaluation
+    on the first set alone, or on it and some of the others, logs what the run's names mean."""
+    from trainer.tracking.runs import same_scores
+
+    a, b, c = ["a", "1"], ["b", "2"], ["c", "3"]
+    assert same_scores([a, b, c], [a]) and same_scores([a, b, c], [a, c]) and same_scores([a], [a])
+    assert not same_scores([a, b], [b]) and not same_scores([a, b], [b, a]) and not same_scores([a], [a, b])
+    assert not same_scores([a], [["a", "9"]]) and not same_scores([a], [])
+
+
+def test_another_tools_checkpoint_with_its_own_categories_key_is_evaluated(shapes, tmp_path):
+    """{"model": state_dict, "categories": ["circle", ...]} (another tool's way to name them) is not a
+    tracktron checkpoint: its categories are not held to tracktron's shape, its weights are used."""
+    cfg = make_cfg(shapes)
+    torch.manual_seed(0)
+    path = tmp_path / "other_tool.pth"
+    torch.save({"model": build_model(cfg, 4).state_dict(), "categories": ["circle", "square", "triangle"]}, path)
+    metrics = eval_command(cfg, str(path))
+    assert 0.0 <= metrics["bbox/AP"] <= 1.0

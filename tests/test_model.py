@@ -312,11 +312,12 @@ def test_a_fine_tune_starts_from_models_best_with_fewer_classes_and_records_its_
         torch.testing.assert_close(trained[k], parent[k], atol=1e-5, rtol=0)
 
 
-def test_eval_of_a_runs_checkpoint_on_other_test_sets_leaves_its_scores_and_best_alone(job, tmp_path):
+def test_eval_of_a_runs_checkpoint_on_other_test_sets_leaves_its_scores_and_best_alone(job, data_dir, tmp_path):
     """The job's run is scored on synth_shapes_val. `tracktron eval` of its checkpoint on a set of
     the same name whose annotation file differs (DATASET_CATALOG points elsewhere) prints its
     scores; the run's bbox/AP curve and its best checkpoint stay as training left them."""
     from trainer.data.synth import write_synthetic_dataset
+    from trainer.hashing import sha256_of
 
     client, run_id = job["client"], job["run"].info.run_id
     before = client.get_run(run_id).data.tags
@@ -334,7 +335,9 @@ def test_eval_of_a_runs_checkpoint_on_other_test_sets_leaves_its_scores_and_best
     after = client.get_run(run_id).data.tags
     assert {k: after.get(k) for k in before if k.startswith("tracktron.best")} == \
         {k: v for k, v in before.items() if k.startswith("tracktron.best")}
-    assert "tracktron.eval.datasets" not in after
+    assert after["tracktron.eval.datasets"] == before["tracktron.eval.datasets"]  # set by training: its own sets
+    ((name, digest),) = json.loads(before["tracktron.eval.datasets"])
+    assert name == "synth_shapes_val" and digest == sha256_of(data_dir / "synth_shapes/val/annotations.json")[:36]
 
 
 def test_a_run_checkpoint_is_used_only_when_its_sha256_tag_says_complete(job, data_dir, tmp_path):

@@ -241,8 +241,8 @@ def test_dry_run_checks_everything_says_what_it_would_do_and_writes_nothing(tmp_
 
 def test_a_job_whose_experiment_was_renamed_in_the_ui_is_found_there(tmp_path, data_dir):
     """The experiment renamed (the UI's Rename): the job found no experiment of its name, and
-    started over in a new one. Its run now says which name it was made under. A config that names
-    another experiment still starts a new run there."""
+    started over in a new one. An experiment tracktron makes now says which name it was made under.
+    A config that names another experiment still starts a new run there."""
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'store.db'}"
@@ -256,7 +256,7 @@ def test_a_job_whose_experiment_was_renamed_in_the_ui_is_found_there(tmp_path, d
     plan = run_trainer(["--dry-run", *elsewhere], cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     assert f"run {run.info.run_id} has model_final: nothing to do" in plan.stdout
-    assert "the job's run " + run.info.run_id + " is in experiment demo (baseline) (renamed)" in plan.stderr
+    assert f"the job's run {run.info.run_id} is in experiment demo (baseline) (made as demo, renamed since)" in plan.stderr
     again = run_trainer(elsewhere, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert client.get_experiment_by_name("demo") is None

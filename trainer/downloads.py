@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -35,12 +36,13 @@ def download(url: str, option: str) -> Path:
     cache = Path(os.environ.get("TRACKTRON_CACHE") or Path.home() / ".cache" / "tracktron") / "weights"
     name = re.sub(r"[^\w.-]", "_", os.path.basename(parts.path))[-100:].lstrip(".") or "weights"
     target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
+    window = _stall_window()
     try:
         if target.is_file():
             return target
         cache.mkdir(parents=True, exist_ok=True)
         _drop_stale_parts(cache)
-        _fetch(url, cache, target)
+        _fetch(url, cache, target, window)
     except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
         raise UserError(f"{option} {shown}: download failed ({type(e).__name__}: {first_line(e)}); fetch it where "
                         f"the network allows and set {option} to the local file's path") from None
@@ -48,7 +50,18 @@ def download(url: str, option: str) -> Path:
     return target
 
 
-def _fetch(url: str, cache: Path, target: Path) -> None:
+def _stall_window() -> float:
+    text = os.environ.get("TRACKTRON_DOWNLOAD_STALL_S") or "60"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UserError(f"TRACKTRON_DOWNLOAD_STALL_S={text}: must be a number of seconds above 0")
+    return seconds
+
+
+def _fetch(url: str, cache: Path, target: Path, window: float) -> None:
     """Into a temporary file, renamed to `target` only when every byte the server announced came."""
     with tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False) as part:
         try:
@@ -56,7 +69,7 @@ def _fetch(url: str, cache: Path, target: Path) -> None:
                 size = int(response.headers.get("Content-Length") or -1)
                 if size > shutil.disk_usage(cache).free:
                     raise OSError(f"{size:,} bytes do not fit in {cache}")
-                _copy(response, part)
+                _copy(response, part, window)
             part.flush()
             if size >= 0 and part.tell() != size:
                 raise OSError(f"the server sent {part.tell():,} of {size:,} bytes")
@@ -65,10 +78,9 @@ def _fetch(url: str, cache: Path, target: Path) -> None:
             Path(part.name).unlink(missing_ok=True)
 
 
-def _copy(response, part) -> None:
+def _copy(response, part, window: float) -> None:
     """The body into `part`, given up when a window passes with too few bytes (read1 returns what
     one read brings, so the clock is looked at while a slow server drips)."""
-    window = float(os.environ.get("TRACKTRON_DOWNLOAD_STALL_S") or 60)
     start, got = time.monotonic(), 0
     while chunk := response.read1(1 << 20):
         part.write(chunk)

@@ -42,6 +42,7 @@ from trainer.publish import complete_finished_run, log_final_model
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
 from trainer.stats import TrainingStats
 from trainer.tracking import Tracker
+from trainer.tracking.runs import eval_sets_tag
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,9 @@ def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> None:
     write_atomic(job.output_dir / "model.txt", describe_model(model))
     for name in ("config.yaml", "model.txt"):
         job.tracker.log_artifact(job.output_dir / name)
-    job.tracker.log_inputs(dataset_inputs(job.cfg), parent)
+    inputs = dataset_inputs(job.cfg)
+    job.tracker.log_inputs(inputs, parent)
+    job.tracker.set_tags(eval_sets_tag(inputs))  # what its scores are of, this start's (TEST is no part of the job)
 
 
 def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:

@@ -282,8 +282,8 @@ def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
     if not isinstance(state, dict):
         return None, None
     iteration = state["iteration"] if isinstance(state.get("iteration"), int) else None
-    if "categories" not in state:
-        return iteration, None
+    if "categories" not in state or not (isinstance(state.get("model"), dict) and "config" in state):
+        return iteration, None  # another tool's file: its "categories" are not tracktron's to hold it to
     categories, keypoint_names = checked_categories(state["categories"], shown)
     return iteration, {"categories": categories, "keypoint_names": keypoint_names}
 

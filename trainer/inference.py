@@ -149,8 +149,9 @@ class Detector:
 
     @torch.inference_mode()
     def predict(self, images) -> list[dict]:
-        """Detections for each image (bytes or HxWx3 uint8 arrays), in the images' own pixels;
-        ValueError for one that is no image or that the network cannot take."""
+        """Detections for each image (bytes or HxWx3 uint8 arrays), in the image's pixels as a viewer
+        shows them (a photo turned upright by its EXIF orientation first); ValueError for one that is
+        no image or that the network cannot take."""
         results = []
         for image in images:
             output = self.model([self.pixels(image).to(self.device)])[0]

@@ -119,8 +119,11 @@ def _read_path(path: Path, option: str, shown: str, model: nn.Module) -> dict:
 def _numpy_pickle(path: Path) -> bool:
     """A pickle of numpy arrays under another name than *.pkl (R-50, model_final.pickle): read by the
     arrays-only reader too, which refuses whatever else it may hold. A legacy torch.save names torch."""
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:  # unreadable: torch.load's attempt says so in one line
+        return False
     return head[:1] == b"\x80" and b"numpy" in head and b"torch" not in head
 
 

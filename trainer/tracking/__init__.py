@@ -32,14 +32,12 @@ def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
 
 def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     """A tracker that logs `tracktron eval`'s scores of a run's checkpoint into that run (its status
-    left alone), when they are scores of the run's own test sets (names, order and annotation files:
-    `datasets` as lineage.dataset_inputs gives them). Those of other sets would read as the run's own
+    left alone), when they are scores of the run's own test sets (runs.same_scores: names, order and
+    annotation files; `datasets` as lineage.dataset_inputs gives them). Those of other sets would read as the run's own
     `bbox/AP` and could move its best checkpoint: they are printed, not logged. A run trained without
     test sets takes those of its first evaluation as its own."""
-    import json
-
     from trainer.tracking.mlflow_tracker import MlflowTracker
-    from trainer.tracking.runs import EVAL_SETS_TAG, evaluation_sets, start_error
+    from trainer.tracking.runs import eval_sets_tag, evaluation_sets, same_scores, start_error
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
@@ -49,8 +47,8 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     except Exception as e:  # the checkpoint's download just worked: a server that fails now
         raise UserError(start_error(tracker.uri, e)) from None
     if not own:
-        tracker.set_tags({EVAL_SETS_TAG: json.dumps(ours)})
-    elif own != ours:
+        tracker.set_tags(eval_sets_tag(datasets))
+    elif not same_scores(own, ours):
         log.warning("not logged into run %s: its scores are of %s; these of %s (or other annotation files)",
                     run_id, ", ".join(n for n, _ in own), ", ".join(n for n, _ in ours))
         tracker.finish(None)

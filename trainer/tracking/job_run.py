@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from trainer.checkpoint.files import FINAL
 from trainer.config import Config, job_hash
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
@@ -20,14 +20,13 @@ from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoin
 from trainer.tracking.sqlite_store import check_store, not_made_yet
 
 log = logging.getLogger(__name__)
-# The experiment a job's run was made in, by the name the job gave: renamed in the UI, it is found by this.
+# The name an experiment tracktron made was made under: renamed in the UI, it is found by this.
 EXPERIMENT_TAG = "tracktron.experiment"
 
 
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     tags = {  # torch's versions and the device come with set_tags() once torch is imported
         JOB_TAG: job_hash(cfg),
-        EXPERIMENT_TAG: experiment_name(cfg),
         "tracktron.config_name": cfg.NAME,
         "tracktron.world_size": str(world_size),
         HEARTBEAT_TAG: beat(),  # the run's trainer from its first write on
@@ -147,27 +146,28 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
 
 
 def _renamed_home(client, cfg: Config) -> tuple | None:
-    """(experiment, run): the job's newest run in an experiment renamed since the run was made in it
-    under the name the job gives (EXPERIMENT_TAG). A job whose config names a new experiment has no
-    run tagged with that name, and starts there."""
+    """(experiment, run): the job's newest run in an experiment tracktron made under the name the job
+    gives (EXPERIMENT_TAG), renamed since. A config that names a new experiment finds none. A lookup
+    that fails is said, and the job starts as it would have (in a new experiment of its name)."""
     from trainer.tracking.search import every_page
 
-    name, found = experiment_name(cfg), []
+    name = experiment_name(cfg)
     if "'" in name or "\\" in name:  # no quoting in a search filter's value is sure to hold
         return None
-    ids = [e.experiment_id for e in every_page(client.search_experiments)]
-    for i in range(0, len(ids), 100):  # a hundred experiments per request
-        found += client.search_runs(ids[i:i + 100], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}' and "
-                                    f"tags.`{EXPERIMENT_TAG}` = '{name}'",
-                                    order_by=["attributes.start_time DESC"], max_results=1)
-    if not found:
+    try:
+        made = every_page(client.search_experiments, filter_string=f"tags.`{EXPERIMENT_TAG}` = '{name}'")
+        runs = client.search_runs([e.experiment_id for e in made][:100], filter_string=f"tags.`{JOB_TAG}` = "
+                                  f"'{job_hash(cfg)}'", order_by=["attributes.start_time DESC"], max_results=1) if made else []
+    except Exception as e:
+        log.warning("could not look for experiment %s under another name (%s)", name, first_line(e))
         return None
-    run = max(found, key=lambda r: r.info.start_time)
-    exp = client.get_experiment(run.info.experiment_id)
-    log.warning("no experiment is named %s: the job's run %s is in experiment %s (renamed), and continues there",
-                name, run.info.run_id, exp.name)
-    return exp, run
-
+    if not runs:
+        return None
+    exp = next(e for e in made if e.experiment_id == runs[0].info.experiment_id)
+    log.warning("no experiment is named %s: the job's run %s is in experiment %s (made as %s, renamed since), and "
+                "continues there; --no-resume starts the job over in a new experiment %s", name,
+                runs[0].info.run_id, exp.name, name, name)
+    return exp, runs[0]
 
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
@@ -228,7 +228,8 @@ def _experiment(client, name: str) -> str:
     if exp:
         return exp.experiment_id
     try:  # the UI groups experiments by kind: these are model-training ones
-        return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
+        return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development",
+                                                    EXPERIMENT_TAG: name})
     except MlflowException as e:  # another job made it meanwhile
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) or not (exp := client.get_experiment_by_name(name)):
             raise

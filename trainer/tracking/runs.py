@@ -122,15 +122,19 @@ def last_step_of(run, key: str = "loss") -> int:
 # ---- fetching what a run holds ----
 
 def evaluation_sets(run) -> list[list[str]]:
-    """The test sets a run's scores are of, in order, as [name, annotation digest] pairs: those its
-    config names (TEST.DATASETS; digests from its dataset inputs), or, for a run trained without,
-    those its first `tracktron eval` recorded. Empty: the run has been scored on nothing yet."""
+    """The test sets a run's scores are of, in order, as [name, annotation digest] pairs: the tag
+    each training start sets (a resumed job may name other TEST.DATASETS) or a first `tracktron eval`
+    of a run trained without; for runs older than the tag, TEST.DATASETS' param with the digests of
+    the run's dataset inputs. Empty: the run has been scored on nothing yet."""
     unknown = [["?", "?"]]  # what no evaluation matches: a value cut at MLflow's length limit, or edited by hand
-    if tagged := run.data.tags.get(EVAL_SETS_TAG):
+    if (tagged := run.data.tags.get(EVAL_SETS_TAG)) is not None:
         try:
-            return json.loads(tagged)
+            sets = json.loads(tagged)
         except ValueError:
             return unknown
+        pairs = isinstance(sets, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                               for p in sets)
+        return sets if pairs else unknown
     try:
         names = ast.literal_eval(run.data.params.get("TEST.DATASETS", "[]"))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -139,6 +143,18 @@ def evaluation_sets(run) -> list[list[str]]:
         return unknown
     digests = {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs}
     return [[name, digests.get(name, "?")] for name in names]
+
+
+def same_scores(own: list, ours: list) -> bool:
+    """An evaluation on `ours` scores what the run's `own` sets name: its first set first (the plain
+    `bbox/AP`), the others among the run's (each under its own prefix)."""
+    return bool(ours) and ours[0] == own[0] and all(s in own for s in ours)
+
+
+def eval_sets_tag(datasets: list[dict]) -> dict:
+    """The run's EVAL_SETS_TAG for lineage.dataset_inputs' evaluation sets (none past a tag's length)."""
+    value = json.dumps([[d["name"], d["digest"]] for d in datasets if d["context"] == "evaluation"])
+    return {EVAL_SETS_TAG: value} if len(value) <= 5000 else {}
 
 
 def check_shape(spec: str, option: str) -> None:
