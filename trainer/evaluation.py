@@ -282,8 +282,9 @@ def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
     if not isinstance(state, dict):
         return None, None
     iteration = state["iteration"] if isinstance(state.get("iteration"), int) else None
-    if "categories" not in state or not (isinstance(state.get("model"), dict) and "config" in state):
-        return iteration, None  # another tool's file: its "categories" are not tracktron's to hold it to
+    ours = isinstance(state.get("categories"), dict) or (isinstance(state.get("model"), dict) and "config" in state)
+    if "categories" not in state or not ours:
+        return iteration, None  # another tool's file (its "categories" a list of names): not held to tracktron's
     categories, keypoint_names = checked_categories(state["categories"], shown)
     return iteration, {"categories": categories, "keypoint_names": keypoint_names}
 
