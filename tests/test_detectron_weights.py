@@ -716,6 +716,9 @@ def test_weights_url_is_downloaded_once_then_read_from_the_cache(tmp_path, data_
     again = tracktron(*dry_run_args(config, url, data_dir, tmp_path / "out"), env=env)  # the server is gone
     assert again.returncode == 0, again.stderr[-3000:]
     assert "loaded 5 tensors" in again.stderr
+    cached_only = tracktron(*dry_run_args(config, url, data_dir, tmp_path / "out"),
+                            env={**env, "TRACKTRON_DOWNLOAD_STALL_S": "0"})  # a download's setting: no download
+    assert cached_only.returncode == 0, cached_only.stderr[-3000:]
 
     closed = f"http://127.0.0.1:{_closed_port()}/R-50.pkl"
     failed = tracktron(*dry_run_args(config, closed, data_dir, tmp_path / "out"), env=env)

@@ -83,7 +83,7 @@ def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:
             size = probe.size
             if max(size) <= MAX_IMAGE_SIDE and size[0] * size[1] <= MAX_PIXELS:
                 turned = upright and probe.format not in ("JPEG", "PNG") and _orientation(probe) != 1
-                if getattr(probe, "is_animated", False) or turned:  # read from the headers: no frame is decoded
+                if getattr(probe, "is_animated", False) or turned:  # decoded here, after the size check: one frame, upright
                     by_pil = np.array((ImageOps.exif_transpose(probe) if upright else probe).convert("RGB"))
                 elif data.startswith(_PNG):
                     probe.load()

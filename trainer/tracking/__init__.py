@@ -37,11 +37,11 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     `bbox/AP` and could move its best checkpoint: they are printed, not logged. A run trained without
     test sets takes those of its first evaluation as its own."""
     from trainer.tracking.mlflow_tracker import MlflowTracker
-    from trainer.tracking.runs import eval_sets_tag, evaluation_sets, same_scores, start_error
+    from trainer.tracking.runs import eval_sets, eval_sets_tag, evaluation_sets, same_scores, start_error
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
-    ours = [[d["name"], d["digest"]] for d in datasets]
+    ours = eval_sets(datasets)
     try:
         own = evaluation_sets(tracker.client.get_run(run_id))
     except Exception as e:  # the checkpoint's download just worked: a server that fails now

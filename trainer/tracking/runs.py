@@ -151,9 +151,14 @@ def same_scores(own: list, ours: list) -> bool:
     return bool(ours) and ours[0] == own[0] and all(s in own for s in ours)
 
 
+def eval_sets(datasets: list[dict]) -> list[list[str]]:
+    """[[name, annotation digest], ...] of lineage.dataset_inputs' evaluation sets, in order."""
+    return [[d["name"], d["digest"]] for d in datasets if d["context"] == "evaluation"]
+
+
 def eval_sets_tag(datasets: list[dict]) -> dict:
     """The run's EVAL_SETS_TAG for lineage.dataset_inputs' evaluation sets (none past a tag's length)."""
-    value = json.dumps([[d["name"], d["digest"]] for d in datasets if d["context"] == "evaluation"])
+    value = json.dumps(eval_sets(datasets))
     return {EVAL_SETS_TAG: value} if len(value) <= 5000 else {}
 
 
