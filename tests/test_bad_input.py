@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import DEMO, trainer_cmd
-from trainer import cli
+from trainer import cli, launch
 from trainer.config import _ALL_KEYS, load_config
 from trainer.errors import UserError
 from trainer.data.synth import write_synthetic_dataset
@@ -440,7 +440,7 @@ def test_random_overrides_never_give_a_traceback(opts, drop_last, tmp_path, monk
     except UserError as e:
         assert "\n" not in str(e) and str(e)
     # The CLI: exit 2 with an `error:` line, or on to training (stubbed out), never a traceback.
-    with mock.patch.object(cli, "_train", _no_training), \
+    with mock.patch.object(launch, "_train", _no_training), \
             mock.patch("trainer.tracking.create_tracker", lambda *a, **k: mock.MagicMock()), \
             mock.patch("trainer.tracking.system_metrics.start_monitor", lambda *a, **k: None):
         result = run_cli(["train", "--config", str(DEMO), *opts])

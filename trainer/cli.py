@@ -5,25 +5,20 @@ Bad input ends with one line on stderr and exit status 2. A NaN loss exits 1, a 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import click
 
-from trainer.atomic_write import write_atomic
-from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
-from trainer.logs import check_arguments_are_text, held_while_checking, hold_console_descriptors, setup_logging, write_or_drop
+from trainer.launch import Stopped, torchrun_environment, train_job
+from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
-from trainer.output_dir import check_config_file_kept, check_output_dir
-from trainer.output_lock import OutputLock
+from trainer.output_dir import check_output_dir
 from trainer.redaction import printable, redact_text
-from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
 
 log = logging.getLogger("tracktron")
 
@@ -70,10 +65,9 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200 TRAIN.IMS_PER_BATCH 4
     """
     from trainer.config import load_config
-    from trainer.tracking import create_tracker
 
     # torchrun's rank and world size, read before torch is imported (see below)
-    rank, world_size = _torchrun_environment()
+    rank, world_size = torchrun_environment()
     _setup_logging(rank)
     cfg = load_config(config_file, _overrides(opts, opts_text))
     if world_size > 1 and cfg.NUM_GPUS != world_size:
@@ -85,182 +79,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
         raise UserError("--resume needs a run id (it was empty)")
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
-    check_output_dir(Path(cfg.OUTPUT_DIR))
-    check_config_file_kept(config_file, Path(cfg.OUTPUT_DIR))
-    check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
-    from trainer.tracking.model_uris import check_source
-
-    check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
-    if cfg.TRAIN.WEIGHTS.startswith(URL_SCHEMES):  # fetched (or refused) before a run is made too
-        download(cfg.TRAIN.WEIGHTS, "TRAIN.WEIGHTS")
-    if dry_run:
-        from trainer.dry_run import plan
-
-        click.echo(plan(cfg, resume_run_id, no_resume, world_size))
-        return
-    tracker = create_tracker(cfg, rank, world_size)
-    lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
-    monitor = ctx = None
-    try:
-        with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
-            # The job's run is looked up (and a resumed job's checkpoint starts downloading) while
-            # torch loads and the job is checked; the run is made or reopened once every check passed.
-            tracker.start(cfg, resume_run_id, new_run=no_resume, wait_for_checks=True)
-            importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
-            prepared = _check_job(cfg, tracker, rank == 0 and (cfg.TRAIN.AUTO_RESUME or bool(resume_run_id)))
-            tracker.checks_passed()
-            from trainer import distributed
-            from trainer.tracking.system_metrics import start_monitor
-
-            run = tracker.run
-            if run.run_id:
-                where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
-                log.info("MLflow run %s: %s", run.run_id, where)
-                _write_run_id(run.run_id)
-            on_hard_exit(lambda reason: tracker.last_words("KILLED", reason))  # stuck past the grace period
-            ctx = _join(distributed, tracker, cfg, prepared)
-            tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
-            monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
-                                    ctx.world_size, on_gpu=ctx.device.type == "cuda")
-            _train(cfg, tracker, ctx, prepared)
-    except StopRequested as e:
-        _stopped(tracker, e)
-    finally:
-        if monitor is not None:
-            monitor.finish()
-        if ctx is not None:
-            distributed.teardown(ctx)
-        if lock is not None:
-            lock.release()
-
-
-@held_while_checking()
-def _check_job(cfg, tracker, resumable: bool):
-    """The job's datasets and network, and the checkpoint in OUTPUT_DIR it would resume from (not
-    another job's), checked and built before a run is made for it: a job that fails a check leaves
-    the tracking store as it was. A finished job has nothing to do, whatever became of its data
-    (None: the engine sees that for itself)."""
-    from trainer.preflight import check_local, prepare
-
-    try:
-        prepared = prepare(cfg)
-    except UserError:
-        local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / "model_final.pth").is_file()
-        try:
-            finished = local_final or tracker.found_final()
-        except UserError:  # the lookup failed too: the job's own error says more
-            finished = False
-        if not finished:
-            tracker.finish(None)  # no run was made: nothing to mark
-            raise
-        prepared = None
-    try:
-        if resumable:
-            check_local(cfg, prepared)
-        tracker.check_found()  # the run it would continue, free to be trained by this job
-    except UserError:
-        tracker.finish(None)
-        raise
-    return prepared
-
-
-def _join(distributed, tracker, cfg, prepared):
-    """The job's process group, every rank on rank 0's job; a failure to join it, or a rank started
-    with another config or other training data, fails the run (never left RUNNING), in one line."""
-    from trainer.config import flatten, job_keys
-    from trainer.data.coco import dataset_category_key
-
-    try:
-        ctx = distributed.setup()
-    except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
-        reason = f"cannot join the job's other processes: {first_line(e)}"
-        tracker.finish("FAILED", reason)
-        raise UserError(reason) from None
-    keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k in distributed.EVAL_KEYS}
-    # each node has its own DATA_DIR: the datasets _check_job built are compared, not their paths
-    dataset = None if prepared is None else prepared.dataset
-    data = None if dataset is None else {"num_classes": dataset.num_classes, "images": len(dataset),
-                                         "categories": dataset_category_key(dataset)}
-    try:
-        distributed.check_same_job(ctx, keys, data)
-    except UserError as e:
-        tracker.finish("FAILED", str(e))
-        distributed.teardown(ctx, together=True)
-        raise
-    return ctx
-
-
-def _torchrun_environment() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) as torchrun sets them, checked before anything starts: a job whose
-    processes cannot find each other must not create a run it then leaves RUNNING."""
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    values = {}
-    for name, text in env.items():
-        if text is None:
-            continue
-        try:
-            values[name] = int(text)
-        except ValueError:
-            raise UserError(f"torchrun environment: {name}={text!r} is not an integer") from None
-    rank, world_size = values.get("RANK", 0), values.get("WORLD_SIZE", 1)
-    local_rank, local_size = values.get("LOCAL_RANK", 0), values.get("LOCAL_WORLD_SIZE", world_size)
-    if world_size < 1 or not 0 <= rank < world_size or not 0 <= local_rank < local_size <= world_size:
-        raise UserError(f"torchrun environment: RANK {rank}, LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE {local_size} and "
-                        f"WORLD_SIZE {world_size} do not fit (0 <= RANK < WORLD_SIZE, 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE "
-                        "<= WORLD_SIZE)")
-    port = os.environ.get("MASTER_PORT", "")
-    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
-                               and 0 < int(port) < 65536):
-        raise UserError(f"torchrun environment: WORLD_SIZE > 1 needs MASTER_ADDR and a MASTER_PORT of 1 to 65535, "
-                        f"got {port!r} (start the job with torchrun)")
-    return rank, world_size
-
-
-def _write_run_id(run_id: str) -> None:
-    """For pipelines (Kubeflow): the job's run id in the file TRACKTRON_RUN_ID_FILE names."""
-    if target := os.environ.get("TRACKTRON_RUN_ID_FILE"):
-        write_atomic(Path(target), run_id)
-
-
-def _train(cfg, tracker, ctx, prepared) -> None:
-    from trainer.engine import Job, NonFiniteLoss, train_model
-
-    try:
-        done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared))
-    except (Preempted, StopRequested) as e:
-        _stopped(tracker, e)
-    except NonFiniteLoss as e:
-        tracker.finish("FAILED", str(e))
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
-    except UserError as e:
-        tracker.finish("FAILED", str(e))
-        raise
-    except BaseException as e:
-        tracker.finish("FAILED", f"{type(e).__name__}: {e}")
-        raise
-    missing = tracker.finish("FINISHED")
-    if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
-        return
-    if done is not None:
-        write_or_drop(sys.stdout, f"nothing to do: model_final already exists ({done.source})\n")
-    else:
-        write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}\n")
-    if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
-        write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. The local files "
-                                  "are intact; running the same command again uploads model_final\n")
-        sys.exit(1)
-
-
-class _Stopped(SystemExit):
-    """The exit of a job stopped by a signal: main() skips the interpreter's teardown for it."""
-
-
-def _stopped(tracker, e: Preempted | StopRequested):
-    """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
-    tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
-    log.warning("%s; the job resumes from its last checkpoint", e)
-    raise _Stopped(128 + e.signum)
+    train_job(cfg, config_file, resume_run_id, no_resume, dry_run, rank, world_size)
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
@@ -280,7 +99,7 @@ def eval_(config_file, weights, opts_text, opts):
     cfg = load_config(config_file, _overrides(opts, opts_text))
     check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TEST.IMS_PER_BATCH)
-    _torchrun_environment()
+    torchrun_environment()
     try:
         ctx = distributed.setup()
     except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
@@ -370,7 +189,7 @@ def main(argv=None) -> None:
     try:
         check_arguments_are_text(sys.argv[1:] if argv is None else argv)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
-    except _Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
+    except Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
         _flush_and_exit(e.code)
     except click.exceptions.Abort as e:
         if isinstance(e.__cause__, EOFError):  # click takes any EOFError for an ended prompt: here it is a fault
