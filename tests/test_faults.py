@@ -563,6 +563,35 @@ def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp
     assert f"run {run.info.run_id} has no metrics for iterations 0-5 " in again.stderr
 
 
+def test_a_rerun_evaluates_model_final_when_its_run_lacks_the_evaluation(tmp_path, data_dir):
+    """A job killed during its final evaluation (or whose server was down then, or that finished
+    untracked, as here) was "nothing to do" when run again: the run never got its AP, and @best went
+    to the final model as "nothing was evaluated". The rerun now evaluates model_final into the run
+    first, then logs and registers the model; a third start has nothing left to send.
+    Found by the red team of 2026-12-03 (second)."""
+    keys = {"SOLVER.MAX_ITER": 6, "TEST.DATASETS": "('synth_shapes_val',)", "TRACKING.LOG_MODEL": "true",
+            "TRACKING.REGISTERED_MODEL": "det"}
+    assert run_trainer(job_args(tmp_path, data_dir, **keys, **{"TRACKING.ENABLED": "false"}),
+                       cwd=tmp_path).returncode == 0
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = run_trainer(job_args(tmp_path, data_dir, **keys, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run lacks the evaluation of model_final.pth: evaluating it now" in again.stderr
+    assert "nothing was evaluated" not in again.stderr
+    client = MlflowClient(uri)
+    run = only_run(client, "demo")
+    assert steps(client, run.info.run_id, "bbox/AP") == [5]
+    assert run.data.tags["tracktron.best_checkpoint"] == "model_final.pth"
+    assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+    final, best = (client.get_model_version_by_alias("det", a) for a in ("final", "best"))
+    assert best.version == final.version and final.run_id == run.info.run_id
+
+    third = run_trainer(job_args(tmp_path, data_dir, **keys, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "evaluating it now" not in third.stderr and "lacks its logged model" not in third.stderr
+    assert steps(client, run.info.run_id, "bbox/AP") == [5]
+
+
 def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_path, data_dir, jobs):
     """--no-resume in a folder with a finished job's files left its model_final in place: the new
     start, stopped and run again, took it for its own (nothing to do) and closed its new run with

@@ -1,6 +1,6 @@
-"""What a finished job leaves in MLflow beside its metrics: model_final uploaded, and the servable
-model logged (and registered, @final and @best). A job killed after model_final but before these
-reached the server gets them when it is run again (the rerun trains nothing)."""
+"""What a finished job leaves in MLflow beside its metrics: model_final uploaded, its evaluation, and
+the servable model logged (and registered, @final and @best). A job killed after model_final but
+before these reached the server gets them when it is run again (the rerun trains nothing)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +10,9 @@ from trainer.checkpoint.files import FINAL
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.config import Config
+from trainer.distributed import Context
+from trainer.errors import UserError, first_line
+from trainer.evaluation import evaluate
 from trainer.inference import save as save_model
 from trainer.tracking import Tracker
 
@@ -26,8 +29,9 @@ def log_final_model(cfg: Config, tracker: Tracker, output_dir: Path, state_dict:
         tracker.log_model(folder, cfg)
 
 
-def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path) -> None:
-    """A rerun of a finished job: send what its run lacks (model_final, json_stats.log, the model)."""
+def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, model=None, device=None) -> None:
+    """A rerun of a finished job: send what its run lacks (model_final, json_stats.log, the final
+    evaluation, the model). `model` is the job's network (None when its data is gone)."""
     final, run = output_dir / FINAL, tracker.run
     if run.run_id is None or not final.exists():
         return
@@ -36,14 +40,45 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path) -> No
         tracker.log_checkpoint(final, sha256_of(final))
         if (output_dir / "json_stats.log").exists():
             tracker.log_artifact(output_dir / "json_stats.log")
-    if cfg.TRACKING.LOG_MODEL and not run.model_logged:  # killed while the model was being logged
-        try:
-            state = load(final)
-        except CheckpointError as e:
-            log.warning("cannot log the final model: %s", e)
-            return
-        if "categories" not in state:
-            log.warning("cannot log the final model: %s predates the categories a model needs", final)
-            return
-        log.info("the run lacks its logged model: logging it from %s", FINAL)
-        log_final_model(cfg, tracker, output_dir, state["model"], state["categories"])
+    evaluating = bool(cfg.TEST.DATASETS) and not _evaluated(tracker)
+    logging_model = cfg.TRACKING.LOG_MODEL and not run.model_logged  # killed while the model was being logged
+    if not (evaluating or logging_model):
+        return
+    try:
+        state = load(final)
+    except CheckpointError as e:
+        log.warning("cannot evaluate or log the final model: %s", e)
+        return
+    if evaluating:  # first: @best is chosen among every evaluation of the run
+        _evaluate_final(cfg, tracker, output_dir, model, state, device)
+    if not logging_model:
+        return
+    if "categories" not in state:
+        log.warning("cannot log the final model: %s predates the categories a model needs", final)
+        return
+    log.info("the run lacks its logged model: logging it from %s", FINAL)
+    log_final_model(cfg, tracker, output_dir, state["model"], state["categories"])
+
+
+def _evaluated(tracker: Tracker) -> bool:
+    try:
+        return tracker.has_evaluation(FINAL)
+    except Exception as e:  # the server failed the search: evaluating again loses nothing
+        log.warning("tracking: cannot tell whether the run has %s's evaluation (%s)", FINAL, first_line(e, 300))
+        return False
+
+
+def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, model, state: dict, device) -> None:
+    """model_final's evaluation never reached the run (the job was killed during it, the server was
+    down, or the job ran untracked): evaluated now, on this process alone, as the end of training would."""
+    again = f"tracktron eval --weights runs:/{tracker.run.run_id}/checkpoints/{FINAL} logs it into the run"
+    if model is None:
+        log.warning("the run lacks the evaluation of %s and the job's data is gone: %s", FINAL, again)
+        return
+    log.info("the run lacks the evaluation of %s: evaluating it now", FINAL)
+    model.load_state_dict(state["model"])
+    try:
+        evaluate(cfg, model.to(device), Context(device=device), output_dir, tracker, step=cfg.SOLVER.MAX_ITER - 1,
+                 checkpoint=FINAL)
+    except UserError as e:  # a test set that is gone or changed: the model is logged all the same
+        log.warning("cannot evaluate %s (%s): %s", FINAL, e, again)

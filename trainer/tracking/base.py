@@ -73,6 +73,10 @@ class Tracker:
         """An evaluation of the run's checkpoint file `checkpoint`: metrics linked to it as a model."""
         self.log_metrics(metrics, step)
 
+    def has_evaluation(self, checkpoint: str) -> bool:
+        """Whether the run has the evaluation of its checkpoint file `checkpoint` (no run: nothing to send)."""
+        return True
+
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it. With
         TRACKING.CHECKPOINTS_KEEP, older model_iter ones then leave the run (tracking/pruning.py)."""

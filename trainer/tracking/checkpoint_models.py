@@ -49,6 +49,12 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
     return model.model_id
 
 
+def evaluation_logged(client, experiment_id: str, run_id: str, checkpoint: str) -> bool:
+    """Whether `checkpoint`'s evaluation reached the run: its LoggedModel is READY once the metrics are in."""
+    return any(m.name == _name(checkpoint) and str(m.status) == "READY"
+               for m in checkpoint_models(client, experiment_id, run_id))
+
+
 def update_best(client, experiment_id: str, run_id: str, metric: str):
     """Tag the run with its best checkpoint so far; returns that LoggedModel (None: none has `metric`)."""
     from mlflow.entities import RunTag

@@ -1,9 +1,8 @@
-"""The MLflow implementation of the tracking interface: runs, metrics, checkpoints, the final model.
-
-`start()` finds the job's run on a thread while the caller imports torch and checks the job, then
-makes or reopens it; `run` waits for it. Everything after goes through two background threads with
-MLflow's own client: the MetricSender (one `log_batch` every few seconds, the run's heartbeat with
-it) and the Uploader (artifacts, checkpoints and their tags, pruning in the run, the status)."""
+"""The MLflow implementation of the tracking interface. `start()` finds the job's run on a thread while
+the caller imports torch and checks the job, then makes or reopens it; `run` waits for it. Everything
+after goes through two background threads with MLflow's own client: the MetricSender (one `log_batch`
+every few seconds, the run's heartbeat with it) and the Uploader (artifacts, checkpoints and their
+tags, pruning in the run, the evaluations and the final model, the status)."""
 from __future__ import annotations
 
 import importlib
@@ -22,13 +21,13 @@ from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias
-from trainer.tracking.checkpoint_models import log_checkpoint, update_best
+from trainer.tracking.checkpoint_models import evaluation_logged, log_checkpoint, update_best
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import safe_params
 from trainer.tracking.job_run import FoundRun, find_run, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id,
-                                   experiment_name, retryable, run_url, sha_tag, start_error, tracking_uri)
+                                   experiment_name, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
@@ -102,24 +101,17 @@ class MlflowTracker(Tracker):
 
     def attach(self, run_id: str) -> None:
         """Log into an existing run, as it is (no status change, no params)."""
-        self._make_client()
+        self.client = make_client(self.uri)
         self._attached = True  # tracktron eval of a checkpoint the run holds
         self._run = RunInfo(run_id)
         self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S)
-
-    def _make_client(self) -> None:
-        try:
-            from mlflow import MlflowClient
-            self.client = MlflowClient(tracking_uri=self.uri)
-        except Exception as e:  # a URI MLflow has no store for: the user's to fix
-            raise UserError(start_error(self.uri, e)) from None
 
     def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
         """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
         if not_made_yet(self.uri, resume_run_id, env_experiment_id(cfg)):
             return FoundRun(None, experiment_name(cfg), None)
         with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
-            self._make_client()
+            self.client = make_client(self.uri)
             return find_run(self.client, self.uri, cfg, resume_run_id, new_run)
 
     def _open(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> None:
@@ -148,7 +140,7 @@ class MlflowTracker(Tracker):
             if self._abandoned.is_set():
                 raise UserError("the job stopped before its run was made")
             with first_use_guard(self.uri):
-                self._make_client()
+                self.client = make_client(self.uri)
                 opened = open_run(self.client, self.uri, cfg, self.world_size, found)
             run_id = opened.run.info.run_id
             self._tags = dict(opened.run.data.tags)
@@ -297,7 +289,8 @@ class MlflowTracker(Tracker):
         self._evaluated.add(checkpoint)
 
         def link():
-            if checkpoint not in self._uploaded and not self._attached:  # its upload failed: no model to link
+            on_server = checkpoint in self._uploaded or checkpoint in self._run.checkpoints or self._attached
+            if not on_server:  # its upload failed: no model to link
                 log.warning("%s is not on the server: its evaluation is logged without a model", checkpoint)
                 self._sender.put(metrics, step)
                 return
@@ -306,6 +299,9 @@ class MlflowTracker(Tracker):
             self._best = update_best(self.client, experiment_id, self._run.run_id, self._best_metric) or self._best
 
         self._uploader.submit(f"log the evaluation of {checkpoint}", link)
+
+    def has_evaluation(self, checkpoint: str) -> bool:
+        return evaluation_logged(self.client, self._experiment_id(), self.run.run_id, checkpoint)
 
     def _experiment_id(self) -> str:
         if self._run.experiment_id is None:

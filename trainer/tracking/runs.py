@@ -222,6 +222,15 @@ _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refuse
                 "NameResolutionError", "timed out", "RemoteDisconnected")
 
 
+def make_client(uri: str):
+    """MLflow's client of the store at `uri`; one that MLflow has no store for is the user's to fix."""
+    try:
+        from mlflow import MlflowClient
+        return MlflowClient(tracking_uri=uri)
+    except Exception as e:
+        raise UserError(start_error(uri, e)) from None
+
+
 def start_error(uri: str, e: BaseException) -> str:
     text = str(e)
     if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
