@@ -95,3 +95,31 @@ def test_the_logged_models_signature_names_what_its_predictions_hold(tmp_path, m
     assert columns == {"boxes", "scores", "category_ids", "category_names"} | extra
     (found,) = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame({"image": [_png(64, 48)]}))
     assert set(found) == columns
+
+
+def test_a_model_folder_that_does_not_fit_is_one_line_naming_the_file_and_keeps_the_older_one(tmp_path):
+    """The disk full (here a 1 MiB file size limit, EFBIG; Python ignores SIGXFSZ) while the final
+    model is written: `OSError: [Errno 28] No space left on device` named no file. Now it names the
+    file and the free space, as a checkpoint's write error does, and the folder's older files stay.
+    Found by the red team of 2026-12-03 (second)."""
+    import resource
+
+    from trainer.atomic_write import WriteError
+    from trainer.config import load_config
+    from trainer.inference import CATEGORIES, CONFIG, WEIGHTS
+
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    categories = [{"id": 1, "name": "a"}]
+    folder = save(tmp_path / "detector", cfg, {"w": torch.zeros(4)}, categories, [])
+    before = (folder / WEIGHTS).read_bytes()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limit[1]))
+    try:
+        with pytest.raises(WriteError) as err:
+            save(folder, cfg, {"w": torch.zeros(1 << 20)}, categories, [])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert str(err.value).startswith(f"cannot write file {folder / WEIGHTS}: File too large (")
+    assert "MiB free in" in str(err.value) and "\n" not in str(err.value)
+    assert (folder / WEIGHTS).read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == sorted([WEIGHTS, CONFIG, CATEGORIES])

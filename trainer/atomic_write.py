@@ -2,8 +2,33 @@
 one, never half of one, whatever kills the writer."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: the disk, the quota, the file size limit
+
+
+class WriteError(OSError):
+    """A file that could not be written for want of room: one line naming it and the free space."""
+
+    what = "file"
+
+    def __init__(self, path: Path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.path = Path(path)
+        self.free = free_space(self.path.parent)  # when it failed, before the partial file goes
+
+    def __str__(self) -> str:
+        return f"cannot write {self.what} {self.path}: {self.strerror}{self.free}"
+
+
+def free_space(folder: Path) -> str:
+    try:
+        return f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder})"
+    except OSError:
+        return ""
 
 
 def write_atomic(path: Path, data: str | bytes) -> Path:
@@ -14,7 +39,10 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
     try:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        error = WriteError(path, e) if isinstance(e, OSError) and e.errno in FULL else None
         tmp.unlink(missing_ok=True)
+        if error is not None:
+            raise error from e
         raise
     return path

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import random
-import shutil
 import zipfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from trainer import torch_load
+from trainer.atomic_write import WriteError
 from trainer.checkpoint.files import local_checkpoints, temp_name
 from trainer.errors import first_line
 
@@ -35,23 +35,10 @@ class CheckpointError(Exception):
     """A checkpoint file that is partial, corrupt or not ours."""
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(WriteError):
     """A checkpoint could not be written (disk full, quota, file size limit): one clear line."""
 
-    def __init__(self, path: Path, cause: OSError):
-        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
-        self.path = Path(path)
-        self.free = _free_space(self.path.parent)  # when it failed, before the partial file goes
-
-    def __str__(self) -> str:
-        return f"cannot write checkpoint {self.path}: {self.strerror}{self.free}"
-
-
-def _free_space(folder: Path) -> str:
-    try:
-        return f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder})"
-    except OSError:
-        return ""
+    what = "checkpoint"
 
 
 # ---- RNG state: python, numpy, torch, cuda (weights_only-loadable types only) ----
