@@ -434,3 +434,17 @@ def test_a_small_weights_file_that_inflates_to_a_huge_tensor_is_refused_before_l
         assert "inflates" in result.last_line and "torch.save writes no compressed entries" in result.last_line
         assert option is None or result.last_line.startswith(f"error: {option} {bomb}")
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("length", [9, 12, 16, 40])
+def test_a_token_in_the_tracking_uri_is_never_shown_even_in_part(tmp_path, length):
+    """An error line is cut at 200 characters: cut before it was redacted, the token in
+    `url: /?token=...` was cut in half, no longer matched the token to hide and was printed
+    (all but the last characters of it). Found by the red team of 2026-12-03 (second)."""
+    token = (uuid.uuid4().hex * 2)[:length]
+    result = subprocess.run([*trainer_cmd()[:3], "status", "--uri", f"http://127.0.0.1:9/?token={token}",
+                             "--timeout", "20"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    shown = result.stdout + result.stderr
+    assert "token=***" in shown, shown[-2000:]
+    assert not any(token[i:i + 6] in shown for i in range(length - 5)), shown[-2000:]

@@ -5,6 +5,8 @@ or a fault and keeps its traceback.
 """
 from pathlib import Path
 
+from trainer.redaction import redact_text
+
 
 class UserError(Exception):
     """Bad input: a config key, a value, a file, a dataset, a run id."""
@@ -15,8 +17,9 @@ class ConfigError(UserError):
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
-    """An exception in one short line (MLflow's and botocore's messages run to pages)."""
-    text = str(e).strip()
+    """An exception in one short line (MLflow's and botocore's messages run to pages), its secrets
+    hidden before it is cut: a token cut in half no longer matches the one to hide."""
+    text = redact_text(str(e)).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
