@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -679,6 +680,39 @@ def test_synth_refuses_more_images_than_a_disk_holds(tmp_path, monkeypatch):
     result = run_cli(["data", "synth", "--out", str(tmp_path / "s"), "--num-images", "99999999999999999999999"])
     assert_exit_2(result, "Invalid value for '--num-images': 99999999999999999999999 is not in the range 1<=x<=1000000")
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("target", ["dangling", "device"])
+def test_synth_into_no_folder_is_refused_before_any_image(tmp_path, monkeypatch, target):
+    """`--out` a link to nothing or /dev/null: every image was drawn (11 s for 300), then the rename
+    failed with a NotADirectoryError traceback; /dev/null's were drawn into /dev. Found by the red
+    team of 2026-12-03 (second)."""
+    def draw(*args, **kwargs):
+        raise AssertionError("started drawing")
+
+    monkeypatch.setattr("trainer.data.synth._write", draw)
+    out = {"dangling": tmp_path / "dangling", "device": Path("/dev/null")}[target]
+    if target == "dangling":
+        out.symlink_to(tmp_path / "nowhere")
+    result = run_cli(["data", "synth", "--out", str(out), "--num-images", "300"])
+    assert_exit_2(result, f"cannot write the synthetic dataset to {out}: it is no folder")
+    assert not (tmp_path / "nowhere").exists() and not list(Path("/dev").glob(".null.tmp-*"))
+
+
+def test_synth_that_cannot_fit_on_the_disk_is_refused_and_a_full_disk_is_one_line(tmp_path):
+    """A million 4096 px images (37 TB) started writing; a full disk ended in a PIL traceback. Now the
+    count and size are held against the free space first, and a write that fails is one line (here
+    a 1 MiB file size limit: EFBIG, as a full disk's ENOSPC). Found by the red team of 2026-12-03 (second)."""
+    huge = run_cli(["data", "synth", "--out", str(tmp_path / "huge"), "--num-images", "1000000", "--size", "4096"])
+    assert_exit_2(huge, "the synthetic dataset of 1,000,000 images of 4096 px needs at least 23437.5 GiB; ")
+    assert not (tmp_path / "huge").exists()
+    limited = subprocess.run(
+        ["bash", "-c", f'ulimit -f 1024; exec "$0" -m trainer data synth --out {tmp_path / "big"} --num-images 3 '
+                       "--size 1024", sys.executable], capture_output=True, text=True, timeout=300)
+    assert limited.returncode == 2 and "Traceback" not in limited.stderr, limited.stderr[-2000:]
+    assert limited.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot write the synthetic dataset to {tmp_path / 'big'}: File too large ("), limited.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, shown", [
