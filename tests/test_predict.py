@@ -312,6 +312,24 @@ def test_out_as_the_images_folder_never_replaces_a_users_file_but_replaces_its_o
     assert sorted(p.name for p in photos.iterdir()) == ["cat-2.json", "cat-2.png", "cat.jpg", "cat.json", "cat.png"]
 
 
+def test_a_later_run_never_replaces_another_images_results_of_the_same_name(tmp_path, model_dir, images, categories):
+    """a/x.png, then b/x.png predicted into the same OUT by a second run: b's results replaced a's
+    (x.json named b/x.png afterwards), though the first run knew to give one of them x-2. An earlier
+    result of another image now stays; one of the same image is still replaced. Found by the red
+    team of 2026-12-03 (second)."""
+    a, b = tmp_path / "a" / "x.png", tmp_path / "b" / "x.png"
+    for path in (a, b):
+        path.parent.mkdir()
+        shutil.copy(images["png"], path)
+    out = tmp_path / "out"
+    for image in (a, b, a, b):
+        result = predict_cli("--weights", model_dir, "--out", out, image, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    check_outputs(out, "x", a, categories)
+    check_outputs(out, "x-2", b, categories)
+    assert sorted(p.name for p in out.iterdir()) == ["x-2.json", "x-2.png", "x.json", "x.png"]
+
+
 # ------------------------------------------------------------------------------------------ drawing
 
 def canvas(h: int = 100, w: int = 120) -> tuple[torch.Tensor, np.ndarray]:

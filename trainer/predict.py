@@ -3,8 +3,9 @@
 For each IMAGE it writes OUT/<stem>.png (the detections at or above the score threshold, drawn)
 and OUT/<stem>.json (every detection, as the served model returns them, with the image's path and
 size). Two images with the same stem get <stem>-2, <stem>-3, ... in the order given, and so does
-an image whose result would replace an input or any other file of the user's (OUT may be the
-images' folder); an earlier prediction's pair is replaced.
+an image whose result would replace an input, any other file of the user's (OUT may be the
+images' folder) or an earlier prediction of another image; an earlier prediction of the same
+image is replaced.
 
 Every input (threshold, images, OUT, config, weights) is checked before anything is predicted or
 written: a bad one ends as a UserError, one line, and OUT is left as it was.
@@ -135,33 +136,39 @@ def _real(path: Path) -> Path:
 def output_names(images: list[str], out: Path) -> list[str]:
     """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
     Windows folders would write a.png and A.png to one file), and never a file of the user's: an
-    input, or anything already in OUT but an earlier prediction (OUT may be the images' folder,
-    with a cat.png or a LabelMe cat.json beside cat.jpg)."""
+    input, or anything already in OUT but an earlier prediction of the same image (OUT may be the
+    images' folder, with a cat.png or a LabelMe cat.json beside cat.jpg; a/x.png's result stays when
+    b/x.png is predicted into OUT later)."""
     inputs = {_real(Path(i).expanduser()) for i in images}
     taken, names = set(), []
     for image in images:
         stem = Path(image).stem or "image"
         name, n = stem, 2
-        while name.casefold() in taken or not _free(out, name, inputs):
+        while name.casefold() in taken or not _free(out, name, inputs, image):
             name, n = f"{stem}-{n}", n + 1
         taken.add(name.casefold())
         names.append(name)
     return names
 
 
-def _free(out: Path, name: str, inputs: set) -> bool:
+def _free(out: Path, name: str, inputs: set, image: str) -> bool:
     """OUT/<name>.png and .json may be written: neither is an input, and what is there already is an
-    earlier prediction (a rerun replaces it), or nothing."""
+    earlier prediction of `image` (a rerun replaces it), or nothing."""
     files = [out / f"{name}.{e}" for e in ("png", "json")]
     if any(_real(f) in inputs for f in files):
         return False
-    return not any(f.exists() or f.is_symlink() for f in files) or _is_prediction(files[1])
+    return not any(f.exists() or f.is_symlink() for f in files) or _is_prediction(files[1], image)
 
 
-def _is_prediction(path: Path) -> bool:
-    """A json that predict_one wrote (its image, size and detections)."""
+def _is_prediction(path: Path, image: str) -> bool:
+    """A json that predict_one wrote for `image` (its path, size and detections)."""
     try:
         record = json.loads(path.read_bytes())
     except (OSError, ValueError):  # not there, a folder, not json (UnicodeDecodeError is a ValueError)
         return False
-    return isinstance(record, dict) and {"image", "width", "height", "boxes", "scores"} <= record.keys()
+    if not (isinstance(record, dict) and {"image", "width", "height", "boxes", "scores"} <= record.keys()):
+        return False
+    try:
+        return _real(Path(record["image"]).expanduser()) == _real(Path(image).expanduser())
+    except (TypeError, ValueError, RuntimeError):  # not a path (a number, a NUL, ~nobody): not this image's
+        return False
