@@ -342,14 +342,17 @@ def test_status_uris_that_cannot_be_read_are_one_line(tmp_path, uri, shown, hidd
 
 
 def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, tmp_path):
-    """A trainer killed by SIGKILL leaves its run RUNNING for good: an old heartbeat, or none, says it is gone."""
+    """A trainer killed by SIGKILL leaves its run RUNNING for good: an old heartbeat, or none, says it
+    is gone; one from far ahead of this clock says nothing either way."""
     import json
 
     _, uri = _copy(empty_store, tmp_path)
     client = MlflowClient(uri)
     exp = client.create_experiment("beats")
     old = json.dumps({**json.loads(beat()), "time": time.time() - 100})
-    for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {})):
+    ahead = json.dumps({**json.loads(beat()), "time": time.time() + 1e9})  # a trainer whose clock is 31 years fast
+    for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {}),
+                       ("ahead", {"tracktron.heartbeat": ahead})):
         run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
         client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
     out = _status("--uri", uri, cwd=tmp_path)
@@ -358,6 +361,9 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
     assert killed and 100 <= int(killed[1]) < 400, out.stdout
     assert rows["none"] == "LOST -/? - - - no heartbeat", out.stdout
+    # shown RUNNING with an ETA for as long as the clocks differ (red team of 2026-12-03, second)
+    assert re.fullmatch(r"UNKNOWN -/\? - - - its heartbeat is 11574 days, \d+:\d\d:\d\d ahead of this clock: a "
+                        r"trainer's clock is wrong", rows["ahead"]), out.stdout
 
 
 def test_status_of_a_misspelt_or_deleted_experiment_is_an_error(empty_store, tmp_path):

@@ -20,33 +20,40 @@ def job_rows(uri: str | None = None, experiment: str | None = None, timeout: flo
 def _row(run, exp, uri: str) -> dict:
     step = last_step_of(run)
     eta = run.data.metrics.get("eta_seconds")
-    lost = _lost(run)
-    running = run.info.status == "RUNNING" and not lost
+    status, note = _liveness(run)
+    running = status == "RUNNING"
     return {
         "run": run.info.run_id,
         "name": run.info.run_name or "",
         "experiment": exp.name,
-        "status": "LOST" if lost else run.info.status,
+        "status": status,
         "iteration": f"{'-' if step < 0 else step + 1}/{run.data.params.get('SOLVER.MAX_ITER', '?')}",
         "checkpoint": run.data.tags.get(LATEST_TAG, "-"),
         "loss": _number(run.data.metrics.get("loss")),
         "eta": _duration(eta) if running else "-",
         "ui": run_url(uri, exp.experiment_id, run.info.run_id) or "",
-        "note": lost,  # a column only when some row has one
+        "note": note,  # a column only when some row has one
     }
 
 
-def _lost(run) -> str:
-    """Why a RUNNING run is taken for one whose trainer is gone (SIGKILL, a lost machine: nothing
-    marked it ended), "" when its trainer beats: it does every few seconds, from the run's opening
-    to its end (heartbeat.py), so a beat older than heartbeat's STALE_S, or none, is no live one."""
+def _liveness(run) -> tuple[str, str]:
+    """The status to show, and why when it is not the run's own. A RUNNING run whose trainer is gone
+    (SIGKILL, a lost machine: nothing marked it ended) is LOST: its trainer beats every few seconds,
+    from the run's opening to its end (heartbeat.py), so a beat older than heartbeat's STALE_S, or
+    none, is no live one. A beat from further ahead than that (the trainer's clock is wrong) tells
+    nothing either way: UNKNOWN, never RUNNING for as long as the clocks differ."""
     if run.info.status != "RUNNING":
-        return ""
+        return run.info.status, ""
     sent = _beat_time(run.data.tags.get(HEARTBEAT_TAG))
     if sent is None:
-        return "no heartbeat"
+        return "LOST", "no heartbeat"
     age = time.time() - sent  # the trainer's clock against this one's, as heartbeat.py allows for
-    return "" if age <= STALE_S else f"no heartbeat for {f'{age:.0f} s' if age < 3600 else _duration(age)}"
+    if age > STALE_S:
+        return "LOST", f"no heartbeat for {f'{age:.0f} s' if age < 3600 else _duration(age)}"
+    if age < -STALE_S:
+        ahead = _duration(-age)
+        return "UNKNOWN", f"its heartbeat is {ahead if ahead != '-' else 'ages'} ahead of this clock: a trainer's clock is wrong"
+    return "RUNNING", ""
 
 
 def _beat_time(value: str | None) -> float | None:
