@@ -235,6 +235,21 @@ def test_a_path_the_locale_cannot_decode_is_one_line_that_says_what_to_change(tm
     assert os.listdir(tmp_path) == []
 
 
+def test_a_name_that_is_not_utf8_under_a_utf8_locale_is_said_to_be_the_names(tmp_path):
+    """A Latin-1 file name (from an old archive) under LC_ALL=C.UTF-8: the line said to use a UTF-8
+    locale, which this already was, so no setting could help. It now says the name is not valid
+    UTF-8. Found by the red team of 2026-12-03 (second)."""
+    env = {**os.environ, "LC_ALL": "C.UTF-8", "PYTHONUTF8": "1"}
+    image = os.path.join(os.fsencode(tmp_path), b"caf\xe9.png")
+    done = subprocess.run([sys.executable, "-m", "trainer", "predict", "--weights", "w", "--out", "o", image],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: '{tmp_path}/caf\\udce9.png' is not valid UTF-8, which tracktron needs of every name it is given: "
+        "rename the file or folder (convmv -f latin1 -t utf8 does it)"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_warnings_made_errors_are_named_and_the_folders_the_job_made_go(tmp_path, data_dir):
     """PYTHONWARNINGS=error turns a deprecation warning inside MLflow's client into an exception: it
     was reported as the tracking server's error. A job that stops before it wrote anything leaves no

@@ -94,9 +94,13 @@ def check_arguments_are_text(args: list[str]) -> None:
     """With `LC_ALL=C PYTHONUTF8=0`, Python keeps an argument's non-ASCII bytes (a path's) as lone
     surrogates, which MLflow, SQLite and JSON cannot store: the job would fail at its first write
     of it, or call it unprintable. One line that says what to change instead."""
+    encoding = sys.getfilesystemencoding()
     for arg in args:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
-            raise UserError(f"{ascii(arg)} is not text in this locale's encoding ({sys.getfilesystemencoding()}): "
+            if encoding.lower().replace("-", "") == "utf8":  # the bytes themselves: a name from a Latin-1 archive
+                raise UserError(f"{ascii(arg)} is not valid UTF-8, which tracktron needs of every name it is "
+                                "given: rename the file or folder (convmv -f latin1 -t utf8 does it)") from None
+            raise UserError(f"{ascii(arg)} is not text in this locale's encoding ({encoding}): "
                             "use a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1") from None
