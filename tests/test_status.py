@@ -373,7 +373,8 @@ def test_status_of_a_misspelt_or_deleted_experiment_is_an_error(empty_store, tmp
     client.delete_experiment(gone := client.create_experiment("gone"))
     assert _status("--uri", uri, "--experiment", "empty", cwd=tmp_path).stdout.strip() == "no tracktron jobs found"
     for name, error in (("emtpy", f"no experiment named 'emtpy' on {uri}"), ("gone", f"experiment 'gone' on {uri} is "
-                        f"deleted (MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {gone} brings it back)")):
+                        f"deleted (MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {gone} brings it back)"),
+                        ("", "--experiment needs a name (it was empty); leave it out for every experiment")):  # it listed all
         out = _status("--uri", uri, "--experiment", name, cwd=tmp_path)
         assert (out.returncode, out.stderr.strip().splitlines()) == (2, [f"error: {error}"])
 

@@ -159,6 +159,8 @@ def status(experiment, uri, timeout):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
     from trainer.status import job_rows, render
 
+    if experiment is not None and not experiment.strip():  # an unset $EXPERIMENT in a script: not "every one"
+        raise UserError("--experiment needs a name (it was empty); leave it out for every experiment")
     click.echo(render(job_rows(uri, experiment, timeout)))
 
 
