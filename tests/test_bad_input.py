@@ -714,6 +714,22 @@ def test_synth_into_no_folder_is_refused_before_any_image(tmp_path, monkeypatch,
     assert not (tmp_path / "nowhere").exists() and not list(Path("/dev").glob(".null.tmp-*"))
 
 
+def test_synth_and_predict_out_are_named_alike_printable_with_the_home_expanded(tmp_path, monkeypatch):
+    """`data synth --out` made a folder with a newline in its name (OUTPUT_DIR refuses one), a literal
+    `./~` folder for `~/x` (predict expands it), and said `. exists but holds no annotations.json`
+    for ''. Found by the red team of 2026-12-03 (second)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for command in (["data", "synth"], ["predict", "--weights", "w", "IMAGE"]):
+        result = run_cli([*command, "--out", "nl\nname"])
+        assert_exit_2(result, "--out must be printable (no newline or control character), got 'nl\\nname'")
+        assert_exit_2(run_cli([*command, "--out", ""]), "--out must name a folder, got an empty value")
+    made = run_cli(["data", "synth", "--out", "~/shapes", "--num-images", "2", "--size", "32"])
+    assert made.code is None, made.stderr
+    assert (tmp_path / "home" / "shapes" / "annotations.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
 def test_synth_that_cannot_fit_on_the_disk_is_refused_and_a_full_disk_is_one_line(tmp_path):
     """A million 4096 px images (37 TB) started writing; a full disk ended in a PIL traceback. Now the
     count and size are held against the free space first, and a write that fails is one line (here

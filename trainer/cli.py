@@ -17,7 +17,7 @@ from trainer.errors import UserError, first_line
 from trainer.launch import Stopped, torchrun_environment, train_job
 from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
-from trainer.output_dir import check_output_dir
+from trainer.output_dir import check_output_dir, named_folder
 from trainer.redaction import printable, redact_text
 
 log = logging.getLogger("tracktron")
@@ -179,10 +179,11 @@ def synth(out_dir, num_images, image_size, seed):
     """Write the synthetic shapes dataset (COCO json + PNG) used by the demo and the tests."""
     from trainer.data.synth import ANNOTATIONS, write_synthetic_dataset
 
-    if (Path(out_dir) / ANNOTATIONS).is_file():
-        click.echo(f"{out_dir} already holds a dataset ({ANNOTATIONS}): nothing written")
+    out = named_folder(out_dir, "--out")
+    if (out / ANNOTATIONS).is_file():
+        click.echo(f"{out} already holds a dataset ({ANNOTATIONS}): nothing written")
         return
-    path = write_synthetic_dataset(Path(out_dir), num_images=num_images, image_size=image_size, seed=seed, stoppable=True)
+    path = write_synthetic_dataset(out, num_images=num_images, image_size=image_size, seed=seed, stoppable=True)
     click.echo(f"wrote {num_images} images and annotations to {path}")
 
 

@@ -8,9 +8,19 @@ import tempfile
 from pathlib import Path
 
 from trainer.checkpoint.files import not_files
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError, first_line, user_path
 
 _NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
+
+
+def named_folder(text: str, option: str) -> Path:
+    """A folder the user names on the command line (`--out`): not empty (Path("") is the working
+    directory), printable as OUTPUT_DIR must be, its ~ expanded."""
+    if not text.strip():
+        raise UserError(f"{option} must name a folder, got an empty value")
+    if not text.isprintable():
+        raise UserError(f"{option} must be printable (no newline or control character), got {text!r}")
+    return user_path(text, option)
 
 
 def check_output_dir(path: Path) -> None:

@@ -25,7 +25,7 @@ from trainer.data.images import read_file
 from trainer.errors import UserError, first_line, user_path
 from trainer.redaction import printable
 from trainer.inference import decode
-from trainer.output_dir import make_writable
+from trainer.output_dir import make_writable, named_folder
 from trainer.tracking.logged_model import load_detector
 from trainer.visualize import draw, to_png
 
@@ -79,9 +79,7 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
 
 def check_out_dir(out_dir: str) -> Path:
     """OUT is a folder, or can be made as one, and can be written: checked without writing anything."""
-    if not out_dir.strip():  # Path("") is the working directory
-        raise UserError("--out must name a folder, got an empty value")
-    out = user_path(out_dir, "--out")
+    out = named_folder(out_dir, "--out")
     try:
         existing = next(p for p in (out, *out.parents) if p.exists())
     except (OSError, ValueError) as e:  # a NUL in the name, a name too long
