@@ -195,6 +195,8 @@ FILE_CASES = [
     ("wrong-type-in-file", "TRAIN:\n  IMS_PER_BATCH: two\n", "TRAIN.IMS_PER_BATCH must be int, got 'two'"),
     ("out-of-range-in-file", "SOLVER:\n  STEPS: [0, 30, 20]\n", "SOLVER.STEPS must be increasing"),
     ("binary-file", b"\x89PNG\r\n\x1a\n\x00\x00\xff", "cannot read config file {path}"),
+    # a minute and 860 MB of YAML parsing for 50 MB (red team of 2026-12-03, second)
+    ("huge-comment", "# " + "x" * (2 << 20) + "\n", "config file {path} is 2.0 MiB: a config is a few kB (at most 1 MiB)"),
 ]
 
 

@@ -116,11 +116,17 @@ def parse_override(text: str, as_text: bool = False, key: str = "a value"):
     return value
 
 
+MAX_CONFIG_BYTES = 1 << 20  # Detectron's longest config is 2 kB; a dataset catalog inline, some more
+
+
 def read_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     if not path.is_file():  # a folder, a FIFO, a device: reading it would fail or never end
         raise ConfigError(f"config file {path} is not a regular file")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:  # YAML's parser took a minute and 860 MB for 50 MB
+        raise ConfigError(f"config file {path} is {size / 2**20:.1f} MiB: a config is a few kB (at most "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB), is it the right file?")
     try:
         data = load_yaml(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all (a .pth passed by mistake)
