@@ -592,6 +592,27 @@ def test_a_rerun_evaluates_model_final_when_its_run_lacks_the_evaluation(tmp_pat
     assert steps(client, run.info.run_id, "bbox/AP") == [5]
 
 
+def test_a_rerun_never_scores_the_run_on_test_sets_that_are_not_its_own(tmp_path, data_dir):
+    """TEST is no part of the job: a rerun of a finished job with other TEST.DATASETS than its run
+    was scored on would put their AP under the run's `bbox/AP` (and could move @best). It says so
+    and logs the model without it. Found by the review of 2026-12-03 (second)."""
+    keys = {"SOLVER.MAX_ITER": 6, "TRACKING.LOG_MODEL": "true"}
+    val, uri = {"TEST.DATASETS": "('synth_shapes_val',)"}, f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert run_trainer(job_args(tmp_path, data_dir, **keys, **val, **{"TRACKING.ENABLED": "false"}),
+                       cwd=tmp_path).returncode == 0
+    logged = run_trainer(job_args(tmp_path, data_dir, **keys, **{"TEST.DATASETS": "()", "TRACKING.URI": uri}),
+                         cwd=tmp_path)
+    assert logged.returncode == 0 and "evaluating it now" not in logged.stderr, logged.stderr[-3000:]
+    client = MlflowClient(uri)
+    run = only_run(client, "demo")
+    client.set_tag(run.info.run_id, "tracktron.eval.datasets", '[["synth_shapes_train", "0123"]]')
+    again = run_trainer(job_args(tmp_path, data_dir, **keys, **val, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ("the run lacks the evaluation of model_final.pth, but its scores are of synth_shapes_train and these "
+            "test sets are synth_shapes_val (or other annotation files): not evaluated into it") in again.stderr
+    assert steps(client, run.info.run_id, "bbox/AP") == []
+
+
 def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_path, data_dir, jobs):
     """--no-resume in a folder with a finished job's files left its model_final in place: the new
     start, stopped and run again, took it for its own (nothing to do) and closed its new run with

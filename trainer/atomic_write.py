@@ -11,7 +11,8 @@ FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: the disk, the quota
 
 
 class WriteError(OSError):
-    """A file that could not be written for want of room: one line naming it and the free space."""
+    """A file that could not be written (write_atomic: for want of room): one line naming it and the
+    free space."""
 
     what = "file"
 

@@ -36,7 +36,7 @@ def download(url: str, option: str) -> Path:
     cache = Path(os.environ.get("TRACKTRON_CACHE") or Path.home() / ".cache" / "tracktron") / "weights"
     name = re.sub(r"[^\w.-]", "_", os.path.basename(parts.path))[-100:].lstrip(".") or "weights"
     target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
-    if target.is_file():  # a cached copy needs neither the network nor its settings
+    if os.path.isfile(target):  # a cached copy needs neither the network nor its settings (isfile never raises)
         return target
     window = _stall_window()
     try:

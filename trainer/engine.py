@@ -102,7 +102,8 @@ def train_model(job: Job) -> StartPoint | None:
         log.info("model_final already exists (%s): nothing to do", created.start.source)
         if job.ctx.is_main:
             warn_of_missing_metrics(job.tracker.run, cfg.SOLVER.MAX_ITER)  # metrics lost for good are said
-            complete_finished_run(job.cfg, job.tracker, job.output_dir, created.model, job.ctx.device)
+            complete_finished_run(job.cfg, job.tracker, job.output_dir, created if created.model else None,
+                                  job.ctx.device)
         return created.start
     s = setup_model_for_training(job, created)
     start_iter = created.start.iteration

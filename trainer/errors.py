@@ -19,8 +19,10 @@ class ConfigError(UserError):
 def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception in one short line (MLflow's and botocore's messages run to pages), its secrets
     hidden before it is cut: a token cut in half no longer matches the one to hide."""
-    text = redact_text(str(e)).strip()
-    return text.splitlines()[0][:limit] if text else type(e).__name__
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return redact_text(text.splitlines()[0][:limit + 2000])[:limit]  # redacting pages of text takes seconds
 
 
 def user_path(text: str, what: str) -> Path:

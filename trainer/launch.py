@@ -70,7 +70,6 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             lock.release()
 
 
-
 def _check_inputs(cfg, config_file: str) -> None:
     """What needs neither torch nor a run: the folder, the config file's copy, open files, the weights."""
     from trainer.tracking.model_uris import check_source

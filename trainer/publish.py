@@ -11,9 +11,11 @@ from trainer.hashing import sha256_of
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.config import Config
 from trainer.distributed import Context
-from trainer.errors import UserError, first_line
+from trainer.errors import first_line
 from trainer.evaluation import evaluate
 from trainer.inference import save as save_model
+from trainer.lineage import dataset_inputs
+from trainer.preflight import check_same_categories
 from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -29,9 +31,9 @@ def log_final_model(cfg: Config, tracker: Tracker, output_dir: Path, state_dict:
         tracker.log_model(folder, cfg)
 
 
-def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, model=None, device=None) -> None:
+def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepared=None, device=None) -> None:
     """A rerun of a finished job: send what its run lacks (model_final, json_stats.log, the final
-    evaluation, the model). `model` is the job's network (None when its data is gone)."""
+    evaluation, the model). `prepared` is the job's network and dataset (None when its data is gone)."""
     final, run = output_dir / FINAL, tracker.run
     if run.run_id is None or not final.exists():
         return
@@ -40,7 +42,7 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, model
         tracker.log_checkpoint(final, sha256_of(final))
         if (output_dir / "json_stats.log").exists():
             tracker.log_artifact(output_dir / "json_stats.log")
-    evaluating = bool(cfg.TEST.DATASETS) and not _evaluated(tracker)
+    evaluating = bool(cfg.TEST.DATASETS) and _evaluation_due(cfg, tracker)
     logging_model = cfg.TRACKING.LOG_MODEL and not run.model_logged  # killed while the model was being logged
     if not (evaluating or logging_model):
         return
@@ -50,7 +52,7 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, model
         log.warning("cannot evaluate or log the final model: %s", e)
         return
     if evaluating:  # first: @best is chosen among every evaluation of the run
-        _evaluate_final(cfg, tracker, output_dir, model, state, device)
+        _evaluate_final(cfg, tracker, output_dir, prepared, state, device)
     if not logging_model:
         return
     if "categories" not in state:
@@ -60,25 +62,31 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, model
     log_final_model(cfg, tracker, output_dir, state["model"], state["categories"])
 
 
-def _evaluated(tracker: Tracker) -> bool:
+def _again(tracker: Tracker) -> str:
+    return f"tracktron eval --weights runs:/{tracker.run.run_id}/checkpoints/{FINAL} logs it into the run"
+
+
+def _evaluation_due(cfg: Config, tracker: Tracker) -> bool:
     try:
-        return tracker.has_evaluation(FINAL)
-    except Exception as e:  # the server failed the search: evaluating again loses nothing
-        log.warning("tracking: cannot tell whether the run has %s's evaluation (%s)", FINAL, first_line(e, 300))
+        return tracker.evaluation_due(FINAL, dataset_inputs(cfg, training=False))
+    except Exception as e:  # a test set that is gone, a server that failed the search: nothing is logged
+        log.warning("cannot tell whether the run has %s's evaluation (%s); %s", FINAL, first_line(e, 300),
+                    _again(tracker))
         return False
 
 
-def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, model, state: dict, device) -> None:
+def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, state: dict, device) -> None:
     """model_final's evaluation never reached the run (the job was killed during it, the server was
-    down, or the job ran untracked): evaluated now, on this process alone, as the end of training would."""
-    again = f"tracktron eval --weights runs:/{tracker.run.run_id}/checkpoints/{FINAL} logs it into the run"
-    if model is None:
-        log.warning("the run lacks the evaluation of %s and the job's data is gone: %s", FINAL, again)
+    down, or the job ran untracked): evaluated now, on this process alone, as the end of training
+    would. Whatever fails here is a warning: the model is logged all the same."""
+    if prepared is None:
+        log.warning("the run lacks the evaluation of %s and the job's data is gone: %s", FINAL, _again(tracker))
         return
     log.info("the run lacks the evaluation of %s: evaluating it now", FINAL)
-    model.load_state_dict(state["model"])
     try:
-        evaluate(cfg, model.to(device), Context(device=device), output_dir, tracker, step=cfg.SOLVER.MAX_ITER - 1,
-                 checkpoint=FINAL)
-    except UserError as e:  # a test set that is gone or changed: the model is logged all the same
-        log.warning("cannot evaluate %s (%s): %s", FINAL, e, again)
+        check_same_categories(output_dir / FINAL, state, prepared.dataset)  # labels read as these categories
+        prepared.model.load_state_dict(state["model"])
+        evaluate(cfg, prepared.model.to(device), Context(device=device), output_dir, tracker,
+                 step=cfg.SOLVER.MAX_ITER - 1, checkpoint=FINAL)
+    except Exception as e:  # other categories, a test set changed meanwhile, no memory, a full disk
+        log.warning("cannot evaluate %s (%s): %s", FINAL, first_line(e, 500), _again(tracker))

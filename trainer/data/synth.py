@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
-from trainer.atomic_write import free_space
+from trainer.atomic_write import FULL, free_space
 from trainer.errors import UserError
 
 ANNOTATIONS = "annotations.json"
@@ -55,8 +55,8 @@ def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128
             _write(tmp, num_images, image_size, seed)
             _publish(tmp, out)
         except OSError as e:  # a read-only or special folder, a file in the way, a full disk
-            raise UserError(f"cannot write the synthetic dataset to {out}: {e.strerror or e}{free_space(out.parent)}"
-                            ) from None
+            room = free_space(out.parent) if e.errno in FULL else ""
+            raise UserError(f"cannot write the synthetic dataset to {out}: {e.strerror or e}{room}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -67,7 +67,10 @@ def _check_room(out: Path, num_images: int, image_size: int) -> None:
     channel (measured: 0.68 at 128 px, 0.76 at 1024), so half of that is a floor."""
     need = num_images * image_size * image_size * 3 * 0.5
     folder = next((p for p in [out, *out.parents] if p.is_dir()), None)
-    usage = shutil.disk_usage(folder) if folder is not None else None
+    try:
+        usage = shutil.disk_usage(folder) if folder is not None else None
+    except OSError:  # not ours to know: the write says it if it fails
+        usage = None
     if usage is not None and usage.total > 0 and need > usage.free:  # /proc and the like: no blocks to count
         raise UserError(f"the synthetic dataset of {num_images:,} images of {image_size} px needs at least "
                         f"{need / 2**30:.1f} GiB; {folder} has {usage.free / 2**30:.1f} GiB free")

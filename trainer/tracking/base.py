@@ -73,9 +73,10 @@ class Tracker:
         """An evaluation of the run's checkpoint file `checkpoint`: metrics linked to it as a model."""
         self.log_metrics(metrics, step)
 
-    def has_evaluation(self, checkpoint: str) -> bool:
-        """Whether the run has the evaluation of its checkpoint file `checkpoint` (no run: nothing to send)."""
-        return True
+    def evaluation_due(self, checkpoint: str, datasets: list[dict]) -> bool:
+        """Whether a rerun evaluates the run's checkpoint file `checkpoint` into the run, on the test sets
+        `datasets` (lineage.dataset_inputs): the run lacks it, and they are its own (no run: nothing to send)."""
+        return False
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it. With

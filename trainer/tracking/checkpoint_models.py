@@ -6,7 +6,8 @@ at the checkpoint artifact already uploaded (no second copy of the weights); the
 metrics are logged with that model's id. The best is the one with the highest TEST.BEST_METRIC
 (`search_logged_models` ordered by it); the run's tags name it. With TRACKING.REGISTERED_MODEL the
 servable final model's version gets the alias `final`, and the best checkpoint's version `best`.
-Functions of an MlflowClient, called on the tracker's uploader thread.
+Functions of an MlflowClient, called on the tracker's uploader thread (evaluation_due: on the
+training thread of a job that has nothing left to train).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.tracking.runs import EVAL_SETS_TAG, eval_sets, eval_sets_tag, evaluation_sets, same_scores
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,29 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
     return model.model_id
 
 
-def evaluation_logged(client, experiment_id: str, run_id: str, checkpoint: str) -> bool:
-    """Whether `checkpoint`'s evaluation reached the run: its LoggedModel is READY once the metrics are in."""
-    return any(m.name == _name(checkpoint) and str(m.status) == "READY"
-               for m in checkpoint_models(client, experiment_id, run_id))
+def evaluation_due(client, experiment_id: str, run, checkpoint: str, datasets: list[dict]) -> bool:
+    """Whether a rerun of a finished job evaluates the run's `checkpoint` into it: the run lacks that
+    evaluation (no READY LoggedModel of it: one is made READY once the metrics are in), and the test
+    sets (`datasets`, as lineage.dataset_inputs gives them) are the run's own, or the run has none
+    yet (they become its own). TEST is no part of the job: other sets' scores would read as its AP."""
+    from mlflow.entities import RunTag
+
+    if any(m.name == _name(checkpoint) and str(m.status) == "READY"
+           for m in checkpoint_models(client, experiment_id, run.info.run_id)):
+        return False
+    ours = eval_sets(datasets)
+    if EVAL_SETS_TAG not in run.data.tags and not run.inputs.dataset_inputs:  # never trained tracked: no sets yet
+        own = []
+    else:
+        own = evaluation_sets(run)
+    if not own:
+        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in eval_sets_tag(datasets).items()])
+    elif not same_scores(own, ours):
+        log.warning("the run lacks the evaluation of %s, but its scores are of %s and these test sets are %s (or "
+                    "other annotation files): not evaluated into it", checkpoint, ", ".join(n for n, _ in own),
+                    ", ".join(n for n, _ in ours))
+        return False
+    return True
 
 
 def update_best(client, experiment_id: str, run_id: str, metric: str):

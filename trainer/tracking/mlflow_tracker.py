@@ -21,7 +21,7 @@ from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
 from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias
-from trainer.tracking.checkpoint_models import evaluation_logged, log_checkpoint, update_best
+from trainer.tracking.checkpoint_models import evaluation_due, log_checkpoint, update_best
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import safe_params
@@ -289,7 +289,8 @@ class MlflowTracker(Tracker):
         self._evaluated.add(checkpoint)
 
         def link():
-            on_server = checkpoint in self._uploaded or checkpoint in self._run.checkpoints or self._attached
+            on_server = checkpoint in self._uploaded or self._attached or (  # a rerun's evaluation of model_final
+                checkpoint == FINAL and FINAL in self._run.checkpoints)
             if not on_server:  # its upload failed: no model to link
                 log.warning("%s is not on the server: its evaluation is logged without a model", checkpoint)
                 self._sender.put(metrics, step)
@@ -300,8 +301,8 @@ class MlflowTracker(Tracker):
 
         self._uploader.submit(f"log the evaluation of {checkpoint}", link)
 
-    def has_evaluation(self, checkpoint: str) -> bool:
-        return evaluation_logged(self.client, self._experiment_id(), self.run.run_id, checkpoint)
+    def evaluation_due(self, checkpoint: str, datasets: list[dict]) -> bool:
+        return evaluation_due(self.client, self._experiment_id(), self.client.get_run(self.run.run_id), checkpoint, datasets)
 
     def _experiment_id(self) -> str:
         if self._run.experiment_id is None:
