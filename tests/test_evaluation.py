@@ -415,9 +415,34 @@ def test_a_runs_test_sets_edited_by_hand_match_no_evaluation():
     assert evaluation_sets(run(tags={EVAL_SETS_TAG: '[["val", "abc"]]'})) == [["val", "abc"]]
     assert evaluation_sets(run()) == []
     for odd in (run(tags={EVAL_SETS_TAG: "{not json"}), run(tags={EVAL_SETS_TAG: '[["a", "b", "c"]]'}),
-                run(tags={EVAL_SETS_TAG: '{"a": 1}'}), run(params={"TEST.DATASETS": "5"}),
-                run(params={"TEST.DATASETS": "[1, 2]"}), run(params={"TEST.DATASETS": "['val', ..."})):
+                run(tags={EVAL_SETS_TAG: '{"a": 1}'}), run(params={"TEST.DATASETS": "5"}, inputs=[ds]),
+                run(params={"TEST.DATASETS": "[1, 2]"}, inputs=[ds]),
+                run(params={"TEST.DATASETS": "['val', ..."}, inputs=[ds])):
         assert evaluation_sets(odd) == [["?", "?"]]
+
+
+def test_a_run_never_trained_tracked_takes_its_first_evaluations_sets_as_its_own(tmp_path, caplog):
+    """A run made by the tracked rerun of a job trained untracked has TEST.DATASETS as a param but
+    no dataset inputs and no sets tag: it was scored on nothing. `tracktron eval` and the rerun's
+    final evaluation (both through runs.takes_scores) log into it and name the sets its own; scores
+    on other sets after that are refused. Before, `tracktron eval` refused it: its param's sets had
+    no digest to match."""
+    from mlflow import MlflowClient
+
+    from trainer.tracking.runs import EVAL_SETS_TAG, takes_scores
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("demo")).info.run_id
+    client.log_param(run_id, "TEST.DATASETS", "['synth_shapes_val']")
+    val = [{"name": "synth_shapes_val", "digest": "d1", "context": "evaluation"},
+           {"name": "synth_shapes_train", "digest": "d0", "context": "training"}]
+    assert takes_scores(client, client.get_run(run_id), val)
+    assert json.loads(client.get_run(run_id).data.tags[EVAL_SETS_TAG]) == [["synth_shapes_val", "d1"]]
+    assert takes_scores(client, client.get_run(run_id), val)  # its own now
+    other = [{"name": "synth_shapes_val", "digest": "d2", "context": "evaluation"}]  # another annotation file
+    assert not takes_scores(client, client.get_run(run_id), other)
+    assert f"these scores are not logged into run {run_id}: its scores are of synth_shapes_val" in caplog.text
+    assert json.loads(client.get_run(run_id).data.tags[EVAL_SETS_TAG]) == [["synth_shapes_val", "d1"]]
 
 
 def test_an_evaluation_on_some_of_a_runs_sets_scores_what_the_run_names():

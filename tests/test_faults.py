@@ -608,8 +608,8 @@ def test_a_rerun_never_scores_the_run_on_test_sets_that_are_not_its_own(tmp_path
     client.set_tag(run.info.run_id, "tracktron.eval.datasets", '[["synth_shapes_train", "0123"]]')
     again = run_trainer(job_args(tmp_path, data_dir, **keys, **val, **{"TRACKING.URI": uri}), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert ("the run lacks the evaluation of model_final.pth, but its scores are of synth_shapes_train and these "
-            "test sets are synth_shapes_val (or other annotation files): not evaluated into it") in again.stderr
+    assert (f"model_final.pth is not evaluated into run {run.info.run_id}: its scores are of synth_shapes_train; "
+            "these test sets are synth_shapes_val (or other annotation files)") in again.stderr
     assert steps(client, run.info.run_id, "bbox/AP") == []
 
 

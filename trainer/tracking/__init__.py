@@ -10,13 +10,9 @@ from TRACKING.ENABLED and the rank.
 """
 from __future__ import annotations
 
-import logging
-
 from trainer.config import Config
 from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
-
-log = logging.getLogger(__name__)
 
 __all__ = ["RunInfo", "Tracker", "attach", "create_tracker"]
 
@@ -37,20 +33,15 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     `bbox/AP` and could move its best checkpoint: they are printed, not logged. A run trained without
     test sets takes those of its first evaluation as its own."""
     from trainer.tracking.mlflow_tracker import MlflowTracker
-    from trainer.tracking.runs import eval_sets, eval_sets_tag, evaluation_sets, same_scores, start_error
+    from trainer.tracking.runs import start_error, takes_scores
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
-    ours = eval_sets(datasets)
     try:
-        own = evaluation_sets(tracker.client.get_run(run_id))
+        taken = takes_scores(tracker.client, tracker.client.get_run(run_id), datasets)
     except Exception as e:  # the checkpoint's download just worked: a server that fails now
         raise UserError(start_error(tracker.uri, e)) from None
-    if not own:
-        tracker.set_tags(eval_sets_tag(datasets))
-    elif not same_scores(own, ours):
-        log.warning("not logged into run %s: its scores are of %s; these of %s (or other annotation files)",
-                    run_id, ", ".join(n for n, _ in own), ", ".join(n for n, _ in ours))
+    if not taken:
         tracker.finish(None)
         return Tracker()
     return tracker

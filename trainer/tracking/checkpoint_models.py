@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.tracking.runs import EVAL_SETS_TAG, eval_sets, eval_sets_tag, evaluation_sets, same_scores
+from trainer.tracking.runs import takes_scores
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
@@ -53,27 +53,12 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
 
 def evaluation_due(client, experiment_id: str, run, checkpoint: str, datasets: list[dict]) -> bool:
     """Whether a rerun of a finished job evaluates the run's `checkpoint` into it: the run lacks that
-    evaluation (no READY LoggedModel of it: one is made READY once the metrics are in), and the test
-    sets (`datasets`, as lineage.dataset_inputs gives them) are the run's own, or the run has none
-    yet (they become its own). TEST is no part of the job: other sets' scores would read as its AP."""
-    from mlflow.entities import RunTag
-
+    evaluation (no READY LoggedModel of it: one is made READY once the metrics are in), and its
+    scores on `datasets` would be the run's own (runs.takes_scores)."""
     if any(m.name == _name(checkpoint) and str(m.status) == "READY"
            for m in checkpoint_models(client, experiment_id, run.info.run_id)):
         return False
-    ours = eval_sets(datasets)
-    if EVAL_SETS_TAG not in run.data.tags and not run.inputs.dataset_inputs:  # never trained tracked: no sets yet
-        own = []
-    else:
-        own = evaluation_sets(run)
-    if not own:
-        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in eval_sets_tag(datasets).items()])
-    elif not same_scores(own, ours):
-        log.warning("the run lacks the evaluation of %s, but its scores are of %s and these test sets are %s (or "
-                    "other annotation files): not evaluated into it", checkpoint, ", ".join(n for n, _ in own),
-                    ", ".join(n for n, _ in ours))
-        return False
-    return True
+    return takes_scores(client, run, datasets, refused=f"{checkpoint} is not evaluated into")
 
 
 def update_best(client, experiment_id: str, run_id: str, metric: str):

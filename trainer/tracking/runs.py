@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -17,6 +18,8 @@ from trainer.errors import UserError, first_line
 from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
+
+log = logging.getLogger(__name__)
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 JOB_TAG = "tracktron.job"
@@ -135,6 +138,8 @@ def evaluation_sets(run) -> list[list[str]]:
         pairs = isinstance(sets, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                                                for p in sets)
         return sets if pairs else unknown
+    if not run.inputs.dataset_inputs:  # never trained tracked (made by a rerun of a job trained untracked)
+        return []
     try:
         names = ast.literal_eval(run.data.params.get("TEST.DATASETS", "[]"))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -149,6 +154,24 @@ def same_scores(own: list, ours: list) -> bool:
     """An evaluation on `ours` scores what the run's `own` sets name: its first set first (the plain
     `bbox/AP`), the others among the run's (each under its own prefix)."""
     return bool(ours) and ours[0] == own[0] and all(s in own for s in ours)
+
+
+def takes_scores(client, run, datasets: list[dict], refused: str = "these scores are not logged into") -> bool:
+    """Whether scores on `datasets` (lineage.dataset_inputs' sets) go into `run`: they are of its own
+    test sets (same_scores), or it has been scored on none yet and these become its own (the tag).
+    TEST is no part of the job: other sets' scores would read as the run's `bbox/AP` and could move
+    its best checkpoint, so they are refused with a warning (`refused` says what is not done)."""
+    from mlflow.entities import RunTag
+
+    own, ours = evaluation_sets(run), eval_sets(datasets)
+    if not own:
+        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in eval_sets_tag(datasets).items()])
+        return True
+    if same_scores(own, ours):
+        return True
+    log.warning("%s run %s: its scores are of %s; these test sets are %s (or other annotation files)", refused,
+                run.info.run_id, ", ".join(n for n, _ in own), ", ".join(n for n, _ in ours))
+    return False
 
 
 def eval_sets(datasets: list[dict]) -> list[list[str]]:
