@@ -330,6 +330,21 @@ def test_a_later_run_never_replaces_another_images_results_of_the_same_name(tmp_
     assert sorted(p.name for p in out.iterdir()) == ["x-2.json", "x-2.png", "x.json", "x.png"]
 
 
+def test_the_same_image_from_another_folder_replaces_its_own_results(tmp_path, model_dir, images, categories):
+    """`predict photos/cat.jpg` from one folder, then `predict cat.jpg` from photos/: the json named
+    the image as typed (relative), so the second run took it for another image's and wrote cat-2.
+    The json now names the image's absolute path: the rerun replaces its own results. Found by the
+    review of 2026-12-03 (fourth)."""
+    photos, out = tmp_path / "photos", tmp_path / "out"
+    photos.mkdir()
+    cat = Path(shutil.copy(images["jpg"], photos / "cat.jpg"))
+    for image, cwd in (("photos/cat.jpg", tmp_path), ("cat.jpg", photos), (str(cat), out.parent)):
+        result = predict_cli("--weights", model_dir, "--out", out, image, cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["cat.json", "cat.png"]
+        check_outputs(out, "cat", cat, categories)
+
+
 # ------------------------------------------------------------------------------------------ drawing
 
 def canvas(h: int = 100, w: int = 120) -> tuple[torch.Tensor, np.ndarray]:

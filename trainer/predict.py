@@ -71,7 +71,8 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
     pixels = decode(data, upright=True)
     drawing = out / f"{name}.png"
     write_atomic(drawing, to_png(draw(pixels, found, score_threshold=score_threshold)))
-    record = {"image": image, "width": pixels.shape[2], "height": pixels.shape[1], **found}
+    where = os.path.abspath(user_path(image, "IMAGE"))  # the json names its image from any folder
+    record = {"image": where, "width": pixels.shape[2], "height": pixels.shape[1], **found}
     write_atomic(out / f"{name}.json", json.dumps(record))
     shown = sum(s >= score_threshold for s in found["scores"])
     print(printable(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}"))
