@@ -1,7 +1,8 @@
 """Config: defaults, YAML as Detectron writes it, overrides, and every error path."""
 import pytest
 
-from trainer.config import ConfigError, defaults, job_hash, load_config, write_config
+from trainer.config import ConfigError, defaults, load_config, write_config
+from trainer.job_identity import job_hash
 
 
 def write(tmp_path, text, name="job.yaml"):

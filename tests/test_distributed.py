@@ -93,11 +93,13 @@ def _without_an_image(data_dir, to):
     ("SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))", "another config than rank 0 (SOLVER.BASE_LR differ)"),
     # rank 1 evaluated after iteration 3 alone (TEST is no part of the job's hash): a collective no other rank joins
     ("TEST.EVAL_PERIOD $((LOCAL_RANK * 3))", "another config than rank 0 (TEST.EVAL_PERIOD differ)"),
+    # a checkpoint gathers every rank's RNG states: a rank checkpointing at another cadence waits alone
+    ("TRAIN.SNAPSHOT_ITERS $((LOCAL_RANK + 2))", "another config than rank 0 (TRAIN.SNAPSHOT_ITERS differ)"),
     # DATA_DIR is each node's own: rank 1's set has a category more (DDP's model mismatch, or other labels silently)
     ("DATA_DIR {tmp}/data$LOCAL_RANK", "other training data than rank 0 (categories, num_classes differ)"),
     # a node whose copy of the data is short: its sampler shards another list, so ranks train on overlapping images
     ("DATA_DIR {tmp}/data$LOCAL_RANK", "other training data than rank 0 (images differ)"),
-], ids=["base-lr", "eval-period", "categories", "images"])
+], ids=["base-lr", "eval-period", "snapshot-iters", "categories", "images"])
 def test_ranks_started_with_different_configs_stop_before_training_and_fail_the_run(tmp_path, data_dir, override,
                                                                                      message):
     """Each rank gets its own overrides (a launcher script gone wrong) or its own data: every rank

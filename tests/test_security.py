@@ -29,7 +29,8 @@ from tests.servers import MlflowServer
 from tests.test_bad_input import Outcome, run_cli
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
-from trainer.config import job_hash, load_config
+from trainer.config import load_config
+from trainer.job_identity import job_hash
 
 QUICK = {"SOLVER.MAX_ITER": 2, "TRAIN.SNAPSHOT_ITERS": 100, "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "false"}
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import demo_overrides, run_trainer, trainer_cmd
+from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
 from trainer.checkpoint.files import remove_stale_temps
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint, save_atomic
@@ -80,6 +80,47 @@ def test_killed_job_resumes_to_bit_identical_weights(tmp_path, data_dir):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     iters = [e["iter"] for e in json_stats(out)]
     assert iters == sorted(set(iters)) == [e["iter"] for e in json_stats(tmp_path / "a" / "output")]
+
+
+def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_dir):
+    """TRAIN.SNAPSHOT_ITERS changed between starts (a killed job moved to a preemptible host, which
+    checkpoints more often) was "another job": its checkpoints and its run refused. It is no part of
+    the job now: the job continues in its run, checkpoints at the new cadence, and ends with the
+    uninterrupted job's weights. A run tagged by an earlier tracktron (whose hash held the key) is
+    still found, and retagged. Found by the red team of 2026-12-03 (second)."""
+    from mlflow import MlflowClient
+
+    from trainer.config import load_config
+    from trainer.job_identity import job_hash, job_hashes
+
+    keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 14, "TRAIN.SNAPSHOT_ITERS": 4,
+                                         "DATA_LOADER.NUM_THREADS": 1})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys, **{"TRACKING.ENABLED": "false"}),
+                           cwd=tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+    uri = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    args = demo_overrides(tmp_path / "b", data_dir, **keys, **{"TRACKING.URI": uri})
+    out = tmp_path / "b" / "output"
+    _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter3.pth")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    cfg = load_config(DEMO, args)
+    client.set_tag(run.info.run_id, "tracktron.job", job_hashes(cfg)[1])  # as tracktron tagged it until now
+
+    _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter7.pth")
+    assert client.get_run(run.info.run_id).data.tags["tracktron.job"] == job_hash(cfg)
+    other = run_trainer(args + ["TRAIN.SNAPSHOT_ITERS", "5"], cwd=tmp_path / "b")  # model_iter9, not 11
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "resuming from" in other.stderr and "another job" not in other.stderr
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert {p.name for p in out.glob("*.pth")} == {"model_iter3.pth", "model_iter7.pth", "model_iter9.pth",
+                                                   "model_final.pth"}
+    finished = client.get_run(run.info.run_id)
+    assert finished.info.status == "FINISHED" and "tracktron.ckpt.model_iter9.pth.sha256" in finished.data.tags
+    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
 def test_partial_newest_checkpoint_is_skipped(tmp_path, data_dir):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -150,19 +149,6 @@ MAX_INT = 2**53  # the largest integer a config takes (and JSON, MLflow's params
 
 # Keys that do not change what is trained: left out of the job hash, so a job restarted on another
 # machine (other paths, other tracking server, more loader workers) is still the same job.
-_NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
-               "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP", "TRAIN.PREEMPT_GRACE_S")
-# Keys added after jobs were first hashed: at their default they stay out of the hash, so a job
-# started before they existed is still found (and resumed) by a newer tracktron.
-_LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "MODEL.FPN_NORM", "MODEL.HEAD_NORM",
-               "MODEL.BOX_HEAD", "MODEL.P6_FROM_C5", "MODEL.BOX_POOL_SIZE", "MODEL.MASK_POOL_SIZE",
-               "MODEL.KEYPOINT_POOL_SIZE", "MODEL.POOL_SAMPLING_RATIO", "MODEL.ANCHOR_RATIOS", "MODEL.PIXEL_MEAN",
-               "MODEL.PIXEL_STD", "MODEL.RPN_NMS_THRESH", "MODEL.RPN_FG_IOU", "MODEL.RPN_BG_IOU",
-               "MODEL.RPN_POSITIVE_FRACTION", "MODEL.FG_IOU", "MODEL.BG_IOU", "MODEL.POSITIVE_FRACTION",
-               "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES", "MODEL.CLS_AGNOSTIC_MASK",
-               "SOLVER.BIAS_LR_FACTOR")
-
-
 class Config(dict):
     """A nested dict with attribute access: cfg.SOLVER.BASE_LR."""
 
@@ -378,18 +364,6 @@ def _remember_secrets(node: dict) -> None:
             _remember_secrets(value)
         elif is_secret_key(str(key)):
             remember(value)
-
-
-def job_keys(cfg: dict) -> dict:
-    """The flattened keys that change what is trained (a rotated secret is still the same job)."""
-    return {k: v for k, v in flatten(redacted(cfg)).items()
-            if not any(k == p or k.startswith(p + ".") for p in _NOT_IN_JOB)
-            and not (k in _LATER_KEYS and v == _FLAT_DEFAULTS[k])}
-
-
-def job_hash(cfg: dict) -> str:
-    """A short hash of the keys that change what is trained: two runs with it equal are one job."""
-    return hashlib.sha256(json.dumps(job_keys(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_config(cfg: Config, path: Path) -> None:

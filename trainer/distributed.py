@@ -124,14 +124,14 @@ def broadcast_object(ctx: Context, obj):
     return box[0]
 
 
-# The TEST keys every rank must share too (config.job_keys leaves TEST out): when evaluation runs
-# (it is collective: a rank evaluating alone waits in it forever), on what and at which size (rank 0
-# scores the detections of every rank's shard).
-EVAL_KEYS = ("TEST.DATASETS", "TEST.EVAL_PERIOD", "TEST.SCALE", "TEST.MAX_SIZE")
+# Keys every rank must share beyond job_identity.job_keys: when a checkpoint is made and evaluation
+# runs (both collective: a rank doing either alone waits in it forever), on what and at which size
+# (rank 0 scores the detections of every rank's shard).
+SHARED_KEYS = ("TRAIN.SNAPSHOT_ITERS", "TEST.DATASETS", "TEST.EVAL_PERIOD", "TEST.SCALE", "TEST.MAX_SIZE")
 
 
 def check_same_job(ctx: Context, keys: dict, data: dict | None = None) -> None:
-    """Every rank was started with rank 0's job: `keys` (config.job_keys and EVAL_KEYS; paths and
+    """Every rank was started with rank 0's job: `keys` (job_identity.job_keys and SHARED_KEYS; paths and
     tracking may differ by node) and `data`, what its training set is to the model (its categories;
     None where a finished job's data is gone: it trains nothing). A rank with another SOLVER.MAX_ITER
     would wait in a collective forever, one with another BASE_LR or other categories train silently."""

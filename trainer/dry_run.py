@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, local_checkpoints
-from trainer.config import Config, job_hash
+from trainer.config import Config
+from trainer.job_identity import job_hash
 from trainer.lineage import initial_weights
 from trainer.logs import held_while_checking
 from trainer.data.coco import CocoDetection, resolve_dataset

@@ -115,7 +115,8 @@ def _check_job(cfg, tracker, resumable: bool):
 def _join(distributed, tracker, cfg, prepared):
     """The job's process group, every rank on rank 0's job; a failure to join it, or a rank started
     with another config or other training data, fails the run (never left RUNNING), in one line."""
-    from trainer.config import flatten, job_keys
+    from trainer.config import flatten
+    from trainer.job_identity import job_keys
     from trainer.data.coco import dataset_category_key
 
     try:
@@ -124,7 +125,7 @@ def _join(distributed, tracker, cfg, prepared):
         reason = f"cannot join the job's other processes: {first_line(e)}"
         tracker.finish("FAILED", reason)
         raise UserError(reason) from None
-    keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k in distributed.EVAL_KEYS}
+    keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k in distributed.SHARED_KEYS}
     # each node has its own DATA_DIR: the datasets _check_job built are compared, not their paths
     dataset = None if prepared is None else prepared.dataset
     data = None if dataset is None else {"num_classes": dataset.num_classes, "images": len(dataset),

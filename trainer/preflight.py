@@ -16,7 +16,8 @@ import torch
 
 from trainer.checkpoint.files import FINAL
 from trainer.checkpoint.state import newest_valid
-from trainer.config import Config, job_keys
+from trainer.config import Config
+from trainer.job_identity import job_keys
 from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.checks import category_difference, same_categories

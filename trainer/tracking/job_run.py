@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass
 
 from trainer.checkpoint.files import FINAL
-from trainer.config import Config, job_hash
+from trainer.config import Config
 from trainer.errors import UserError, first_line
+from trainer.job_identity import job_hash, job_hashes
 from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
@@ -102,6 +103,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
             run = client.get_run(run.info.run_id)
         else:
+            if run.data.tags[JOB_TAG] != job_hash(cfg):  # tagged by an earlier tracktron: found by this hash from now on
+                client.set_tag(run.info.run_id, JOB_TAG, job_hash(cfg))
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
             if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
@@ -128,7 +131,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
                             "unset MLFLOW_RUN_ID to start the job over in a new run, or drop --no-resume")
         if JOB_TAG in launcher.data.tags or not resume:
             return FoundRun(launcher, "", exp_id)
-        earlier = _newest_job_run(client, exp_id, cfg)
+        earlier = _newest_job_run(client, [exp_id], cfg)
         if earlier is None:
             return FoundRun(launcher, "", exp_id)
         note = f"Launcher only: job {job_hash(cfg)} continues in its run {earlier.info.run_id}."
@@ -141,7 +144,7 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
     if exp is None and resume and not given_id and (moved := _renamed_home(client, cfg)) is not None:
         return FoundRun(moved[1], moved[0].name, moved[0].experiment_id, auto_resume=resume)
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
-    return FoundRun(_newest_job_run(client, exp_id, cfg) if resume and exp_id else None, name, exp_id,
+    return FoundRun(_newest_job_run(client, [exp_id], cfg) if resume and exp_id else None, name, exp_id,
                     auto_resume=resume)
 
 
@@ -156,18 +159,17 @@ def _renamed_home(client, cfg: Config) -> tuple | None:
         return None
     try:
         made = every_page(client.search_experiments, filter_string=f"tags.`{EXPERIMENT_TAG}` = '{name}'")
-        runs = client.search_runs([e.experiment_id for e in made][:100], filter_string=f"tags.`{JOB_TAG}` = "
-                                  f"'{job_hash(cfg)}'", order_by=["attributes.start_time DESC"], max_results=1) if made else []
+        run = _newest_job_run(client, [e.experiment_id for e in made][:100], cfg) if made else None
     except Exception as e:
         log.warning("could not look for experiment %s under another name (%s)", name, first_line(e))
         return None
-    if not runs:
+    if run is None:
         return None
-    exp = next(e for e in made if e.experiment_id == runs[0].info.experiment_id)
+    exp = next(e for e in made if e.experiment_id == run.info.experiment_id)
     log.warning("no experiment is named %s: the job's run %s is in experiment %s (made as %s, renamed since), and "
                 "continues there; --no-resume starts the job over in a new experiment %s", name,
-                runs[0].info.run_id, exp.name, name, name)
-    return exp, runs[0]
+                run.info.run_id, exp.name, name, name)
+    return exp, run
 
 
 def _resumable_run(client, uri: str, cfg: Config, run_id: str):
@@ -185,7 +187,7 @@ def _check_ours(run, cfg: Config, named: str, drop: str) -> None:
     made for it. `mlflow run` (or a user) leaves one RUNNING, with params and mlflow.* tags but no
     metrics; an ended run or one with metrics is someone else's work, which adopting overwrote."""
     theirs, ours, key = run.data.tags.get(JOB_TAG), job_hash(cfg), run.info.run_id
-    if theirs is not None and theirs != ours:
+    if theirs is not None and theirs not in job_hashes(cfg):
         raise UserError(f"{named} {key} is another job's (job {theirs}; this config is job {ours}): continue it "
                         f"with its own config, or {drop} to start this job's run")
     if theirs is None and (run.info.status in _ENDED or run.data.metrics):
@@ -282,10 +284,14 @@ def settle_new_run(client, exp_id: str, run, first_wins: bool) -> None:
         raise taken(first)
 
 
-def _newest_job_run(client, exp_id: str, cfg: Config):
-    runs = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_hash(cfg)}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0] if runs else None
+def _newest_job_run(client, exp_ids: list, cfg: Config):
+    """The job's newest run: by its hash, else by the one an earlier tracktron gave it (job_hashes)."""
+    for tag in job_hashes(cfg):
+        runs = client.search_runs(exp_ids, filter_string=f"tags.`{JOB_TAG}` = '{tag}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+        if runs:
+            return runs[0]
+    return None
 
 
 
