@@ -262,12 +262,24 @@ def test_retinanet_p6_from_c5_and_detectron_anchors(tmp_path):
     assert model.anchor_generator.aspect_ratios[0] == (1.0, 2.0, 0.5)
 
 
+def test_detectron_output_dir_names_the_datasets_the_job_trains_on(tmp_path):
+    """Detectron writes to OUTPUT_DIR/train/<datasets>/<model type> of the merged config. The path
+    was built from the file's TRAIN.DATASETS before the overrides: a job on other data shared the
+    folder of the file's (and was refused there as another job). An OUTPUT_DIR override is the path.
+    Found by the Detectron review of 2026-12-03."""
+    path = write(tmp_path, "e2e_faster_rcnn_R-50-FPN")
+    assert load_config(path).OUTPUT_DIR == "./train/coco_2014_train:coco_2014_valminusminival/generalized_rcnn"
+    other = load_config(path, ["TRAIN.DATASETS", "('coco_2017_train',)"])
+    assert other.OUTPUT_DIR == "./train/coco_2017_train/generalized_rcnn"
+    assert load_config(path, ["TRAIN.DATASETS", "('coco_2017_train',)", "OUTPUT_DIR", "/out"]).OUTPUT_DIR == "/out"
+
+
 def test_detectron_solver_and_input_conventions(tmp_path):
     cfg = load_config(write(tmp_path, "e2e_faster_rcnn_R-50-FPN"))
     assert cfg.SOLVER.BIAS_LR_FACTOR == 2.0 and cfg.SOLVER.NO_DECAY_NORM_AND_BIAS  # its optimizer's bias rule
     assert cfg.MODEL.PIXEL_MEAN == [122.7717, 115.9465, 102.9801] and cfg.MODEL.PIXEL_STD == [1.0, 1.0, 1.0]
     assert cfg.MODEL.RPN_PRE_NMS_TOP_N_TRAIN == 2000 and cfg.MODEL.RPN_POST_NMS_TOP_N_TRAIN == 2000  # file, default
-    assert cfg.MODEL.ROI_BATCH_SIZE_PER_IMAGE == 512 and cfg.TRAIN.SNAPSHOT_ITERS == 80000
+    assert cfg.MODEL.ROI_BATCH_SIZE_PER_IMAGE == 512 and cfg.TRAIN.SNAPSHOT_ITERS == 20000  # was 80000: wrong
     model = build_model(cfg, 81)
     assert model.transform.image_std == [1 / 255] * 3  # 0-255 pixels minus the mean, as Detectron
 
