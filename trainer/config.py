@@ -312,6 +312,8 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
             _set(cfg, key, parse_override(value, isinstance(_FLAT_DEFAULTS.get(key), str), key))
         except RecursionError:
             raise ConfigError(f"{key}: the value is nested too deeply to be a config value") from None
+    if translation is not None and "OUTPUT_DIR" not in opts[0::2]:  # Detectron's path names the final datasets
+        cfg["OUTPUT_DIR"] = translation.values["OUTPUT_DIR"] = translation.output_dir(cfg.TRAIN.DATASETS)
     cfg.TRACKING.SYSTEM_METRICS = cfg.TRACKING.SYSTEM_METRICS.lower()  # `True`, as YAML reads it in a file
     _remember_secrets(cfg)
     validate(cfg)

@@ -49,10 +49,16 @@ class Translation:
     ignored: list = field(default_factory=list)  # keys of the file with no meaning here
     renamed: list = field(default_factory=list)  # keys Detectron renamed, read under their new name
     given: dict = field(default_factory=dict)  # the file's own keys, flattened
+    output_root: tuple = ("", "")  # Detectron's OUTPUT_DIR and MODEL.TYPE
 
     def set(self, key: str, value, *sources: str) -> None:
         self.values[key] = value
         self.sources[key] = sources
+
+    def output_dir(self, datasets: list) -> str:
+        """Where Detectron writes: OUTPUT_DIR/train/<datasets>/<model type>, of the job's final TRAIN.DATASETS."""
+        root, model_type = self.output_root
+        return os.path.join(root, "train", ":".join(map(dataset_dirname, datasets)) or "none", model_type)
 
     def lines(self) -> list[str]:
         """`DETECTRON.KEY value -> TRACKTRON.KEY value`, for the keys the file sets (or their defaults)."""
@@ -326,10 +332,8 @@ def _solver_and_job(d: dict, t: Translation) -> None:
     t.set("MODEL.PIXEL_MEAN", means[::-1], "PIXEL_MEANS")  # Detectron's BGR, our RGB (conv1 is permuted to match)
     t.set("MODEL.PIXEL_STD", [1.0, 1.0, 1.0], "PIXEL_MEANS")  # Detectron does not divide by a std
     t.set("TRAIN.WEIGHTS", d["TRAIN.WEIGHTS"], "TRAIN.WEIGHTS")
-    # Detectron writes to OUTPUT_DIR/train/<datasets>/<model type>; an OUTPUT_DIR override replaces it all.
-    out = os.path.join(d["OUTPUT_DIR"], "train", ":".join(map(dataset_dirname, d["TRAIN.DATASETS"])) or "none",
-                       d["MODEL.TYPE"])
-    t.set("OUTPUT_DIR", out, "OUTPUT_DIR")
+    t.output_root = (d["OUTPUT_DIR"], d["MODEL.TYPE"])  # an OUTPUT_DIR override replaces it all
+    t.set("OUTPUT_DIR", t.output_dir(d["TRAIN.DATASETS"]), "OUTPUT_DIR")
     t.set("DATA_LOADER.NUM_THREADS", d["DATA_LOADER.NUM_THREADS"], "DATA_LOADER.NUM_THREADS")
     if "DATASET_CATALOG" in d:
         t.set("DATASET_CATALOG", d["DATASET_CATALOG"], "DATASET_CATALOG")
