@@ -25,6 +25,19 @@ def torchrun(args, cwd):
     return run_tree(cmd, timeout=600, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def test_a_config_for_several_gpus_run_in_one_process_says_its_batch_is_smaller(tmp_path, data_dir):
+    """Detectron's zoo configs say NUM_GPUS 8, and Detectron used 8 GPUs in one process: here one
+    process is one GPU, so each iteration takes an eighth of the images the schedule was made for.
+    It trained so without a word. Found by the Detectron review of 2026-12-03."""
+    args = demo_overrides(tmp_path, data_dir, **{"NUM_GPUS": 8, "TRACKING.ENABLED": "false"})
+    plan = run_trainer(["--dry-run", *args], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert ("NUM_GPUS 8, but this job is one process: each iteration takes 2 images (TRAIN.IMS_PER_BATCH), not "
+            "the 16 its schedule") in plan.stderr and "--nproc-per-node 8" in plan.stderr
+    one = run_trainer(["--dry-run", *args, "NUM_GPUS", "1"], cwd=tmp_path)
+    assert one.returncode == 0 and "NUM_GPUS" not in one.stderr, one.stderr
+
+
 def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRAIN.SNAPSHOT_ITERS": 4,
                                                  "TRACKING.ENABLED": "false", "DETERMINISTIC": "true"})

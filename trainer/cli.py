@@ -73,6 +73,12 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     if world_size > 1 and cfg.NUM_GPUS != world_size:
         log.info("NUM_GPUS set to the world size, %d", world_size)
         cfg.NUM_GPUS = world_size
+    elif world_size == 1 and cfg.NUM_GPUS > 1:  # Detectron's zoo configs: NUM_GPUS 8 in one process
+        n, ims = cfg.NUM_GPUS, cfg.TRAIN.IMS_PER_BATCH
+        log.warning("NUM_GPUS %d, but this job is one process: each iteration takes %d images (TRAIN.IMS_PER_BATCH), "
+                    "not the %d its schedule (SOLVER.BASE_LR, STEPS, MAX_ITER) is made for; start it with `torchrun "
+                    "--nproc-per-node %d -m trainer train ...`, or set NUM_GPUS 1 and scale the schedule (Detectron's "
+                    "linear rule: BASE_LR / %d, STEPS and MAX_ITER x %d)", n, ims, ims * n, n, n, n)
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
     if resume_run_id is not None and not resume_run_id.strip():  # an unset $RUN_ID in a script
