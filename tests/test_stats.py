@@ -1,6 +1,7 @@
 """TrainingStats: smoothing, Detectron's timer reset, json_stats lines, the resumable log, progress."""
 import io
 import json
+import math
 
 import pytest
 
@@ -109,6 +110,30 @@ def test_json_stats_only_on_log_iterations(tmp_path, clock):
     assert at_8["eta"] == "0:00:03"  # 1 s * (MAX_ITER 11 - iteration 8)
     assert isinstance(at_8["mem"], int) and at_8["mem"] > 0
     assert out.getvalue().splitlines()[0] == "json_stats: " + json.dumps(entries[0], sort_keys=True)
+
+
+def test_the_nan_iterations_stats_line_is_strict_json_and_says_nan(tmp_path, clock):
+    """The iteration whose loss is NaN is logged before the job stops. Its line held bare `NaN`,
+    which strict JSON readers (jq, JavaScript, Go) refuse, and a window median that ignored the NaN
+    could show a finite loss. Now its medians are NaN (numpy's median, Detectron's) and non-finite
+    values are written as Detectron wrote them, "nan" and "inf". Found by the Detectron review of
+    2026-12-03."""
+    out, path = io.StringIO(), tmp_path / "json_stats.log"
+    stats = TrainingStats(cfg_of(log_period=4, max_iter=11), 0, path, stream=out)
+    run(stats, clock, range(3))
+    stats.iter_tic()
+    clock.now += 1.0
+    stats.iter_toc()
+    stats.update({"loss": math.nan, "loss_classifier": math.inf, "loss_box_reg": 0.5}, lr=math.inf, data_time=0.1,
+                 mb_qsize=1, images=2)
+    stats.log(3 + 1)
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is no JSON"))
+
+    line = strict(path.read_text().splitlines()[-1])
+    assert (line["iter"], line["loss"], line["lr"]) == (4, "nan", "inf")
+    assert (line["loss_classifier"], line["loss_box_reg"]) == (0.75, 0.375)  # medians of 0, .5, 1, inf and 0, .25, .5, .5
 
 
 def test_timer_reset_at_start_iter_plus_log_period(clock):

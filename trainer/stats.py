@@ -51,6 +51,8 @@ class SmoothedValue:
 
     @property
     def median(self) -> float:
+        if math.isnan(self.total):  # a NaN is in the window (the job stops at it): NaN, as numpy's median says
+            return math.nan
         return statistics.median(self.deque)  # a few µs on a short window (numpy's: ~20 µs of set-up)
 
     @property
@@ -127,8 +129,11 @@ def _iter_of(line: bytes) -> float:
 
 
 def _round6(value):
-    # Detectron printed top-level floats with 6 decimals; keep that, but as JSON numbers
-    return float(f"{value:.6f}") if isinstance(value, float) and math.isfinite(value) else value
+    # Detectron printed top-level floats with 6 decimals; kept, as JSON numbers. NaN and infinity are
+    # no JSON: written as Detectron wrote them, "nan" and "inf", so that a strict parser reads the line.
+    if not isinstance(value, float):
+        return value
+    return float(f"{value:.6f}") if math.isfinite(value) else f"{value:.6f}"
 
 
 class TrainingStats:
@@ -231,7 +236,7 @@ class TrainingStats:
         avg_time = self._average_time()
         stats = dict(
             iter=cur_iter,
-            lr=float(f"{self.lr:.6g}") if math.isfinite(self.lr) else self.lr,
+            lr=float(f"{self.lr:.6g}") if math.isfinite(self.lr) else f"{self.lr:.6f}",
             time=_round6(avg_time),
             eta=format_eta(self.eta_seconds(cur_iter)),
             mb_qsize=int(round(self.mb_qsize.median)) if self.mb_qsize.count else 0,
