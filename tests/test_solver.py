@@ -157,6 +157,26 @@ def test_scheduler_resumes_from_state_dict():
     assert torch.equal(model.weight, model2.weight)
 
 
+def test_each_lr_step_is_logged_as_detectron_logged_it_and_warm_up_is_not(caplog):
+    """Detectron logged `Changing learning rate 0.020000 -> 0.002000 at iter 6` when the LR moved by
+    more than 1.1x; tracktron said nothing. Warm-up's small moves and a resume are no change. Found
+    by the Detectron review of 2026-12-03."""
+    caplog.set_level("INFO", logger="trainer.solver")
+    cfg = cfg_of(**{**ONE_X, "STEPS": "[0, 60, 80]", "MAX_ITER": 90, "WARM_UP_ITERS": 50})  # 1x, shrunk 1000x
+    model, opt, sched = built(cfg)
+    for _ in range(90):
+        train_step(model, opt, sched)
+    changes = [r.getMessage() for r in caplog.records if "Changing learning rate" in r.getMessage()]
+    assert changes == ["Changing learning rate 0.020000 -> 0.002000 at iter 60",
+                       "Changing learning rate 0.002000 -> 0.000200 at iter 80"]
+    saved = sched.state_dict()
+    caplog.clear()
+    _, _, resumed = built(cfg)  # a fresh process at iteration 0, then the checkpoint's state
+    resumed.load_state_dict(saved)
+    resumed.step()
+    assert "Changing learning rate" not in caplog.text
+
+
 def test_scheduler_ignores_a_preset_lr():
     cfg = cfg_of(**SMALL)
     model = nn.Linear(3, 2)

@@ -8,6 +8,7 @@ w -= lr * v), so a change of LR needs no correction and there is none here.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 
 from trainer.config import Config
 from trainer.lr_policy import lr_at
+
+log = logging.getLogger(__name__)
+LOG_LR_CHANGE_RATIO = 1.1  # Detectron's SOLVER.LOG_LR_CHANGE_THRESHOLD: a step, not warm-up's small moves
 
 
 def lr_at_iter(cfg: Config, it: int) -> float:
@@ -70,8 +74,14 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr * group.get("lr_factor", 1.0)  # LambdaLR scales initial_lr
 
+    last = {}  # the iteration and LR of the previous call
+
     def factor(it: int) -> float:
-        return lr_at_iter(cfg, it) / base_lr
+        lr = lr_at_iter(cfg, it)
+        if last.get("it") == it - 1 and max(lr / last["lr"], last["lr"] / lr) > LOG_LR_CHANGE_RATIO:
+            log.info("Changing learning rate %.6f -> %.6f at iter %d", last["lr"], lr, it)  # Detectron's line
+        last.update(it=it, lr=lr)
+        return lr / base_lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
