@@ -23,7 +23,7 @@ _LATER_KEYS = ("MODEL.FEATURES", "MODEL.STRIDE_IN_1X1", "MODEL.BACKBONE_NORM", "
                "MODEL.RPN_POSITIVE_FRACTION", "MODEL.FG_IOU", "MODEL.BG_IOU", "MODEL.POSITIVE_FRACTION",
                "MODEL.NMS_THRESH", "MODEL.SCORE_THRESH", "MODEL.TOPK_CANDIDATES", "MODEL.CLS_AGNOSTIC_MASK",
                "SOLVER.BIAS_LR_FACTOR")
-# Hashed until 2026-12-04: a run tagged with the hash that includes it is still this job's (it is
+# Hashed until 2026-12-03: a run tagged with the hash that includes it is still this job's (it is
 # found by that hash too, with the config's value, and retagged when it continues).
 _EARLIER_KEYS = ("TRAIN.SNAPSHOT_ITERS",)
 _FLAT_DEFAULTS = flatten(defaults())
