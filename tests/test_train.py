@@ -123,6 +123,37 @@ def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_d
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
+def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_dir):
+    """A job fine-tuned from TRAIN.WEIGHTS, killed after a checkpoint, whose parent file was then
+    archived (or whose models:/name@alias was moved): the rerun refused the missing weights, and
+    --no-resume threw the progress away. Its checkpoints hold its weights: it resumes, with a
+    warning, to the uninterrupted job's weights. Found by the red team of 2026-12-03 (third)."""
+    parent_keys = {"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"}
+    (tmp_path / "p").mkdir()
+    assert run_trainer(demo_overrides(tmp_path / "p", data_dir, **parent_keys), cwd=tmp_path / "p").returncode == 0
+    parent = tmp_path / "parent.pth"
+    (tmp_path / "p" / "output" / "model_final.pth").rename(parent)
+    keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 10, "TRAIN.SNAPSHOT_ITERS": 4, "TRACKING.ENABLED": "false",
+                                         "TRAIN.WEIGHTS": str(parent)})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys), cwd=tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+    args = demo_overrides(tmp_path / "b", data_dir, **keys)
+    out = tmp_path / "b" / "output"
+    _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter3.pth")
+    parent.rename(tmp_path / "archived.pth")
+    plan = run_trainer(["--dry-run", *args], cwd=tmp_path / "b")
+    assert plan.returncode == 0 and "model_iter3.pth: resumes at iteration 4" in plan.stdout, plan.stdout + plan.stderr
+    resumed = run_trainer(args, cwd=tmp_path / "b")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"TRAIN.WEIGHTS {parent}: no such file" in resumed.stderr and "resuming from" in resumed.stderr
+    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    fresh = run_trainer(demo_overrides(tmp_path / "c", data_dir, **keys), cwd=tmp_path)  # nothing to resume
+    assert fresh.returncode == 2 and f"TRAIN.WEIGHTS {parent}: no such file" in fresh.stderr.splitlines()[-1]
+
+
 def test_partial_newest_checkpoint_is_skipped(tmp_path, data_dir):
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 6, "TRACKING.ENABLED": "false"})
     out = tmp_path / "output"

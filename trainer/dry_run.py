@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, local_checkpoints
+from trainer.checkpoint.files import FINAL, local_checkpoints, resumes_from
 from trainer.config import Config
 from trainer.job_identity import job_hash
 from trainer.lineage import initial_weights
@@ -26,7 +26,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
     prepared = prepare(cfg)  # what a job's start checks
     dataset, model = prepared.dataset, prepared.model
-    if not prepared.weights_loaded:
+    if not prepared.weights_loaded and not resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):
         with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     params = sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from trainer.atomic_write import write_atomic
+from trainer.checkpoint.files import resumes_from
 from trainer.downloads import URL_SCHEMES, download
 from trainer.errors import UserError, first_line
 from trainer.logs import held_while_checking, write_or_drop
@@ -77,6 +78,8 @@ def _check_inputs(cfg, config_file: str) -> None:
     check_output_dir(Path(cfg.OUTPUT_DIR))
     check_config_file_kept(config_file, Path(cfg.OUTPUT_DIR))
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
+    if resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):  # prepare() warns if the weights are gone
+        return
     check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
     if cfg.TRAIN.WEIGHTS.startswith(URL_SCHEMES):  # fetched (or refused) before a run is made too
         download(cfg.TRAIN.WEIGHTS, "TRAIN.WEIGHTS")

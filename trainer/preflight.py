@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint.files import FINAL
+from trainer.checkpoint.files import FINAL, resumes_from
 from trainer.checkpoint.state import newest_valid
 from trainer.config import Config
 from trainer.job_identity import job_keys
@@ -63,7 +63,13 @@ def prepare(cfg: Config) -> Prepared:
                     ", ".join(unread))
     here = bool(cfg.TRAIN.WEIGHTS) and not cfg.TRAIN.WEIGHTS.startswith(MLFLOW_URIS)
     if here:
-        load_weights(model, cfg.TRAIN.WEIGHTS)
+        try:
+            load_weights(model, cfg.TRAIN.WEIGHTS)
+        except UserError as e:
+            if not resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):
+                raise
+            log.warning("%s; the job resumes from its checkpoints in %s, which hold its weights", e, cfg.OUTPUT_DIR)
+            here = False  # a checkpoint that proves unusable starts from iteration 0, which loads them: an error then
     return Prepared(dataset, model, here)
 
 
