@@ -251,6 +251,18 @@ def test_weights_of_another_model_are_refused(shapes, tmp_path):
         eval_command(cfg, str(path))
 
 
+def test_weights_that_are_a_device_or_a_pipe_are_refused_before_they_are_read(shapes, tmp_path):
+    """`eval --weights /dev/zero` grew to the OOM killer (18 GB) and a FIFO hung forever: the file
+    was read whole before the "is it a file" check (train and predict refuse both). Found by the
+    red team of 2026-12-03 (third)."""
+    cfg = make_cfg(shapes)
+    fifo = tmp_path / "weights.pth"
+    os.mkfifo(fifo)
+    for weights in ("/dev/zero", str(fifo)):
+        with pytest.raises(UserError, match=f"--weights {weights}: not a weights file"):
+            eval_command(cfg, weights)
+
+
 def _with_categories(shapes: Path, tmp_path: Path, change) -> Path:
     """A copy of the shapes set whose annotation file `change` edited (its images linked)."""
     import shutil

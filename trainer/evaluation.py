@@ -259,6 +259,8 @@ def _of_detector(detector):
 
 
 def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list = (), shown: str | None = None):
+    if (file := user_path(path, "--weights")).exists() and not file.is_file():  # read whole, /dev/zero never ends
+        raise UserError(f"--weights {shown or path}: not a weights file (a pipe or a device)")
     iteration, categories = _stored(path, shown or path)
     check_categories(shown or path, categories, tests)
     model = build_model(cfg, num_classes, num_keypoints)
