@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer
-from trainer.tracking.heartbeat import beat
+from trainer.tracking.heartbeat import _process_start, beat
 from trainer.tracking.system_metrics import start_monitor
 from trainer.config import load_config
 
@@ -351,8 +351,12 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     exp = client.create_experiment("beats")
     old = json.dumps({**json.loads(beat()), "time": time.time() - 100})
     ahead = json.dumps({**json.loads(beat()), "time": time.time() + 1e9})  # a trainer whose clock is 31 years fast
+    trainer = subprocess.Popen(["sleep", "60"])
+    dead = json.dumps({**json.loads(beat()), "pid": trainer.pid, "started": _process_start(trainer.pid)})
+    trainer.kill()
+    trainer.wait()
     for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {}),
-                       ("ahead", {"tracktron.heartbeat": ahead})):
+                       ("ahead", {"tracktron.heartbeat": ahead}), ("sigkilled", {"tracktron.heartbeat": dead})):
         run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
         client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
     out = _status("--uri", uri, cwd=tmp_path)
@@ -361,6 +365,8 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
     assert killed and 100 <= int(killed[1]) < 400, out.stdout
     assert rows["none"] == "LOST -/? - - - no heartbeat", out.stdout
+    # a beat seconds old from a process of this machine that is gone: RUNNING for 80 s (red team of 2026-12-03, third)
+    assert rows["sigkilled"] == "LOST -/? - - - its trainer's process on this machine has ended", out.stdout
     # shown RUNNING with an ETA for as long as the clocks differ (red team of 2026-12-03, second)
     assert re.fullmatch(r"UNKNOWN -/\? - - - its heartbeat is 11574 days, \d+:\d\d:\d\d ahead of this clock: a "
                         r"trainer's clock is wrong", rows["ahead"]), out.stdout

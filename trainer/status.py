@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 
 from trainer.redaction import printable, redact_text
-from trainer.tracking.heartbeat import HEARTBEAT_TAG, STALE_S
+from trainer.tracking.heartbeat import HEARTBEAT_TAG, STALE_S, gone_from_here
 from trainer.tracking.runs import LATEST_TAG, last_step_of, run_url, tracking_uri
 from trainer.tracking.search import job_runs
 
@@ -41,12 +41,15 @@ def _liveness(run) -> tuple[str, str]:
     (SIGKILL, a lost machine: nothing marked it ended) is LOST: its trainer beats every few seconds,
     from the run's opening to its end (heartbeat.py), so a beat older than heartbeat's STALE_S, or
     none, is no live one. A beat from further ahead than that (the trainer's clock is wrong) tells
-    nothing either way: UNKNOWN, never RUNNING for as long as the clocks differ."""
+    nothing either way: UNKNOWN, never RUNNING for as long as the clocks differ. On the trainer's own
+    machine its process answers at once."""
     if run.info.status != "RUNNING":
         return run.info.status, ""
     sent = _beat_time(run.data.tags.get(HEARTBEAT_TAG))
     if sent is None:
         return "LOST", "no heartbeat"
+    if gone_from_here(run.data.tags.get(HEARTBEAT_TAG)):
+        return "LOST", "its trainer's process on this machine has ended"
     age = time.time() - sent  # the trainer's clock against this one's, as heartbeat.py allows for
     if age > STALE_S:
         return "LOST", f"no heartbeat for {f'{age:.0f} s' if age < 3600 else _duration(age)}"

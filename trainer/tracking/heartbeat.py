@@ -68,6 +68,16 @@ def _parse(value: str | None) -> dict | None:
         return None
 
 
+def gone_from_here(value: str | None) -> bool:
+    """A heartbeat tag of a trainer on this machine whose process has ended (SIGKILL, the OOM killer):
+    gone now, as the trainer's next start sees it, not once its beat is STALE_S old."""
+    found, me = _parse(value), _this_trainer()
+    if found is None or me["machine"].endswith(":unknown") or found.get("machine") != me["machine"]:
+        return False
+    pid, started = found.get("pid"), found.get("started")
+    return isinstance(pid, int) and started is not None and _process_start(pid) != started
+
+
 def _live_beat(run) -> dict | None:
     """The beat of a RUNNING run, None when it has none (or ended, and said so)."""
     return _parse(run.data.tags.get(HEARTBEAT_TAG)) if run.info.status == "RUNNING" else None
