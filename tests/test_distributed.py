@@ -101,6 +101,33 @@ def _without_an_image(data_dir, to):
     ann.write_text(json.dumps(data))
 
 
+@pytest.mark.parametrize("weights, override, differ", [
+    ("w$LOCAL_RANK.pth", "", "--weights"),  # one score of two models' detections
+    ("w0.pth", "TEST.SCALE $((128 + LOCAL_RANK * 32))", "TEST.SCALE"),  # rank 1's shard at another size
+], ids=["weights", "test-scale"])
+def test_eval_ranks_with_other_weights_or_settings_stop_in_one_line(tmp_path, data_dir, weights, override, differ):
+    """`tracktron eval` under torchrun merged every rank's detections into one score, logged into the
+    run of a runs:/ checkpoint, without checking that the ranks evaluated the same thing: rank 1 with
+    other weights or another TEST.SCALE moved the AP. Found by the red team of 2026-12-03 (third)."""
+    from trainer.config import load_config
+    from trainer.models import build_model
+
+    cfg = load_config(DEMO, ["DATA_DIR", str(data_dir)])
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        torch.save(build_model(cfg, 4).state_dict(), tmp_path / f"w{seed}.pth")
+    words = " ".join(f"'{a}'" for a in [sys.executable, "-m", "trainer", "eval", "--config", str(DEMO)])
+    rest = " ".join(f"'{a}'" for a in ["DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "out"),
+                                       "TRACKING.ENABLED", "false"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--no-python", "sh", "-c", f"exec {words} --weights {tmp_path}/{weights} {rest} {override}"]
+    result = run_tree(cmd, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0 and "| bbox |" not in result.stdout
+    message = f"error: rank 1 was started with another config than rank 0 ({differ} differ)"
+    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert "exitcode  : 2 " in result.stderr, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("override, message", [
     # another SOLVER.MAX_ITER waited in a collective forever, another BASE_LR trained at its own, silently
     ("SOLVER.BASE_LR 0.00$((LOCAL_RANK + 1))", "another config than rank 0 (SOLVER.BASE_LR differ)"),

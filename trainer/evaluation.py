@@ -12,6 +12,7 @@ run when it scores the run's own test sets (tracking.attach).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -29,9 +30,11 @@ from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
 from trainer.data.checks import category_difference, same_categories
-from trainer.distributed import Context, broadcast_object, gather_object
+from trainer.distributed import Context, broadcast_object, check_same_job, gather_object
+from trainer.config import flatten
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
+from trainer.job_identity import job_keys
 from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking
 from trainer.output_dir import make_writable
@@ -318,6 +321,7 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
         tests = [CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg)) for name in cfg.TEST.DATASETS]
         model, iteration, categories = _load_for_eval(cfg, weights, tests[0].num_classes, tests[0].num_keypoints, tests)
         check_categories(weights, categories, tests)
+        _check_ranks_agree(ctx, cfg, model)
     if ctx.is_main:
         make_writable(Path(cfg.OUTPUT_DIR), f"OUTPUT_DIR {cfg.OUTPUT_DIR}")
     model.to(ctx.device)
@@ -336,6 +340,19 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics
+
+
+def _check_ranks_agree(ctx: Context, cfg, model) -> None:
+    """Under torchrun the ranks' detections make one score, logged into the run: every rank holds
+    the same weights (their tensors' digest: paths may differ by node) and the same config."""
+    if not ctx.distributed:
+        return
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    keys = job_keys(cfg) | {k: v for k, v in flatten(cfg).items() if k.startswith("TEST.")}
+    check_same_job(ctx, keys | {"--weights": digest.hexdigest()})
 
 
 def format_metrics(metrics: dict[str, float], title: str = "") -> str:
