@@ -294,6 +294,27 @@ def test_unreachable_tracking_server_fails_fast_for_predict(tmp_path):
     assert time.monotonic() - start < 45
 
 
+def test_a_uri_that_names_nothing_is_one_line(tmp_path):
+    """runs:/<id>/checkpoints/<file>/ (a trailing slash) and a model whose files were deleted: MLflow
+    downloads an empty folder and logs "No artifacts found" at INFO, then came tracktron's error
+    about a folder that is neither a checkpoint nor a model: two lines, the first MLflow's. Found by
+    the red team of 2026-12-03 (third)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x", artifact_location=str(tmp_path / "art"))).info.run_id
+    (tmp_path / "model_final.pth").write_bytes(b"not read")
+    client.log_artifact(run_id, str(tmp_path / "model_final.pth"), "checkpoints")
+    image = tmp_path / "a.png"
+    image.write_bytes(OK_PNG)
+    weights = f"runs:/{run_id}/checkpoints/model_final.pth/"
+    done = _tracktron("predict", "--weights", weights, "--out", str(tmp_path / "out"), str(image),
+                      "TRACKING.URI", uri, cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [
+        f"error: --weights {weights}: nothing there (no artifact at that path, or its files were deleted)"])
+
+
 # ------------------------------------------------------------------- 5. the new config keys
 
 @pytest.mark.parametrize("key, value, ok", [

@@ -202,6 +202,9 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     bound_http()
     where = tracking_uri(cfg)
     mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
+    quiet = logging.getLogger("mlflow.store.artifact.artifact_repo")  # "No artifacts found": said below, once
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
     try:
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
             path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
@@ -210,6 +213,10 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
         raise UserError(f"{option} {uri}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
         raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
+    finally:
+        quiet.setLevel(level)
+    if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
+        raise UserError(f"{option} {uri}: nothing there (no artifact at that path, or its files were deleted)")
     if expected and sha256_of(path) != expected:
         raise UserError(f"{option} {uri}: the downloaded bytes do not match the run's sha256 tag")
     return path
