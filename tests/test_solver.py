@@ -169,6 +169,11 @@ def test_each_lr_step_is_logged_as_detectron_logged_it_and_warm_up_is_not(caplog
     changes = [r.getMessage() for r in caplog.records if "Changing learning rate" in r.getMessage()]
     assert changes == ["Changing learning rate 0.020000 -> 0.002000 at iter 60",
                        "Changing learning rate 0.002000 -> 0.000200 at iter 80"]
+    caplog.clear()
+    _, _, from_zero = built(cfg_of(**{**SMALL, "WARM_UP_METHOD": "constant", "WARM_UP_FACTOR": 0}))  # lr 0: no division
+    for _ in range(5):
+        from_zero.step()
+    assert "Changing learning rate 0.000000 -> 0.020000 at iter 4" in caplog.text
     saved = sched.state_dict()
     caplog.clear()
     _, _, resumed = built(cfg)  # a fresh process at iteration 0, then the checkpoint's state

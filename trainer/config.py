@@ -147,8 +147,6 @@ _OPEN_KEYS = {"DATASET_CATALOG"}  # mappings whose contents are the user's own
 MAX_INT = 2**53  # the largest integer a config takes (and JSON, MLflow's params, float64 hold exactly)
 
 
-# Keys that do not change what is trained: left out of the job hash, so a job restarted on another
-# machine (other paths, other tracking server, more loader workers) is still the same job.
 class Config(dict):
     """A nested dict with attribute access: cfg.SOLVER.BASE_LR."""
 

@@ -78,12 +78,19 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
 
     def factor(it: int) -> float:
         lr = lr_at_iter(cfg, it)
-        if last.get("it") == it - 1 and max(lr / last["lr"], last["lr"] / lr) > LOG_LR_CHANGE_RATIO:
+        if last.get("it") == it - 1 and _change_ratio(last["lr"], lr) > LOG_LR_CHANGE_RATIO:
             log.info("Changing learning rate %.6f -> %.6f at iter %d", last["lr"], lr, it)  # Detectron's line
         last.update(it=it, lr=lr)
         return lr / base_lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _change_ratio(old: float, new: float) -> float:
+    """Detectron's _get_lr_change_ratio: how many times larger or smaller (an LR of 0 counts as 1e-10:
+    WARM_UP_FACTOR 0 starts there)."""
+    eps = 1e-10
+    return max(new / max(old, eps), old / max(new, eps))
 
 
 def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> float | None:
