@@ -68,14 +68,20 @@ def _parse(value: str | None) -> dict | None:
         return None
 
 
+def _alive_here(found: dict, me: dict) -> bool | None:
+    """Whether the trainer of beat `found` still runs, when it is on this machine (its pid and start
+    time answer at once); None when it is on another one (or this one's identity is unknown)."""
+    if me["machine"].endswith(":unknown") or found.get("machine") != me["machine"]:
+        return None
+    pid, started = found.get("pid"), found.get("started")
+    return isinstance(pid, int) and started is not None and _process_start(pid) == started
+
+
 def gone_from_here(value: str | None) -> bool:
     """A heartbeat tag of a trainer on this machine whose process has ended (SIGKILL, the OOM killer):
     gone now, as the trainer's next start sees it, not once its beat is STALE_S old."""
-    found, me = _parse(value), _this_trainer()
-    if found is None or me["machine"].endswith(":unknown") or found.get("machine") != me["machine"]:
-        return False
-    pid, started = found.get("pid"), found.get("started")
-    return isinstance(pid, int) and started is not None and _process_start(pid) != started
+    found = _parse(value)
+    return found is not None and _alive_here(found, _this_trainer()) is False
 
 
 def _live_beat(run) -> dict | None:
@@ -89,9 +95,8 @@ def check_not_held(client, run, stop: threading.Event | None = None) -> None:
     other, me = _live_beat(run), _this_trainer()
     if other is None:
         return
-    if other.get("machine") == me["machine"] and not me["machine"].endswith(":unknown"):
-        pid, started = other.get("pid"), other.get("started")
-        if pid != me["pid"] and isinstance(pid, int) and started is not None and _process_start(pid) == started:
+    if (alive := _alive_here(other, me)) is not None:
+        if alive and other.get("pid") != me["pid"]:
             raise _held(run, other)
         return
     age = time.time() - other["time"]
