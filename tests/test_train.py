@@ -59,14 +59,21 @@ def final_weights(output):
     return load_checkpoint(output / "model_final.pth")["model"]
 
 
+def _uninterrupted(tmp_path, data_dir, keys: dict):
+    """The job trained without a stop (untracked) in tmp_path/a, beside tmp_path/b for the one a
+    test stops: the weights the stopped one must end with."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **{**keys, "TRACKING.ENABLED": "false"}),
+                           cwd=tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+    return tmp_path / "a" / "output"
+
+
 def test_killed_job_resumes_to_bit_identical_weights(tmp_path, data_dir):
     keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 14, "TRAIN.SNAPSHOT_ITERS": 4,
                                          "TRACKING.ENABLED": "false", "DATA_LOADER.NUM_THREADS": 1})
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys), cwd=tmp_path / "a")
-    assert straight.returncode == 0, straight.stderr
-
+    straight = _uninterrupted(tmp_path, data_dir, keys)
     args = demo_overrides(tmp_path / "b", data_dir, **keys)
     out = tmp_path / "b" / "output"
     _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter3.pth")
@@ -75,11 +82,11 @@ def test_killed_job_resumes_to_bit_identical_weights(tmp_path, data_dir):
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr
 
-    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    a, b = final_weights(straight), final_weights(out)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     iters = [e["iter"] for e in json_stats(out)]
-    assert iters == sorted(set(iters)) == [e["iter"] for e in json_stats(tmp_path / "a" / "output")]
+    assert iters == sorted(set(iters)) == [e["iter"] for e in json_stats(straight)]
 
 
 def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_dir):
@@ -95,11 +102,7 @@ def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_d
 
     keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 14, "TRAIN.SNAPSHOT_ITERS": 4,
                                          "DATA_LOADER.NUM_THREADS": 1})
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys, **{"TRACKING.ENABLED": "false"}),
-                           cwd=tmp_path / "a")
-    assert straight.returncode == 0, straight.stderr
+    straight = _uninterrupted(tmp_path, data_dir, keys)
     uri = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
     args = demo_overrides(tmp_path / "b", data_dir, **keys, **{"TRACKING.URI": uri})
     out = tmp_path / "b" / "output"
@@ -119,7 +122,7 @@ def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_d
                                                    "model_final.pth"}
     finished = client.get_run(run.info.run_id)
     assert finished.info.status == "FINISHED" and "tracktron.ckpt.model_iter9.pth.sha256" in finished.data.tags
-    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    a, b = final_weights(straight), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
@@ -135,10 +138,7 @@ def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_di
     (tmp_path / "p" / "output" / "model_final.pth").rename(parent)
     keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 10, "TRAIN.SNAPSHOT_ITERS": 4, "TRACKING.ENABLED": "false",
                                          "TRAIN.WEIGHTS": str(parent)})
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    straight = run_trainer(demo_overrides(tmp_path / "a", data_dir, **keys), cwd=tmp_path / "a")
-    assert straight.returncode == 0, straight.stderr
+    straight = _uninterrupted(tmp_path, data_dir, keys)
     args = demo_overrides(tmp_path / "b", data_dir, **keys)
     out = tmp_path / "b" / "output"
     _kill_after(trainer_cmd(*args), tmp_path / "b", out / "model_iter3.pth")
@@ -148,7 +148,7 @@ def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_di
     resumed = run_trainer(args, cwd=tmp_path / "b")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"TRAIN.WEIGHTS {parent}: no such file" in resumed.stderr and "resuming from" in resumed.stderr
-    a, b = final_weights(tmp_path / "a" / "output"), final_weights(out)
+    a, b = final_weights(straight), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     fresh = run_trainer(demo_overrides(tmp_path / "c", data_dir, **keys), cwd=tmp_path)  # nothing to resume
     assert fresh.returncode == 2 and f"TRAIN.WEIGHTS {parent}: no such file" in fresh.stderr.splitlines()[-1]
