@@ -88,6 +88,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     from trainer import engine
     from trainer.checkpoint.writer import CheckpointWriter
     from trainer.distributed import Context
+    from trainer.job import Job
     from trainer.tracking.mlflow_tracker import MlflowTracker
 
     server, s3 = env.mlflow, env.s3
@@ -97,7 +98,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     tracker = MlflowTracker(cfg)
     tracker.start(cfg, new_run=True)
     client = MlflowClient(server.url)
-    job = engine.Job(cfg, Context(), tracker, out)
+    job = Job(cfg, Context(), tracker, out)
     writer = CheckpointWriter(engine.CheckpointPublisher(job))  # as setup_model_for_training makes it
     t = _loop_state_for(cfg, num_classes, writer)
     run_id = tracker.run.run_id  # waits for the run: it exists before the first checkpoint, as in a job

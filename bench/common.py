@@ -305,12 +305,14 @@ def fresh_loop(cfg, tracker, ctx=None):
     for start()'s lookup), seeds, the dataset and model built, weights, optimizer, loader, writer."""
     from trainer import engine
     from trainer.distributed import Context
+    from trainer.job import Job
     from trainer.preflight import prepare
+    from trainer.resume import CreatedModel, StartPoint
 
     tracker.run  # the run exists before anything is logged to it
-    job = engine.Job(cfg, ctx or Context(), tracker, Path(cfg.OUTPUT_DIR))
+    job = Job(cfg, ctx or Context(), tracker, Path(cfg.OUTPUT_DIR))
     p = prepare(cfg)  # seeds, then the dataset and the network, as a job's start does
-    created = engine.CreatedModel(engine.StartPoint(), p.dataset, p.model, p.weights_loaded)
+    created = CreatedModel(StartPoint(), p.dataset, p.model, p.weights_loaded)
     return job, engine.setup_model_for_training(job, created)
 
 

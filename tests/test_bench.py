@@ -58,11 +58,12 @@ def test_checkpoint_stall_builds_the_loop_state_the_engine_checkpoints(tmp_path)
     from trainer import engine
     from trainer.config import load_config
     from trainer.distributed import Context
+    from trainer.job import Job
     from trainer.tracking import create_tracker
 
     cfg = load_config(DEMO, ["OUTPUT_DIR", str(tmp_path), "TRACKING.ENABLED", "false"])
     capture = _Capture()
-    engine.save_snapshot(engine.Job(cfg, Context(), create_tracker(cfg), tmp_path), _loop_state_for(cfg, 4, capture), 7)
+    engine.save_snapshot(Job(cfg, Context(), create_tracker(cfg), tmp_path), _loop_state_for(cfg, 4, capture), 7)
     assert capture.state["iteration"] == 7 and len(capture.state["categories"]["categories"]) == 3
     assert capture.state["model"] and capture.state["optimizer"]["state"]
 

@@ -363,10 +363,10 @@ def test_a_resume_says_which_iterations_of_its_run_it_does_not_log(caplog):
     older than the run's newest metrics (a SIGKILL after a batch was sent; a newer checkpoint that
     failed its sha256) trains those iterations again without sending them. It said nothing of that,
     only of the opposite gap. Found by the red team of 2026-12-02."""
-    from trainer.engine import warn_of_missing_metrics
+    from trainer.resume import warn_of_missing_metrics
     from trainer.tracking.base import RunInfo
 
-    caplog.set_level("INFO", logger="trainer.engine")
+    caplog.set_level("INFO", logger="trainer.resume")
     for last_step, start_iter in ((19, 20), (-1, 0)):  # the run ends where the job starts: nothing to say
         warn_of_missing_metrics(RunInfo(run_id="r1", last_step=last_step), start_iter)
     assert caplog.messages == []

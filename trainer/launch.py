@@ -175,7 +175,8 @@ def _write_run_id(run_id: str) -> None:
 
 
 def _train(cfg, tracker, ctx, prepared) -> None:
-    from trainer.engine import Job, NonFiniteLoss, train_model
+    from trainer.engine import NonFiniteLoss, train_model
+    from trainer.job import Job
 
     try:
         done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared))

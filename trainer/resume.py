@@ -1,0 +1,125 @@
+"""Where a job starts (Detectron's AUTO_RESUME): from iteration 0, from the newest checkpoint in
+OUTPUT_DIR, or from the newest one of its run on the tracking server, downloaded while the network
+is built; or nowhere, when model_final exists."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from trainer.checkpoint.files import FINAL, iteration_of, remove_stale_temps, set_aside
+from trainer.checkpoint.state import CheckpointError, load
+from trainer.distributed import broadcast_object
+from trainer.errors import UserError
+from trainer.job import Job
+from trainer.preflight import check_local, check_same_categories, prepare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StartPoint:
+    iteration: int = 0  # the first iteration to run
+    state: dict | None = None  # the checkpoint to restore, if any
+    source: str = "scratch"
+    final: bool = False  # model_final exists: nothing to do
+
+
+@dataclass
+class CreatedModel:
+    start: StartPoint
+    dataset: object | None  # None when the job has nothing to do and its data is gone
+    model: torch.nn.Module | None
+    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already
+
+
+def create_model(job: Job) -> CreatedModel:
+    """Rank 0 finds where to start on a thread while every rank builds the dataset and the network,
+    so that a checkpoint downloaded from the run (a job moved to another machine) arrives during
+    the build. Every rank restores the same checkpoint."""
+    with ThreadPoolExecutor(1, thread_name_prefix="find-start") as pool:
+        finding = pool.submit(find_start_point, job) if job.ctx.is_main else None
+        dataset = model = failed = None
+        try:
+            prepared = job.prepared or prepare(job.cfg)
+            dataset, model = prepared.dataset, prepared.model
+        except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
+            failed = e
+        start = broadcast_object(job.ctx, finding.result() if finding else None)
+    if failed is not None and not start.final:
+        raise failed
+    if start.state is not None:
+        log.info("resuming from %s at iteration %d", start.source, start.iteration)
+        warn_of_missing_metrics(job.tracker.run, start.iteration)
+    return CreatedModel(start, dataset, model, prepared.weights_loaded if dataset is not None else False)
+
+
+def warn_of_missing_metrics(run, start_iter: int) -> None:
+    """Metrics go out every few seconds: a job killed (SIGKILL, OOM) soon after a checkpoint it
+    then resumes from never sent the last iterations before it, and a job resumed into a new run
+    (tracking turned on, another experiment) sent none. The other way round, a resume from a checkpoint
+    older than the run's newest metrics trains those iterations again without logging a step twice.
+    Said once, not papered over."""
+    if run.run_id and run.last_step < start_iter - 1:
+        log.warning("run %s has no metrics for iterations %d-%d (the job stopped before it sent them, or trained "
+                    "them outside this run); json_stats.log has every LOG_PERIOD-th", run.run_id, run.last_step + 1,
+                    start_iter - 1)
+    elif run.run_id and run.last_step >= start_iter:  # one curve: a step is never logged twice
+        log.info("run %s has metrics up to iteration %d from an earlier start: this one trains iterations %d-%d "
+                 "again without sending them, so the run keeps the earlier values", run.run_id, run.last_step,
+                 start_iter, run.last_step)
+
+
+def find_start_point(job: Job) -> StartPoint:
+    """AUTO_RESUME: the newest complete checkpoint in OUTPUT_DIR or on the tracking server.
+
+    A local checkpoint wins when it is at least as new as the run's newest; a downloaded one
+    whose bytes do not match its sha256 tag, or that does not load, is skipped for the one before
+    it. A run whose checkpoints cannot be downloaded stops the job rather than train over them.
+    """
+    run = job.tracker.run
+    if not (job.cfg.TRAIN.AUTO_RESUME or run.resumed):
+        if folder := set_aside(job.output_dir):  # a start over: a later resume must not take them for its own
+            log.info("starting over: the checkpoints already in %s moved to %s", job.output_dir, folder)
+        return StartPoint()
+    remove_stale_temps(job.output_dir)
+    checked = job.prepared is not None and job.prepared.local_checked
+    local = job.prepared.local if checked else check_local(job.cfg)
+    if checked:
+        job.prepared.local = None  # the state goes on in the StartPoint only: no second copy kept
+    if local:
+        if local[0].name == FINAL:
+            return StartPoint(final=True, source=str(local[0]))
+    local_iter = iteration_of(local[0].name) if local else -1
+    unreachable = []  # checkpoints that could not be downloaded, as opposed to bad ones (skipped)
+    for name in run.checkpoints:
+        if iteration_of(name) <= local_iter:
+            break
+        try:
+            path = job.tracker.fetch_checkpoint(name, job.output_dir)
+            if path is None:  # gone from the store or the store is down; model_final too: its last iterations train again
+                unreachable.append(name)
+                continue
+            if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
+                return StartPoint(final=True, source=f"run {run.run_id}, downloaded to {path}")
+            state = load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
+        except CheckpointError as e:  # tampered with or not ours: never loaded, the one before is tried
+            log.warning("skipping %s", e)
+            continue
+        if job.prepared is not None:
+            check_same_categories(f"run {run.run_id}'s {name}", state, job.prepared.dataset)
+        if not (job.output_dir / "json_stats.log").exists():
+            job.tracker.fetch_artifact("json_stats.log", job.output_dir)
+        return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
+    if local:
+        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
+    if unreachable:  # a run is never trained over from iteration 0 while its checkpoints may come back
+        raise UserError(f"run {run.run_id} has checkpoints ({', '.join(unreachable[:3])}) that could not be "
+                        "downloaded (the warnings above say why): run the job again once the tracking server "
+                        "serves them, or with --no-resume to start it over")
+    if run.checkpoints:
+        log.warning("none of run %s's checkpoints is usable (the warnings above say why): training starts "
+                    "from iteration 0", run.run_id)
+    return StartPoint()
