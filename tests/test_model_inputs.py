@@ -220,6 +220,28 @@ def test_bad_train_weights_fail_before_a_run_is_made(trained, tmp_path, weights,
     assert _runs(trained["db"]) == before, "a bad TRAIN.WEIGHTS left a run behind"
 
 
+def test_weights_in_mlflow_that_do_not_load_fail_before_a_run_is_made(trained, tmp_path):
+    """An artifact that exists (check_source passed it) but is no checkpoint: the job stopped in one
+    line, but after its run and its experiment were made (a FAILED run left behind), because weights
+    from MLflow were downloaded only once training began. Found by the red team of 2026-12-03 (third)."""
+    client = trained["client"]
+    exp = client.create_experiment("junk-weights", artifact_location=str(tmp_path / "artifacts"))
+    holder = client.create_run(exp).info.run_id
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint at all")
+    client.log_artifact(holder, str(tmp_path / "junk.pth"))
+    client.set_terminated(holder)
+    before = _runs(trained["db"])
+    spec = f"runs:/{holder}/junk.pth"
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "TRAIN.WEIGHTS": spec,
+                                                            "TRACKING.EXPERIMENT": "never-made", "SOLVER.MAX_ITER": 1})
+    done = run_trainer(args, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = _error_lines(done.stderr)
+    assert len(errors) == 1 and spec in errors[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert _runs(trained["db"]) == before, "weights that do not load left a run behind"
+    assert client.get_experiment_by_name("never-made") is None
+
+
 def test_a_runs_uri_cannot_climb_out_of_its_run(trained, tmp_path):
     """runs:/<id>/../../../../<file> downloaded a file outside the run's artifacts (local store), and
     the new run recorded <id> as its parent."""

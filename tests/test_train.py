@@ -126,16 +126,21 @@ def test_a_job_continues_in_its_run_with_another_snapshot_iters(tmp_path, data_d
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
+def _parent_weights(tmp_path, data_dir):
+    """tmp_path/parent.pth: the model_final of a 2-iteration job, to fine-tune from."""
+    (tmp_path / "p").mkdir()
+    done = run_trainer(demo_overrides(tmp_path / "p", data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"}),
+                       cwd=tmp_path / "p")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return (tmp_path / "p" / "output" / "model_final.pth").rename(tmp_path / "parent.pth")
+
+
 def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_dir):
     """A job fine-tuned from TRAIN.WEIGHTS, killed after a checkpoint, whose parent file was then
     archived (or whose models:/name@alias was moved): the rerun refused the missing weights, and
     --no-resume threw the progress away. Its checkpoints hold its weights: it resumes, with a
     warning, to the uninterrupted job's weights. Found by the red team of 2026-12-03 (third)."""
-    parent_keys = {"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"}
-    (tmp_path / "p").mkdir()
-    assert run_trainer(demo_overrides(tmp_path / "p", data_dir, **parent_keys), cwd=tmp_path / "p").returncode == 0
-    parent = tmp_path / "parent.pth"
-    (tmp_path / "p" / "output" / "model_final.pth").rename(parent)
+    parent = _parent_weights(tmp_path, data_dir)
     keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 10, "TRAIN.SNAPSHOT_ITERS": 4, "TRACKING.ENABLED": "false",
                                          "TRAIN.WEIGHTS": str(parent)})
     straight = _uninterrupted(tmp_path, data_dir, keys)
@@ -152,6 +157,44 @@ def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_di
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     fresh = run_trainer(demo_overrides(tmp_path / "c", data_dir, **keys), cwd=tmp_path)  # nothing to resume
     assert fresh.returncode == 2 and f"TRAIN.WEIGHTS {parent}: no such file" in fresh.stderr.splitlines()[-1]
+
+
+def test_a_fine_tune_whose_parent_is_gone_resumes_from_its_run_on_another_machine(tmp_path, data_dir):
+    """The same on a new machine, whose OUTPUT_DIR is empty: the job's checkpoints are in its run
+    alone. The weights were checked before the run lookup said the job resumes, so the rerun exited
+    2 on the missing parent. Found by the red team of 2026-12-03 (third)."""
+    from mlflow import MlflowClient
+
+    parent = _parent_weights(tmp_path, data_dir)
+    keys = dict(DETERMINISTIC="true", **{"SOLVER.MAX_ITER": 16, "TRAIN.SNAPSHOT_ITERS": 4, "TRAIN.WEIGHTS": str(parent),
+                                         "TRACKING.EXPERIMENT": "fine-tune"})
+    straight = _uninterrupted(tmp_path, data_dir, keys)
+    tracked = {**keys, "TRACKING.URI": f"sqlite:///{tmp_path / 'shared.db'}"}
+    first = tmp_path / "b"
+    proc = subprocess.Popen(trainer_cmd(*demo_overrides(first, data_dir, **tracked)), cwd=first,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client, end = None, time.monotonic() + 240
+    try:  # killed once a checkpoint is complete in the run (its sha256 tag set), not only on disk
+        while not (client and any(r.data.tags.get("tracktron.ckpt.latest", "").startswith("model_iter")
+                                  for r in client.search_runs([e.experiment_id for e in client.search_experiments()]))):
+            assert proc.poll() is None and time.monotonic() < end, "no checkpoint complete in the run"
+            if client is None and (first / "output" / "model.txt").exists():  # its run (and store) is made
+                client = MlflowClient(tracked["TRACKING.URI"])
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    parent.rename(tmp_path / "archived.pth")
+    second = tmp_path / "c"  # nothing local: the tracking store only
+    second.mkdir()
+    args = demo_overrides(second, data_dir, **tracked)
+    plan = run_trainer(["--dry-run", *args], cwd=second)
+    assert plan.returncode == 0 and "continues run" in plan.stdout, plan.stdout + plan.stderr
+    resumed = run_trainer(args, cwd=second)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"TRAIN.WEIGHTS {parent}: no such file" in resumed.stderr and "resuming from run" in resumed.stderr
+    a, b = final_weights(straight), final_weights(second / "output")
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
 def test_partial_newest_checkpoint_is_skipped(tmp_path, data_dir):

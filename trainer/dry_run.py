@@ -8,12 +8,10 @@ from pathlib import Path
 from trainer.checkpoint.files import FINAL, local_checkpoints, resumes_from
 from trainer.config import Config
 from trainer.job_identity import job_hash
-from trainer.lineage import initial_weights
 from trainer.logs import held_while_checking
 from trainer.data.coco import CocoDetection, resolve_dataset
-from trainer.models import load_weights
 from trainer.output_lock import OutputLock
-from trainer.preflight import check_local, prepare
+from trainer.preflight import check_local, load_initial_weights, prepare
 from trainer.redaction import printable, redact_text
 from trainer.solver import lr_at_iter
 from trainer.tracking.job_run import find_job_run
@@ -26,9 +24,9 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
     prepared = prepare(cfg)  # what a job's start checks
     dataset, model = prepared.dataset, prepared.model
-    if not prepared.weights_loaded and not resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):
-        with initial_weights(cfg) as (weights, _):  # one from MLflow is downloaded and loaded too
-            load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
+    tracking, found = _tracking(cfg, resume_run_id, new_run)  # a job may continue from its run's checkpoints alone
+    if FINAL not in found:
+        load_initial_weights(cfg, prepared, bool(found) or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME))
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
              f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "
@@ -38,7 +36,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
              f"{cfg.TRAIN.IMS_PER_BATCH} per batch and process",
              f"test: {_test_sets(cfg)}",
              _schedule(cfg),
-             _tracking(cfg, resume_run_id, new_run),
+             tracking,
              f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg)}"]
     return "\n".join(printable(line) for line in lines)  # NAME, paths and dataset names are anyone's to choose
 
@@ -60,11 +58,13 @@ def _schedule(cfg: Config) -> str:
             f"iterations ({max(0, (s.MAX_ITER - 2) // period)} model_iter files, then model_final)")
 
 
-def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> str:
+def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> tuple[str, list[str]]:
+    """The tracking line, and the checkpoints of the run the job continues."""
     if not cfg.TRACKING.ENABLED:
-        return "tracking: off"
+        return "tracking: off", []
     uri = tracking_uri(cfg)
-    return f"tracking: {redact_text(uri)}: {find_job_run(cfg, uri, resume_run_id, new_run)}"
+    plan, found = find_job_run(cfg, uri, resume_run_id, new_run)
+    return f"tracking: {redact_text(uri)}: {plan}", found
 
 
 def _local_start(cfg: Config) -> str:

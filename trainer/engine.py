@@ -121,10 +121,10 @@ def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -
 def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     cfg, ctx, start = job.cfg, job.ctx, created.start
     loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
-    model, parent = created.model.to(ctx.device), {}
+    model, parent = created.model.to(ctx.device), created.parent
     if start.state is not None:  # a resume: the checkpoint's weights
         model.load_state_dict(start.state["model"])
-    elif not created.weights_loaded:  # TRAIN.WEIGHTS from MLflow (prepare loaded the others)
+    elif not created.weights_loaded:  # from iteration 0 after all (unusable checkpoints), or on a rank other than 0
         with initial_weights(cfg) as (weights, parent):
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     if ctx.is_main:

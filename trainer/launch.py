@@ -12,8 +12,7 @@ from pathlib import Path
 import click
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import resumes_from
-from trainer.downloads import URL_SCHEMES, download
+from trainer.checkpoint.files import FINAL, resumes_from
 from trainer.errors import UserError, first_line
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.open_files import check_open_files
@@ -44,7 +43,7 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             # torch loads and the job is checked; the run is made or reopened once every check passed.
             tracker.start(cfg, resume_run_id, new_run=no_resume, wait_for_checks=True)
             importlib.import_module("trainer.engine")  # torch, torchvision and the engine load meanwhile
-            prepared = _check_job(cfg, tracker, rank == 0 and (cfg.TRAIN.AUTO_RESUME or bool(resume_run_id)))
+            prepared = _check_job(cfg, tracker, rank == 0, cfg.TRAIN.AUTO_RESUME or bool(resume_run_id))
             tracker.checks_passed()
             from trainer import distributed
             from trainer.tracking.system_metrics import start_monitor
@@ -72,23 +71,17 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
 
 
 def _check_inputs(cfg, config_file: str) -> None:
-    """What needs neither torch nor a run: the folder, the config file's copy, open files, the weights."""
-    from trainer.tracking.model_uris import check_source
-
+    """What needs neither torch nor a run: the folder, the config file's copy, open files."""
     check_output_dir(Path(cfg.OUTPUT_DIR))
     check_config_file_kept(config_file, Path(cfg.OUTPUT_DIR))
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
-    if resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):  # prepare() warns if the weights are gone
-        return
-    check_source(cfg, cfg.TRAIN.WEIGHTS)  # a model in MLflow exists: checked before a run is made for the job
-    if cfg.TRAIN.WEIGHTS.startswith(URL_SCHEMES):  # fetched (or refused) before a run is made too
-        download(cfg.TRAIN.WEIGHTS, "TRAIN.WEIGHTS")
 
 
 @held_while_checking()
-def _check_job(cfg, tracker, resumable: bool):
+def _check_job(cfg, tracker, main: bool, resumable: bool):
     """The job's datasets and network, and the checkpoint in OUTPUT_DIR it would resume from (not
-    another job's), checked and built before a run is made for it: a job that fails a check leaves
+    another job's), checked and built before a run is made for it, then its initial weights, which
+    a job that resumes (from OUTPUT_DIR or its run) does not need: a job that fails a check leaves
     the tracking store as it was. A finished job has nothing to do, whatever became of its data
     (None: the engine sees that for itself)."""
     from trainer.preflight import check_local, prepare
@@ -98,7 +91,7 @@ def _check_job(cfg, tracker, resumable: bool):
     except UserError:
         local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / "model_final.pth").is_file()
         try:
-            finished = local_final or tracker.found_final()
+            finished = local_final or FINAL in tracker.found_checkpoints()
         except UserError:  # the lookup failed too: the job's own error says more
             finished = False
         if not finished:
@@ -106,13 +99,25 @@ def _check_job(cfg, tracker, resumable: bool):
             raise
         prepared = None
     try:
-        if resumable:
+        if main and resumable:
             check_local(cfg, prepared)
         tracker.check_found()  # the run it would continue, free to be trained by this job
+        if prepared is not None and (main or not resumable):  # rank 0's lookup says whether the others need them
+            _initial_weights(cfg, tracker, prepared)
     except UserError:
         tracker.finish(None)
         raise
     return prepared
+
+
+def _initial_weights(cfg, tracker, prepared) -> None:
+    """TRAIN.WEIGHTS, loaded once the lookup said whether the job resumes: on a new machine a job's
+    checkpoints may be in its run alone. A finished job loads none."""
+    from trainer.preflight import load_initial_weights
+
+    local, found = prepared.local[0].name if prepared.local else None, tracker.found_checkpoints()
+    if FINAL not in (local, *found):
+        load_initial_weights(cfg, prepared, bool(found) or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME))
 
 
 def _join(distributed, tracker, cfg, prepared):

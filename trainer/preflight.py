@@ -1,20 +1,20 @@
 """The checks of a job that need its data and its network, made before a run is made for it: the
-training datasets built, the test datasets read, the batch against the set, the network built and
-its initial weights loaded (those named in MLflow were found by check_source and load later), and
-the checkpoint it would resume from is its own, trained on its categories. The
-engine then trains on what was built here, so nothing is built twice."""
+training datasets built, the test datasets read, the batch against the set, the network built, the
+checkpoint it would resume from is its own, trained on its categories, and (once the run lookup said
+whether the job resumes) its initial weights fetched and loaded. The engine then trains on what was
+built here, so nothing is built or downloaded twice."""
 from __future__ import annotations
 
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from trainer.checkpoint.files import FINAL, resumes_from
+from trainer.checkpoint.files import FINAL
 from trainer.checkpoint.state import newest_valid
 from trainer.config import Config
 from trainer.job_identity import job_keys
@@ -23,8 +23,9 @@ from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.checks import category_difference, same_categories
 from trainer.data.coco import check_batch_size
 from trainer.inference import categories_of, category_key_of
+from trainer.lineage import initial_weights
 from trainer.models import build_model, load_weights, unread_keys
-from trainer.tracking.model_uris import MLFLOW_URIS
+from trainer.tracking.model_uris import MLFLOW_URIS, check_source
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 class Prepared:
     dataset: object
     model: torch.nn.Module
-    weights_loaded: bool  # TRAIN.WEIGHTS is in the model already
+    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already (load_initial_weights) ...
+    parent: dict = field(default_factory=dict)  # ... and the model in MLflow they came from, for the run
     local: tuple[Path, dict] | None = None  # the newest checkpoint in OUTPUT_DIR (this job's) ...
     local_checked: bool = False  # ... when check_local looked (rank 0 of a resumable job)
 
@@ -61,16 +63,28 @@ def prepare(cfg: Config) -> Prepared:
     if unread := unread_keys(cfg):  # said, not refused: a config shared across model types is no mistake
         log.warning("%d of the MODEL keys set mean nothing for %s and are ignored: %s", len(unread), cfg.MODEL.TYPE,
                     ", ".join(unread))
-    here = bool(cfg.TRAIN.WEIGHTS) and not cfg.TRAIN.WEIGHTS.startswith(MLFLOW_URIS)
-    if here:
-        try:
-            load_weights(model, cfg.TRAIN.WEIGHTS)
-        except UserError as e:
-            if not resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME):
-                raise
-            log.warning("%s; the job resumes from its checkpoints in %s, which hold its weights", e, cfg.OUTPUT_DIR)
-            here = False  # a checkpoint that proves unusable starts from iteration 0, which loads them: an error then
-    return Prepared(dataset, model, here)
+    return Prepared(dataset, model)
+
+
+def load_initial_weights(cfg: Config, prepared: Prepared, resumes: bool) -> None:
+    """TRAIN.WEIGHTS (a file, a URL, a torchvision name, a model in MLflow) into the network, before
+    a run is made: weights that are gone or do not load are one line then. Only a start from
+    iteration 0 reads them: a job that resumes (its checkpoints in OUTPUT_DIR or in its run) warns
+    of weights gone meanwhile (a parent file archived, an alias moved) and downloads none from MLflow.
+    Should its checkpoints prove unusable, the engine loads them then, and fails if they are gone."""
+    spec = cfg.TRAIN.WEIGHTS
+    if not spec or (resumes and spec.startswith(MLFLOW_URIS)):
+        return
+    try:
+        check_source(cfg, spec)  # an MLflow URI names something: said more plainly than its download would
+        with initial_weights(cfg) as (weights, parent):
+            load_weights(prepared.model, weights, shown=spec)
+    except UserError as e:
+        if not resumes:
+            raise
+        log.warning("%s; the job resumes from its checkpoints, which hold its weights", e)
+        return
+    prepared.weights_loaded, prepared.parent = True, parent
 
 
 def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, dict] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,8 @@ class CreatedModel:
     start: StartPoint
     dataset: object | None  # None when the job has nothing to do and its data is gone
     model: torch.nn.Module | None
-    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already
+    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already ...
+    parent: dict = field(default_factory=dict)  # ... and the model in MLflow they came from
 
 
 def create_model(job: Job) -> CreatedModel:
@@ -53,7 +54,9 @@ def create_model(job: Job) -> CreatedModel:
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
         warn_of_missing_metrics(job.tracker.run, start.iteration)
-    return CreatedModel(start, dataset, model, prepared.weights_loaded if dataset is not None else False)
+    if dataset is None:
+        return CreatedModel(start, None, None)
+    return CreatedModel(start, dataset, model, prepared.weights_loaded, prepared.parent)
 
 
 def warn_of_missing_metrics(run, start_iter: int) -> None:

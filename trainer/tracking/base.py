@@ -35,9 +35,10 @@ class Tracker:
     def checks_passed(self) -> None:
         """The job's checks passed: start() may now make or reopen its run."""
 
-    def found_final(self) -> bool:
-        """Whether the run start() found already has model_final (waits for the lookup)."""
-        return False
+    def found_checkpoints(self) -> list[str]:
+        """The checkpoints of the run start() found, when the job continues it, newest first (model_final
+        first of all); waits for the lookup."""
+        return []
 
     def check_found(self) -> None:
         """Wait for start()'s lookup and raise its UserError: a store that cannot be used, or another

@@ -64,8 +64,8 @@ class FoundRun:
         return self.run is not None and JOB_TAG in self.run.data.tags
 
     @property
-    def final(self) -> bool:
-        return self.resumes and FINAL in checkpoints_of(self.run)
+    def checkpoints(self) -> list[str]:
+        return checkpoints_of(self.run) if self.resumes else []
 
 
 def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
@@ -196,13 +196,14 @@ def _check_ours(run, cfg: Config, named: str, drop: str) -> None:
                         "start this job's run in a new one")
 
 
-def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> str:
-    """What the job's start would do with its run, found without writing anything (--dry-run)."""
+def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> tuple[str, list[str]]:
+    """What the job's start would do with its run, found without writing anything (--dry-run), and
+    the checkpoints of the run it continues."""
     from mlflow import MlflowClient
 
     name = experiment_name(cfg)
     if not_made_yet(uri, resume_run_id, env_experiment_id(cfg)):
-        return f"a new store, experiment {name}, a new run"
+        return f"a new store, experiment {name}, a new run", []
     if uri.startswith("sqlite:///"):
         check_store(uri)
     bound_http(timeout=10, retries=1)  # a read-only look: give up soon
@@ -213,14 +214,14 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     found = find_run(client, uri, cfg, resume_run_id, new_run)
     run = found.run
     if run is None:
-        return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run"
-    if JOB_TAG not in run.data.tags:
-        return f"adopts run {run.info.run_id}, which its launcher made"
-    done = checkpoints_of(run)
+        return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run", []
+    if not found.resumes:
+        return f"adopts run {run.info.run_id}, which its launcher made", []
+    done = found.checkpoints
     if FINAL in done:
-        return f"run {run.info.run_id} has model_final: nothing to do"
+        return f"run {run.info.run_id} has model_final: nothing to do", done
     return (f"continues run {run.info.run_id} ({run.info.status}{last_seen(run)}) from "
-            f"{done[0] if done else 'its start'}")
+            f"{done[0] if done else 'its start'}", done)
 
 
 def _experiment(client, name: str) -> str:

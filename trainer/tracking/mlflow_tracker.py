@@ -85,8 +85,8 @@ class MlflowTracker(Tracker):
     def checks_passed(self) -> None:
         self._checked.set()
 
-    def found_final(self) -> bool:
-        return self._found is not None and self._found.result().final
+    def found_checkpoints(self) -> list[str]:
+        return self._found.result().checkpoints if self._found is not None else []
 
     def check_found(self) -> None:
         if self._found is not None:
