@@ -59,6 +59,40 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     assert all(torch.equal(straight[k], again[k]) for k in straight)
 
 
+def test_a_fine_tune_whose_parent_is_gone_resumes_every_rank_from_its_run_on_another_machine(tmp_path, data_dir):
+    """Under torchrun the ranks other than 0 read TRAIN.WEIGHTS during their own checks, where no run
+    lookup answers: on a new machine (an empty OUTPUT_DIR) with the parent archived they stopped the
+    job although rank 0 resumed from the run. They now load the weights only when rank 0's start
+    point says the job starts from iteration 0."""
+    from mlflow import MlflowClient
+
+    parent_dir = tmp_path / "parent"
+    parent_dir.mkdir()
+    made = run_trainer(demo_overrides(parent_dir, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"}),
+                       cwd=parent_dir)
+    assert made.returncode == 0, made.stderr[-2000:]
+    parent = (parent_dir / "output" / "model_final.pth").rename(tmp_path / "parent.pth")
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    keys = {"SOLVER.MAX_ITER": 6, "TRAIN.SNAPSHOT_ITERS": 4, "DETERMINISTIC": "true", "TRAIN.WEIGHTS": str(parent),
+            "TRACKING.URI": uri, "TEST.DATASETS": "[]"}
+    first = tmp_path / "first"
+    first.mkdir()
+    done = torchrun(demo_overrides(first, data_dir, **keys), first)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(uri)
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    assert "tracktron.ckpt.model_iter3.pth.sha256" in run.data.tags
+    client.delete_tag(run.info.run_id, "tracktron.ckpt.model_final.pth.sha256")  # as if killed after model_iter3
+    parent.rename(tmp_path / "archived.pth")
+    second = tmp_path / "second"  # nothing local: the tracking store only
+    second.mkdir()
+    resumed = torchrun(demo_overrides(second, data_dir, **keys), second)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from run {run.info.run_id} (model_iter3.pth) at iteration 4" in resumed.stderr
+    a, b = (load_checkpoint(d / "output" / "model_final.pth")["model"] for d in (first, second))
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed ranks ended elsewhere than the uninterrupted job"
+
+
 @pytest.mark.parametrize("env, message", [
     ({"WORLD_SIZE": "two"}, "torchrun environment: WORLD_SIZE='two' is not an integer"),
     ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "do not fit"),
