@@ -25,8 +25,8 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     prepared = prepare(cfg)  # what a job's start checks
     dataset, model = prepared.dataset, prepared.model
     tracking, found = _tracking(cfg, resume_run_id, new_run)  # a job may continue from its run's checkpoints alone
-    if FINAL not in found:
-        load_initial_weights(cfg, prepared, bool(found) or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME))
+    if not (found or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME)):  # as the job's start
+        load_initial_weights(cfg, prepared)
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
              f"model: {cfg.MODEL.TYPE}{f' ({cfg.MODEL.BACKBONE})' if cfg.MODEL.BACKBONE else ''}, "

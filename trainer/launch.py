@@ -111,13 +111,13 @@ def _check_job(cfg, tracker, main: bool, resumable: bool):
 
 
 def _initial_weights(cfg, tracker, prepared) -> None:
-    """TRAIN.WEIGHTS, loaded once the lookup said whether the job resumes: on a new machine a job's
-    checkpoints may be in its run alone. A finished job loads none."""
+    """TRAIN.WEIGHTS, once the lookup said whether the job resumes (on a new machine its checkpoints
+    may be in its run alone): only a job that starts from iteration 0 reads them. Should its
+    checkpoints prove unusable, the engine loads them then."""
     from trainer.preflight import load_initial_weights
 
-    local, found = prepared.local[0].name if prepared.local else None, tracker.found_checkpoints()
-    if FINAL not in (local, *found):
-        load_initial_weights(cfg, prepared, bool(found) or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME))
+    if not (tracker.found_checkpoints() or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME)):
+        load_initial_weights(cfg, prepared)
 
 
 def _join(distributed, tracker, cfg, prepared):

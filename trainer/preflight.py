@@ -25,7 +25,7 @@ from trainer.data.coco import check_batch_size
 from trainer.inference import categories_of, category_key_of
 from trainer.lineage import initial_weights
 from trainer.models import build_model, load_weights, unread_keys
-from trainer.tracking.model_uris import MLFLOW_URIS, check_source
+from trainer.tracking.model_uris import check_source
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +66,16 @@ def prepare(cfg: Config) -> Prepared:
     return Prepared(dataset, model)
 
 
-def load_initial_weights(cfg: Config, prepared: Prepared, resumes: bool) -> None:
-    """TRAIN.WEIGHTS (a file, a URL, a torchvision name, a model in MLflow) into the network, before
-    a run is made: weights that are gone or do not load are one line then. Only a start from
-    iteration 0 reads them: a job that resumes (its checkpoints in OUTPUT_DIR or in its run) warns
-    of weights gone meanwhile (a parent file archived, an alias moved) and downloads none from MLflow.
-    Should its checkpoints prove unusable, the engine loads them then, and fails if they are gone."""
-    spec = cfg.TRAIN.WEIGHTS
-    if not spec or (resumes and spec.startswith(MLFLOW_URIS)):
+def load_initial_weights(cfg: Config, prepared: Prepared) -> None:
+    """TRAIN.WEIGHTS (a file, a URL, a torchvision name, a model in MLflow) into the network of a job
+    that starts from iteration 0, before its run is made: weights that are gone or do not load are
+    one line then. A job that resumes does not call this: its checkpoint holds its weights, and the
+    parent may be gone meanwhile (a file archived, an alias moved)."""
+    if not cfg.TRAIN.WEIGHTS:
         return
-    try:
-        check_source(cfg, spec)  # an MLflow URI names something: said more plainly than its download would
-        with initial_weights(cfg) as (weights, parent):
-            load_weights(prepared.model, weights, shown=spec)
-    except UserError as e:
-        if not resumes:
-            raise
-        log.warning("%s; the job resumes from its checkpoints, which hold its weights", e)
-        return
+    check_source(cfg, cfg.TRAIN.WEIGHTS)  # an MLflow URI names something: said more plainly than its download
+    with initial_weights(cfg) as (weights, parent):
+        load_weights(prepared.model, weights, shown=cfg.TRAIN.WEIGHTS)
     prepared.weights_loaded, prepared.parent = True, parent
 
 
