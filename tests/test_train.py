@@ -160,6 +160,26 @@ def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_di
     assert fresh.returncode == 2 and f"TRAIN.WEIGHTS {parent}: no such file" in fresh.stderr.splitlines()[-1]
 
 
+def test_checkpoints_that_do_not_load_are_no_resume_and_missing_weights_stop_the_job_before_its_run(tmp_path,
+                                                                                                  data_dir):
+    """OUTPUT_DIR holds only checkpoints that do not load (a full disk, a torn copy): the job starts
+    from iteration 0, so it needs its TRAIN.WEIGHTS. Their existence was taken for a resume, the
+    missing weights were not checked, and the job made a new store and run, then failed it.
+    Found by the red team of 2026-12-03 (sixth session)."""
+    out = tmp_path / "output"
+    out.mkdir()
+    torn = os.urandom(1000)
+    (out / "model_iter5.pth").write_bytes(torn)
+    gone = tmp_path / "gone.pth"
+    args = demo_overrides(tmp_path, data_dir, **{"TRAIN.WEIGHTS": str(gone)})
+    for extra in (["--dry-run"], []):
+        done = run_trainer([*extra, *args], cwd=tmp_path)
+        assert done.returncode == 2 and f"TRAIN.WEIGHTS {gone}: no such file" in done.stderr.splitlines()[-1], \
+            done.stdout + done.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists(), "a job that failed its checks made a tracking store"
+    assert (out / "model_iter5.pth").read_bytes() == torn
+
+
 def test_a_fine_tune_whose_parent_is_gone_resumes_from_its_run_on_another_machine(tmp_path, data_dir):
     """The same on a new machine, whose OUTPUT_DIR is empty: the job's checkpoints are in its run
     alone. The weights were checked before the run lookup said the job resumes, so the rerun exited

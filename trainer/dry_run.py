@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, local_checkpoints, resumes_from
+from trainer.checkpoint.files import FINAL, local_checkpoints
 from trainer.config import Config
 from trainer.job_identity import job_hash
 from trainer.logs import held_while_checking
@@ -24,8 +24,9 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
     prepared = prepare(cfg)  # what a job's start checks
     dataset, model = prepared.dataset, prepared.model
+    local = check_local(cfg) if cfg.TRAIN.AUTO_RESUME else None  # another job's: UserError
     tracking, found = _tracking(cfg, resume_run_id, new_run)  # a job may continue from its run's checkpoints alone
-    if not (found or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME)):  # as the job's start
+    if local is None and not found:  # as the job's start: only a start from iteration 0 reads them
         load_initial_weights(cfg, prepared)
     params = sum(p.numel() for p in model.parameters())
     lines = [f"job {job_hash(cfg)} ({cfg.NAME}), {world_size} process(es)",
@@ -37,7 +38,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
              f"test: {_test_sets(cfg)}",
              _schedule(cfg),
              tracking,
-             f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg)}"]
+             f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg, local)}"]
     return "\n".join(printable(line) for line in lines)  # NAME, paths and dataset names are anyone's to choose
 
 
@@ -67,11 +68,10 @@ def _tracking(cfg: Config, resume_run_id: str | None, new_run: bool) -> tuple[st
     return f"tracking: {redact_text(uri)}: {plan}", found
 
 
-def _local_start(cfg: Config) -> str:
+def _local_start(cfg: Config, local: tuple | None) -> str:
     if not cfg.TRAIN.AUTO_RESUME:
         found = local_checkpoints(Path(cfg.OUTPUT_DIR))
         return f"starts over: its {len(found)} checkpoints move to earlier-<time>/" if found else "no checkpoint here"
-    local = check_local(cfg)  # another job's: UserError
     if local is None:
         return "no checkpoint here"
     path, state = local

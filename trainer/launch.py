@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, resumes_from
+from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.open_files import check_open_files
@@ -112,11 +112,12 @@ def _check_job(cfg, tracker, main: bool, resumable: bool):
 
 def _initial_weights(cfg, tracker, prepared) -> None:
     """TRAIN.WEIGHTS, once the lookup said whether the job resumes (on a new machine its checkpoints
-    may be in its run alone): only a job that starts from iteration 0 reads them. Should its
-    checkpoints prove unusable, the engine loads them then."""
+    may be in its run alone): only a job that starts from iteration 0 reads them, one with no
+    checkpoint in OUTPUT_DIR that loads (check_local; files that do not are no resume) and none in
+    its run. Should the run's prove unusable once downloaded, the engine loads them then."""
     from trainer.preflight import load_initial_weights
 
-    if not (tracker.found_checkpoints() or resumes_from(Path(cfg.OUTPUT_DIR), cfg.TRAIN.AUTO_RESUME)):
+    if prepared.local is None and not tracker.found_checkpoints():
         load_initial_weights(cfg, prepared)
 
 

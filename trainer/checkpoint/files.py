@@ -60,12 +60,6 @@ def local_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
 
 
-def resumes_from(output_dir: Path, auto_resume: bool) -> bool:
-    """The job would continue from checkpoints in output_dir: TRAIN.WEIGHTS, which only a start
-    from iteration 0 reads, may be gone meanwhile (its file archived, its alias moved or deleted)."""
-    return auto_resume and bool(local_checkpoints(output_dir))
-
-
 JOB_FILES = ("config.yaml", "model.txt", "json_stats.log")  # what else the job writes in OUTPUT_DIR
 
 
