@@ -50,7 +50,7 @@ def test_two_process_run_then_resume_restores_every_rank(tmp_path, data_dir):
     straight = load_checkpoint(out / "model_final.pth")["model"]
     assert load_checkpoint(out / "model_final.pth")["config"]["NUM_GPUS"] == 2
 
-    (out / "model_final.pth").unlink()  # as if killed after model_iter3
+    (out / "model_final.pth").unlink()  # as if killed after its model_iter
     resumed = torchrun(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at iteration 4" in resumed.stderr
@@ -81,14 +81,14 @@ def test_a_fine_tune_whose_parent_is_gone_resumes_every_rank_from_its_run_on_ano
     assert done.returncode == 0, done.stderr[-3000:]
     client = MlflowClient(uri)
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
-    assert "tracktron.ckpt.model_iter3.pth.sha256" in run.data.tags
-    client.delete_tag(run.info.run_id, "tracktron.ckpt.model_final.pth.sha256")  # as if killed after model_iter3
+    assert any(k.startswith("tracktron.ckpt.model_iter") for k in run.data.tags)  # the first is never superseded
+    client.delete_tag(run.info.run_id, "tracktron.ckpt.model_final.pth.sha256")  # as if killed after its model_iter
     parent.rename(tmp_path / "archived.pth")
     second = tmp_path / "second"  # nothing local: the tracking store only
     second.mkdir()
     resumed = torchrun(demo_overrides(second, data_dir, **keys), second)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from run {run.info.run_id} (model_iter3.pth) at iteration 4" in resumed.stderr
+    assert f"resuming from run {run.info.run_id} (model_iter" in resumed.stderr
     a, b = (load_checkpoint(d / "output" / "model_final.pth")["model"] for d in (first, second))
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed ranks ended elsewhere than the uninterrupted job"
 
