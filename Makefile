@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The torch/torchvision pair this project is tested with (CUDA wheels, run on CPU too).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # Most of a test's time is spent waiting on the processes it starts (trainers, mlflow server, moto,
-# torchrun), so two pytest workers share 2 cores well: 31 -> 20 minutes for the suite.
+# torchrun), so two pytest workers share 2 cores well.
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo demo-long test bench clean

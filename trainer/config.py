@@ -125,7 +125,7 @@ _DEFAULTS: dict = {
         "RUN_NAME": "",
         "REGISTERED_MODEL": "",
         "LOG_MODEL": True,
-        "FLUSH_TIMEOUT_S": 30.0,
+        "FLUSH_TIMEOUT_S": 300.0,  # how long a job that ended waits for its uploads (model_final, the model)
         "CHECKPOINTS_KEEP": 0,  # model_iter checkpoints kept in the run on the server: the newest N (0: all)
         "SYSTEM_METRICS": "auto",  # CPU/memory/GPU as system/ metrics: auto = on for GPU runs
     },
