@@ -312,7 +312,7 @@ def fresh_loop(cfg, tracker, ctx=None):
     tracker.run  # the run exists before anything is logged to it
     job = Job(cfg, ctx or Context(), tracker, Path(cfg.OUTPUT_DIR))
     p = prepare(cfg)  # seeds, then the dataset and the network, as a job's start does
-    created = CreatedModel(StartPoint(), p.dataset, p.model, p.weights_loaded)
+    created = CreatedModel(StartPoint(), p)
     return job, engine.setup_model_for_training(job, created)
 
 

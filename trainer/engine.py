@@ -73,8 +73,7 @@ def train_model(job: Job) -> StartPoint | None:
         log.info("model_final already exists (%s): nothing to do", created.start.source)
         if job.ctx.is_main:
             warn_of_missing_metrics(job.tracker.run, cfg.SOLVER.MAX_ITER)  # metrics lost for good are said
-            complete_finished_run(job.cfg, job.tracker, job.output_dir, created if created.model else None,
-                                  job.ctx.device)
+            complete_finished_run(cfg, job.tracker, job.output_dir, created.prepared, job.ctx.device)
         return created.start
     s = setup_model_for_training(job, created)
     start_iter = created.start.iteration
@@ -119,12 +118,12 @@ def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -
 
 
 def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
-    cfg, ctx, start = job.cfg, job.ctx, created.start
-    loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=created.dataset)
-    model, parent = created.model.to(ctx.device), created.parent
+    cfg, ctx, start, prepared = job.cfg, job.ctx, created.start, created.prepared
+    loader, _ = build_train_loader(cfg, start.iteration, ctx.rank, ctx.world_size, dataset=prepared.dataset)
+    model, parent = prepared.model.to(ctx.device), prepared.parent
     if start.state is not None:  # a resume: the checkpoint's weights
         model.load_state_dict(start.state["model"])
-    elif not created.weights_loaded:  # from iteration 0 after all (unusable checkpoints), or on a rank other than 0
+    elif not prepared.weights_loaded:  # from iteration 0 after all (unusable checkpoints), or on a rank other than 0
         with initial_weights(cfg) as (weights, parent):
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     if ctx.is_main:
@@ -141,7 +140,7 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
                           is_main=ctx.is_main)
     writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
     return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer,
-                     categories_of(created.dataset))
+                     categories_of(prepared.dataset))
 
 
 def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> None:

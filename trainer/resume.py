@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from trainer.checkpoint.files import FINAL, iteration_of, remove_stale_temps, set_aside
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.distributed import broadcast_object
 from trainer.errors import UserError
 from trainer.job import Job
-from trainer.preflight import check_local, check_same_categories, prepare
+from trainer.preflight import Prepared, check_local, check_same_categories, prepare
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +28,7 @@ class StartPoint:
 @dataclass
 class CreatedModel:
     start: StartPoint
-    dataset: object | None  # None when the job has nothing to do and its data is gone
-    model: torch.nn.Module | None
-    weights_loaded: bool = False  # TRAIN.WEIGHTS is in the model already ...
-    parent: dict = field(default_factory=dict)  # ... and the model in MLflow they came from
+    prepared: Prepared | None  # the dataset and the network; None when a finished job's data is gone
 
 
 def create_model(job: Job) -> CreatedModel:
@@ -42,10 +37,9 @@ def create_model(job: Job) -> CreatedModel:
     the build. Every rank restores the same checkpoint."""
     with ThreadPoolExecutor(1, thread_name_prefix="find-start") as pool:
         finding = pool.submit(find_start_point, job) if job.ctx.is_main else None
-        dataset = model = failed = None
+        prepared = failed = None
         try:
             prepared = job.prepared or prepare(job.cfg)
-            dataset, model = prepared.dataset, prepared.model
         except UserError as e:  # a finished job has nothing to do, whatever became of its dataset
             failed = e
         start = broadcast_object(job.ctx, finding.result() if finding else None)
@@ -54,9 +48,7 @@ def create_model(job: Job) -> CreatedModel:
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
         warn_of_missing_metrics(job.tracker.run, start.iteration)
-    if dataset is None:
-        return CreatedModel(start, None, None)
-    return CreatedModel(start, dataset, model, prepared.weights_loaded, prepared.parent)
+    return CreatedModel(start, prepared)
 
 
 def warn_of_missing_metrics(run, start_iter: int) -> None:
