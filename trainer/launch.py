@@ -208,11 +208,13 @@ def _train(cfg, tracker, ctx, prepared) -> None:
     if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
         write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. The local files "
                                   "are intact; running the same command again uploads model_final\n")
-        sys.exit(1)
+        raise Stopped(1)  # an upload left running (MLflow running the model's example) must not meet the teardown
 
 
 class Stopped(SystemExit):
-    """The exit of a job stopped by a signal: main() skips the interpreter's teardown for it."""
+    """The exit of a job stopped by a signal, or one that left uploads running past its flush timeout:
+    main() skips the interpreter's teardown for it (with a daemon thread inside torch, C++'s teardown
+    can abort the process: "terminate called without an active exception", seen in CI)."""
 
 
 def _stopped(tracker, e: Preempted | StopRequested):
