@@ -284,6 +284,21 @@ def test_sigterm_after_model_final_lets_the_job_complete_within_its_grace_period
     assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
 
 
+def test_sigterm_while_the_final_model_is_logged_lets_the_upload_complete(tmp_path, data_dir, jobs):
+    """The model is logged by the uploader while the job waits for its uploads: a signal then, as
+    during the final evaluation, lets them complete (exit 0, FINISHED, the model logged). It was
+    KILLED at once with exit 143, the model never logged (2026-12-04's red team)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "flush-signal",
+                                               "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "true"}), tmp_path)
+    wait_until(lambda: "Validating input example" in job.stderr, job, "the model being logged", poll=0.01)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 0, job.stderr[-3000:]
+    assert "SIGTERM received: model_final is saved; finishing the final evaluation and model logging" in job.stderr
+    run = only_run(MlflowClient(uri), "flush-signal")
+    assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10

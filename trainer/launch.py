@@ -18,7 +18,7 @@ from trainer.logs import held_while_checking, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_dir import check_config_file_kept, check_output_dir
 from trainer.output_lock import OutputLock
-from trainer.preemption import Preempted, StopOnSignal, StopRequested, on_hard_exit
+from trainer.preemption import Preempted, PreemptionGuard, StopOnSignal, StopRequested, on_hard_exit
 
 log = logging.getLogger("tracktron")
 
@@ -198,7 +198,9 @@ def _train(cfg, tracker, ctx, prepared) -> None:
     except BaseException as e:
         tracker.finish("FAILED", f"{type(e).__name__}: {e}")
         raise
-    missing = tracker.finish("FINISHED")
+    with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
+        guard.finishing = True  # a signal while model_final and the model upload: they go on, within the grace period
+        missing = tracker.finish("FINISHED")
     if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
         return
     if done is not None:
@@ -207,7 +209,7 @@ def _train(cfg, tracker, ctx, prepared) -> None:
         write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}\n")
     if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
         write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. The local files "
-                                  "are intact; running the same command again uploads model_final\n")
+                                  "are intact; running the same command again sends what the run lacks\n")
         raise Stopped(1)  # an upload left running (MLflow running the model's example) must not meet the teardown
 
 
