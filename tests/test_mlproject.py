@@ -53,15 +53,21 @@ def test_mlflow_run_trains_in_its_run_and_a_second_one_points_at_the_job_run(tmp
 
 def test_mlflow_run_opts_take_quoted_values_with_spaces(tmp_path, data_dir, mlflow_server, s3_server):
     """-P opts='OUTPUT_DIR "a b" TRAIN.SCALES "(128, 160)"': the shell split opts at every space
-    ('overrides come in KEY VALUE pairs'); quotes now hold a value together, as in a shell."""
+    ('overrides come in KEY VALUE pairs'); quotes now hold a value together, as in a shell. The
+    run MLflow made (named at random) takes TRACKING.RUN_NAME (2026-12-04's README walk: it kept
+    MLflow's name)."""
     os.environ.update(s3_server.env)
-    out = tmp_path / "out dir"
+    out, exp = tmp_path / "out dir", f"mlproject-{uuid.uuid4().hex[:6]}"
     opts = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 1, "TEST.DATASETS": '"()"',
-                                                 "OUTPUT_DIR": f'"{out}"', "TRAIN.SCALES": '"(128, 160)"'})
-    done = mlflow_run(mlflow_server, f"mlproject-{uuid.uuid4().hex[:6]}", opts)
+                                                 "OUTPUT_DIR": f'"{out}"', "TRAIN.SCALES": '"(128, 160)"',
+                                                 "TRACKING.RUN_NAME": '"my run"'})
+    done = mlflow_run(mlflow_server, exp, opts)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "model_final.pth").is_file()
     assert yaml.safe_load((out / "config.yaml").read_text())["TRAIN"]["SCALES"] == [128, 160]
+    client = MlflowClient(mlflow_server.url)
+    (run,) = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+    assert run.info.run_name == "my run" and run.data.tags["mlflow.runName"] == "my run"
 
 
 # ---- the commands MLflow computes from MLproject and docker/MLproject ----

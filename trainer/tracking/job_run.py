@@ -101,6 +101,8 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         elif not resumed:  # a run made for us (`mlflow run`, or --resume of a bare run): adopt it
             tags = _start_tags(cfg, world_size)
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            if cfg.TRACKING.RUN_NAME:  # `mlflow run` names its run at random: the name the user gave wins
+                client.update_run(run.info.run_id, name=_run_name(cfg))
             run = client.get_run(run.info.run_id)
         else:
             if run.data.tags[JOB_TAG] != job_hash(cfg):  # tagged by an earlier tracktron: found by this hash from now on
