@@ -1,6 +1,7 @@
 """The trainer end to end, as a user runs it: real processes, real files, the embedded sqlite store."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
 from trainer.checkpoint.files import remove_stale_temps
@@ -221,6 +223,32 @@ def test_partial_newest_checkpoint_is_skipped(tmp_path, data_dir):
     assert resumed.returncode == 0, resumed.stderr
     assert "skipping unusable checkpoint" in resumed.stderr
     assert "at iteration 3" in resumed.stderr
+
+
+def test_a_checkpoint_copied_over_model_final_is_refused_and_the_run_keeps_its_model(tmp_path, data_dir):
+    """model_iter2.pth copied over model_final.pth: it passed for the finished job, and a rerun whose
+    run lacked model_final uploaded and logged iteration 2 as the job's model (2026-12-04's red team).
+    Now one line, exit 2, before anything is sent; the real model_final put back, the rerun is done."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 3,
+                                                 "TRACKING.URI": uri, "TRACKING.EXPERIMENT": "copied"})
+    out = tmp_path / "output"
+    first = run_trainer(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    final = (out / "model_final.pth").read_bytes()
+    (out / "model_final.pth").write_bytes((out / "model_iter2.pth").read_bytes())
+    for extra in ([], ["--dry-run"]):
+        again = run_trainer([*args, *extra], cwd=tmp_path)
+        assert again.returncode == 2, again.stderr[-3000:]
+        assert again.stderr.strip().splitlines()[-1] == (
+            f"error: {out / 'model_final.pth'} holds iteration 2, not the 3 its name says (a file copied or "
+            "renamed): move it out of OUTPUT_DIR")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("copied").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["tracktron.ckpt.model_final.pth.sha256"] == hashlib.sha256(final).hexdigest()
+    (out / "model_final.pth").write_bytes(final)
+    assert "nothing to do" in run_trainer(args, cwd=tmp_path).stdout
 
 
 def test_nan_loss_stops_the_job_naming_iteration_and_terms(tmp_path, data_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint.files import FINAL
+from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.checkpoint.state import newest_valid
 from trainer.config import Config
 from trainer.job_identity import job_keys
@@ -85,6 +85,7 @@ def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, di
     local = newest_valid(Path(cfg.OUTPUT_DIR))
     if local:
         check_same_job(cfg, *local)
+        check_named_iteration(cfg, *local)
         if prepared is not None and local[0].name != FINAL:  # a finished job needs no data
             check_same_categories(*local, prepared.dataset)
     if prepared is not None:
@@ -99,6 +100,16 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
         diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
         raise UserError(f"{path} is from another job ({', '.join(diff[:4])} differ): use another "
                         "OUTPUT_DIR, or --no-resume to start this job over in it")
+
+
+def check_named_iteration(cfg: Config, path: Path, state: dict) -> None:
+    """A checkpoint holds the iteration its name says (model_final: the job's last). One copied over
+    another (model_iter2.pth as model_final.pth) would pass for a finished job, or resume the wrong
+    iterations, and a rerun would upload and log it as the job's model."""
+    named = cfg.SOLVER.MAX_ITER - 1 if path.name == FINAL else iteration_of(path.name)
+    if state.get("iteration") != named:
+        raise UserError(f"{path} holds iteration {state.get('iteration')}, not the {named} its name says (a file "
+                        "copied or renamed): move it out of OUTPUT_DIR")
 
 
 def check_same_categories(path, state: dict, dataset) -> None:
