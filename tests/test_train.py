@@ -251,6 +251,28 @@ def test_a_checkpoint_copied_over_model_final_is_refused_and_the_run_keeps_its_m
     assert "nothing to do" in run_trainer(args, cwd=tmp_path).stdout
 
 
+def test_a_rerun_puts_back_a_model_final_gone_from_the_artifact_store(tmp_path, data_dir):
+    """The run's model_final.pth deleted from its artifact store (by hand, a lifecycle rule) while
+    its sha256 tag stays: the rerun said "nothing to do" and the run kept a tag without its file
+    (2026-12-04's red team). Now the tag goes and the local model_final is uploaded again."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 3, "TRACKING.URI": uri,
+                                                 "TRACKING.EXPERIMENT": "gone", "TRACKING.LOG_MODEL": "false"})
+    first = run_trainer(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (stored,) = [p for p in tmp_path.rglob("model_final.pth") if p.parent.name == "checkpoints"]
+    stored.unlink()
+    again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "artifact store has no such file: the tag goes" in again.stderr
+    assert stored.read_bytes() == (tmp_path / "output" / "model_final.pth").read_bytes()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gone").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["tracktron.ckpt.model_final.pth.sha256"] == hashlib.sha256(stored.read_bytes()).hexdigest()
+    assert "nothing to do" in run_trainer(args, cwd=tmp_path).stdout
+
+
 def test_nan_loss_stops_the_job_naming_iteration_and_terms(tmp_path, data_dir):
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.BASE_LR": 1e6, "SOLVER.WARM_UP_ITERS": 0,
                                                  "SOLVER.MAX_ITER": 30, "TRAIN.SNAPSHOT_ITERS": 100,

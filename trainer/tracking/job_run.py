@@ -17,7 +17,7 @@ from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
-                                   experiment_name, last_step_of, start_error)
+                                   experiment_name, last_step_of, sha_tag, start_error)
 from trainer.tracking.sqlite_store import check_store, not_made_yet
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,11 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         else:
             if run.data.tags[JOB_TAG] != job_hash(cfg):  # tagged by an earlier tracktron: found by this hash from now on
                 client.set_tag(run.info.run_id, JOB_TAG, job_hash(cfg))
+            if FINAL in checkpoints_of(run) and not _holds_file(client, run.info.run_id, f"checkpoints/{FINAL}"):
+                log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
+                            "and the job completes the run again", run.info.run_id, FINAL)
+                client.delete_tag(run.info.run_id, sha_tag(FINAL))
+                run = client.get_run(run.info.run_id)
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
             if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
@@ -117,6 +122,16 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
     except Exception as e:  # say why in one line
         raise UserError(start_error(uri, e)) from None
     return OpenedRun(run, exp_id, resumed, last_step, note)
+
+
+def _holds_file(client, run_id: str, path: str) -> bool:
+    """Whether the run's artifact store lists `path`; True when it cannot be listed (a store that is
+    down says nothing of a file: a tag goes only when its file is known to be gone)."""
+    try:
+        return any(a.path == path for a in client.list_artifacts(run_id, path.rpartition("/")[0] or None))
+    except Exception as e:
+        log.info("could not list run %s's %s: %s", run_id, path, first_line(e))
+        return True
 
 
 def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
