@@ -17,7 +17,7 @@ from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
-                                   experiment_name, last_step_of, sha_tag, start_error)
+                                   experiment_name, last_step_of, lists_artifact, sha_tag, start_error)
 from trainer.tracking.sqlite_store import check_store, not_made_yet
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _holds_file(client, run_id: str, path: str) -> bool:
     """Whether the run's artifact store lists `path`; True when it cannot be listed (a store that is
     down says nothing of a file: a tag goes only when its file is known to be gone)."""
     try:
-        return any(a.path == path for a in client.list_artifacts(run_id, path.rpartition("/")[0] or None))
+        return lists_artifact(client, run_id, path)
     except Exception as e:
         log.info("could not list run %s's %s: %s", run_id, path, first_line(e))
         return True

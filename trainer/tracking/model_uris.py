@@ -11,7 +11,7 @@ import logging
 import re
 
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import bound_http, check_shape, tracking_uri
+from trainer.tracking.runs import bound_http, check_shape, lists_artifact, tracking_uri
 from trainer.tracking.sqlite_store import store_settled
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _check_run_path(client, run_id: str, path: str) -> None:
     if not path:
         raise UserError("names a whole run: add the checkpoint or model, e.g. /checkpoints/model_final.pth or /model")
     parent, _, name = path.rpartition("/")
-    if any(a.path == path for a in client.list_artifacts(run_id, parent or None)):
+    if lists_artifact(client, run_id, path):
         if "." in name and not name.endswith(WEIGHT_SUFFIXES):
             raise UserError(f"{path} is neither a weights file ({', '.join(WEIGHT_SUFFIXES)}) nor a model")
         return

@@ -34,6 +34,11 @@ def sha_tag(name: str) -> str:
     return f"tracktron.ckpt.{name}.sha256"
 
 
+def lists_artifact(client, run_id: str, path: str) -> bool:
+    """Whether the run's artifact store lists `path` (one listing of its folder)."""
+    return any(a.path == path for a in client.list_artifacts(run_id, path.rpartition("/")[0] or None))
+
+
 _HTTP_KEYS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 _SET_BY_USER = {k for k in _HTTP_KEYS if k in os.environ}
 
