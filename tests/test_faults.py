@@ -299,6 +299,28 @@ def test_sigterm_while_the_final_model_is_logged_lets_the_upload_complete(tmp_pa
     assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
 
 
+def test_a_flush_timeout_too_short_for_the_model_still_ends_the_run(tmp_path, data_dir, mlflow_server):
+    """TRACKING.FLUSH_TIMEOUT_S 0 (or 1), with a model whose logging takes longer (here the server
+    finalizes it 4 s late): the uploads took the whole time and the run stayed RUNNING for good
+    (2026-12-04's red team). Its status is one request of its own now: FINISHED (training did
+    finish), and the job exits 1 naming what the server lacks; the rerun sends it."""
+    exp = f"short-flush-{uuid.uuid4().hex[:6]}"
+    with FaultProxy(mlflow_server.url) as proxy:
+        proxy.delay_requests(rb"^PATCH /api/2\.0/mlflow/logged-models/", 4.0)
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                               "SOLVER.MAX_ITER": 2, "TRACKING.LOG_MODEL": "true"})
+        job = run_trainer([*args, "TRACKING.FLUSH_TIMEOUT_S", "0"], cwd=tmp_path)
+        assert job.returncode == 1, job.stderr[-3000:]
+        last = job.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: the tracking server did not get: log the final model"), last
+        client = MlflowClient(mlflow_server.url)
+        assert only_run(client, exp).info.status == "FINISHED"
+        again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines()[-1].endswith("sent the run what it lacked: the model")
+    assert "tracktron.model_id" in only_run(client, exp).data.tags
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10
@@ -566,7 +588,7 @@ def test_a_resume_into_a_run_that_lacks_iterations_says_so(tmp_path, data_dir, j
 
 def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp_path, data_dir):
     """A job whose metrics never reached its run (every log-batch failed; trained untracked, here)
-    and that is then started again: "nothing to do", exit 0, and not a word of the empty curve.
+    and that is then started again: nothing to train, exit 0, and not a word of the empty curve.
     Found by the red team of 2026-12-03."""
     assert run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.ENABLED": "false", "SOLVER.MAX_ITER": 6}),
                        cwd=tmp_path).returncode == 0
@@ -574,7 +596,7 @@ def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp
     again = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 6}), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     run = only_run(MlflowClient(uri), "demo")
-    assert "nothing to do" in again.stdout + again.stderr
+    assert "nothing to train; sent the run what it lacked: model_final.pth" in again.stdout
     assert f"run {run.info.run_id} has no metrics for iterations 0-5 " in again.stderr
 
 

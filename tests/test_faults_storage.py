@@ -82,7 +82,9 @@ def test_s3_failing_for_good_claims_nothing_says_what_was_not_uploaded_and_a_rer
     # S3 is back: the same command trains nothing and completes the run with the local model_final.
     again = jobs(args, tmp_path, env={**s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.url}, name="again")
     assert again.wait(120) == 0, again.stderr[-3000:]
-    assert "nothing to do" in again.out_path.read_text() and "uploading the local one" in again.stderr
+    assert "uploading the local one" in again.stderr
+    assert ("nothing to train; sent the run what it lacked: model_final.pth, json_stats.log\n"
+            in again.out_path.read_text())
     run = only_run(client, "s3-down")
     assert run.info.status == "FINISHED"
     assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"

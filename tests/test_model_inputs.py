@@ -390,7 +390,7 @@ def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_d
     """A job killed after model_final but before its model reached the run (here: trained with
     TRACKING.LOG_MODEL false) said 'nothing to do' when run again and never logged or registered it.
     The rerun trains nothing, logs and registers the model from model_final, and ends the run FINISHED
-    without the reason of the stop it got over."""
+    without the reason of the stop it got over; the model the stop left PENDING is marked FAILED."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]",
                                                  "TRACKING.REGISTERED_MODEL": "rerun"})
@@ -401,15 +401,48 @@ def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_d
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert "tracktron.model_id" not in run.data.tags and not client.search_registered_models()
-    # As a stop while the model was being logged leaves it: KILLED, with its reason.
+    # As a stop while the model was being logged leaves it: KILLED, with its reason, the model PENDING.
     client.set_terminated(run.info.run_id, "KILLED")
     client.set_tag(run.info.run_id, "tracktron.status_reason", "stopped by SIGTERM")
+    torn = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run.info.run_id)
     again = run_trainer(args, cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "nothing to do" in again.stdout and "logging it from model_final.pth" in again.stderr
+    assert "logging it from model_final.pth" in again.stderr
+    last = again.stdout.strip().splitlines()[-1]  # it said 'nothing to do' after sending the model (red team)
+    assert last.endswith("): nothing to train; sent the run what it lacked: the model"), last
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED"
     assert "tracktron.status_reason" not in run.data.tags  # the stop that the rerun got over is not why it ended
     final = client.get_model_version_by_alias("rerun", "final")
     assert final.run_id == run.info.run_id == client.get_model_version_by_alias("rerun", "best").run_id
     assert run.data.tags["tracktron.model_id"] == final.source.removeprefix("models:/")
+    assert str(client.get_logged_model(torn.model_id).status) == "FAILED"  # it stayed PENDING (red team)
+    assert str(client.get_logged_model(run.data.tags["tracktron.model_id"]).status) == "READY"
+
+
+def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_only_then(tmp_path, data_dir):
+    """A finished job whose model is logged, run again with TRACKING.REGISTERED_MODEL set: it
+    registered nothing and said "nothing to do" (2026-12-04's red team). Now the run's logged model
+    (no second copy) is registered @final and @best, once: the next rerun has nothing to do."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]"})
+    first = run_trainer(args, cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    model_id = run.data.tags["tracktron.model_id"]
+    assert not client.search_registered_models()
+    named = [*args, "TRACKING.REGISTERED_MODEL", "named later"]
+    again = run_trainer(named, cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    last = again.stdout.strip().splitlines()[-1]
+    assert last.endswith("nothing to train; sent the run what it lacked: the model's registration as named later"), last
+    final = client.get_model_version_by_alias("named later", "final")
+    assert final.run_id == run.info.run_id and final.source == f"models:/{model_id}"
+    assert client.get_model_version_by_alias("named later", "best").version == final.version  # nothing evaluated
+    assert len(client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")) == 1
+    third = run_trainer(named, cwd=tmp_path, timeout=240)
+    assert third.returncode == 0 and "nothing to do" in third.stdout, third.stderr[-2000:]
+    assert [v.version for v in client.search_model_versions("name = 'named later'")] == [final.version]

@@ -36,10 +36,10 @@ from trainer.lineage import dataset_inputs, initial_weights
 from trainer.job import Job
 from trainer.models import describe_model, load_weights, unwrap
 from trainer.preemption import Preempted, PreemptionGuard
-from trainer.publish import complete_finished_run, log_final_model
+from trainer.publish import AlreadyFinished, complete_finished_run, log_final_model
 from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
 from trainer.stats import TrainingStats
-from trainer.resume import CreatedModel, StartPoint, create_model, warn_of_missing_metrics
+from trainer.resume import CreatedModel, create_model, warn_of_missing_metrics
 from trainer.tracking.runs import eval_sets_tag
 
 log = logging.getLogger(__name__)
@@ -65,16 +65,17 @@ class LoopState:
     categories: dict  # what the labels mean: {"categories": [{"id", "name"}], "keypoint_names": [...]}
 
 
-def train_model(job: Job) -> StartPoint | None:
-    """Train one job to MAX_ITER; returns the start point when there was nothing to do."""
+def train_model(job: Job) -> AlreadyFinished | None:
+    """Train one job to MAX_ITER; says so when model_final already existed (nothing to train)."""
     cfg = job.cfg
     created = create_model(job)  # seeded by preflight.prepare, before the network was built
     if created.start.final:
-        log.info("model_final already exists (%s): nothing to do", created.start.source)
+        log.info("model_final already exists (%s): nothing to train", created.start.source)
+        done = AlreadyFinished(created.start.source)
         if job.ctx.is_main:
             warn_of_missing_metrics(job.tracker.run, cfg.SOLVER.MAX_ITER)  # metrics lost for good are said
-            complete_finished_run(cfg, job.tracker, job.output_dir, created.prepared, job.ctx.device)
-        return created.start
+            done.sent = complete_finished_run(cfg, job.tracker, job.output_dir, created.prepared, job.ctx.device)
+        return done
     s = setup_model_for_training(job, created)
     start_iter = created.start.iteration
     snapshot_period = max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)

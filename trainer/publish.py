@@ -4,6 +4,7 @@ before these reached the server gets them when it is run again (the rerun trains
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.checkpoint.files import FINAL
@@ -23,6 +24,14 @@ log = logging.getLogger(__name__)
 MODEL_FOLDER = Path("model") / "detector"
 
 
+@dataclass
+class AlreadyFinished:
+    """A rerun of a finished job: where its model_final is, and what it sent the run (complete_finished_run)."""
+
+    source: str
+    sent: list[str] = field(default_factory=list)
+
+
 def log_final_model(cfg: Config, tracker: Tracker, output_dir: Path, state_dict: dict, categories: dict) -> None:
     """The final weights as a servable model (OUTPUT_DIR/model/detector: weights, config, categories)."""
     if cfg.TRACKING.LOG_MODEL:
@@ -31,35 +40,60 @@ def log_final_model(cfg: Config, tracker: Tracker, output_dir: Path, state_dict:
         tracker.log_model(folder, cfg)
 
 
-def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepared=None, device=None) -> None:
+def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepared=None, device=None) -> list[str]:
     """A rerun of a finished job: send what its run lacks (model_final, json_stats.log, the final
-    evaluation, the model). `prepared` is the job's network and dataset (None when its data is gone)."""
-    final, run = output_dir / FINAL, tracker.run
+    evaluation, the model, its registration); returns what it sent (queued: finish() says what did
+    not arrive). `prepared` is the job's network and dataset (None when its data is gone)."""
+    final, run, sent = output_dir / FINAL, tracker.run, []
     if run.run_id is None or not final.exists():
-        return
+        return sent
     if FINAL not in run.checkpoints:  # the artifact store was down to the end
         log.info("the run lacks %s: uploading the local one", FINAL)
         tracker.log_checkpoint(final, sha256_of(final))
+        sent.append(FINAL)
         if (output_dir / "json_stats.log").exists():
             tracker.log_artifact(output_dir / "json_stats.log")
+            sent.append("json_stats.log")
     evaluating = bool(cfg.TEST.DATASETS) and _evaluation_due(cfg, tracker)
     logging_model = cfg.TRACKING.LOG_MODEL and not run.model_logged  # killed while the model was being logged
-    if not (evaluating or logging_model):
-        return
+    if evaluating or logging_model:
+        sent += _from_final(cfg, tracker, output_dir, prepared, device, evaluating, logging_model)
+    registered = cfg.TRACKING.REGISTERED_MODEL
+    if cfg.TRACKING.LOG_MODEL and run.model_logged and _registration_due(tracker, registered):  # asked for only now
+        log.info("the run's model is not registered as %s: registering it", registered)
+        tracker.register_model(registered)
+        sent.append(f"the model's registration as {registered}")
+    return sent
+
+
+def _from_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, device, evaluating: bool,
+                logging_model: bool) -> list[str]:
+    """model_final's evaluation and the model logged from it, as the end of training would."""
     try:
-        state = load(final)
+        state = load(output_dir / FINAL)
     except CheckpointError as e:
         log.warning("cannot evaluate or log the final model: %s", e)
-        return
-    if evaluating:  # first: @best is chosen among every evaluation of the run
-        _evaluate_final(cfg, tracker, output_dir, prepared, state, device)
+        return []
+    sent = []
+    if evaluating and _evaluate_final(cfg, tracker, output_dir, prepared, state, device):  # first: @best is
+        sent.append(f"the evaluation of {FINAL}")  # chosen among every evaluation of the run
     if not logging_model:
-        return
+        return sent
     if "categories" not in state:
-        log.warning("cannot log the final model: %s predates the categories a model needs", final)
-        return
+        log.warning("cannot log the final model: %s predates the categories a model needs", output_dir / FINAL)
+        return sent
     log.info("the run lacks its logged model: logging it from %s", FINAL)
     log_final_model(cfg, tracker, output_dir, state["model"], state["categories"])
+    return sent + ["the model"]
+
+
+def _registration_due(tracker: Tracker, registered: str) -> bool:
+    try:
+        return tracker.registration_due(registered)
+    except Exception as e:  # the registry cannot be searched: registering blind could make a second version
+        log.warning("cannot tell whether the run's model is registered as %s (%s): it is not registered now",
+                    registered, first_line(e, 300))
+        return False
 
 
 def _again(tracker: Tracker) -> str:
@@ -75,13 +109,13 @@ def _evaluation_due(cfg: Config, tracker: Tracker) -> bool:
         return False
 
 
-def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, state: dict, device) -> None:
+def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, state: dict, device) -> bool:
     """model_final's evaluation never reached the run (the job was killed during it, the server was
     down, or the job ran untracked): evaluated now, on this process alone, as the end of training
     would. Whatever fails here is a warning: the model is logged all the same."""
     if prepared is None:
         log.warning("the run lacks the evaluation of %s and the job's data is gone: %s", FINAL, _again(tracker))
-        return
+        return False
     log.info("the run lacks the evaluation of %s: evaluating it now", FINAL)
     try:
         check_same_categories(output_dir / FINAL, state, prepared.dataset)  # labels read as these categories
@@ -90,3 +124,5 @@ def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, s
                  step=cfg.SOLVER.MAX_ITER - 1, checkpoint=FINAL)
     except Exception as e:  # other categories, a test set changed meanwhile, no memory, a full disk
         log.warning("cannot evaluate %s (%s): %s", FINAL, first_line(e, 500), _again(tracker))
+        return False
+    return True

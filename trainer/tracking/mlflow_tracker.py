@@ -20,11 +20,11 @@ from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import MODEL_TAG, checkpoint_file, link_evaluation, set_alias
-from trainer.tracking.checkpoint_models import evaluation_due, log_checkpoint, update_best
+from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, update_best
+from trainer.tracking.final_model import log_final, register_best, register_logged, registration_due
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
-from trainer.tracking.run_description import safe_params
+from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id,
                                    experiment_name, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that much, the server idles
 STATUS_JOB = "set the run's status"
 STATUS_RESERVE_S = 1.0  # of finish()'s time, kept for the status when the queue ahead of it is slow
+STATUS_FLOOR_S = 5.0  # the status's own request, even at a FLUSH_TIMEOUT_S of 0 (a signal's grace is its own)
 PRUNE_JOB = "prune older checkpoints on the server"  # never a failure: what it would delete stays
 
 
@@ -271,12 +272,7 @@ class MlflowTracker(Tracker):
         self._uploader.submit(f"table {artifact_file}", lambda: self.client.log_table(self.run.run_id, table, artifact_file))
 
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
-        from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, RunTag
-
-        inputs = [DatasetInput(Dataset(d["name"], d["digest"], "local", d["source"], profile=d["profile"]),
-                               [InputTag("mlflow.data.context", d["context"])]) for d in datasets]
-        models = [LoggedModelInput(parent["model_id"])] if parent.get("model_id") else None
-        tags = [RunTag(f"tracktron.parent.{k}", redact_text(v)) for k, v in parent.items()]
+        inputs, models, tags = input_entities(datasets, parent)
 
         def log():
             self.client.log_inputs(self._run.run_id, datasets=inputs, models=models)
@@ -312,40 +308,39 @@ class MlflowTracker(Tracker):
     def log_model(self, folder: Path, cfg: Config) -> None:
         """Three queued steps, each retried alone: the model (registered @final), the best checkpoint
         registered @best, then the run's MODEL_TAG, which says that both are done."""
-        from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
+        registered, logged = cfg.TRACKING.REGISTERED_MODEL, {}
 
-        registered = cfg.TRACKING.REGISTERED_MODEL
-        logged = {}
+        def log():
+            logged["info"] = log_final(self.uri, self.client, self._experiment_id(), self._run.run_id, folder, registered)
 
-        def log_final():
-            logged["info"] = log_detector(self.uri, self._run.run_id, folder, registered_model_name=registered)
-            if registered:
-                set_alias(self.client, registered, "final", logged["info"].registered_model_version)
-
-        def register_best():
+        def best():
             if "info" in logged:
-                set_alias(self.client, registered, "best", self._best_version(registered, logged["info"]))
+                self._register_best(registered, logged["info"].registered_model_version)
                 logged["best"] = True
 
         def mark_logged():  # not when a step failed: a rerun of the job then does it again
             if "info" in logged and (not registered or "best" in logged):
                 self.client.set_tag(self._run.run_id, MODEL_TAG, logged["info"].model_id)
 
-        self._uploader.submit("log the final model", log_final)
+        self._uploader.submit("log the final model", log)
         if registered:
-            self._uploader.submit("register the best checkpoint", register_best)
+            self._uploader.submit("register the best checkpoint", best)
         self._uploader.submit("tag the logged model", mark_logged)
 
-    def _best_version(self, registered: str, final) -> str:
-        """The registry version of the run's best checkpoint: the final one's when it is best or when
-        nothing was evaluated (so that @best never names another job's model); else a new version."""
-        best = self._best or update_best(self.client, self._experiment_id(), self._run.run_id, self._best_metric)
-        name = checkpoint_file(best) if best is not None else FINAL
-        if name == FINAL:
-            if best is None:
-                log.info("nothing was evaluated: @best is the final model")
-            return final.registered_model_version
-        return log_checkpoint(self.client, self.uri, self._run.run_id, self._output_dir / name, registered)
+    def registration_due(self, registered: str) -> bool:
+        return registration_due(self.client, self.run.run_id, registered)
+
+    def register_model(self, registered: str) -> None:
+        """The run's logged model (its MODEL_TAG) registered @final, its best checkpoint @best."""
+        def register():
+            version = register_logged(self.uri, self.client, self._tags[MODEL_TAG], registered)
+            self._register_best(registered, version)
+
+        self._uploader.submit(f"register the model as {registered}", register)
+
+    def _register_best(self, registered: str, final_version: str) -> None:
+        register_best(self.uri, self.client, self._experiment_id(), self._run.run_id, self._best, self._best_metric,
+                      self._output_dir, registered, final_version)
 
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)
@@ -364,6 +359,7 @@ class MlflowTracker(Tracker):
         if run_id is None:
             self._uploader.close(0)
             return []
+        floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if self._sender:
@@ -372,7 +368,7 @@ class MlflowTracker(Tracker):
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
         if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one direct try
-            wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(0.0, deadline - time.monotonic()))
+            wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(floor, deadline - time.monotonic()))
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         return [d for d in self._uploader.failed if not self._superseded(d) and d not in done]
 

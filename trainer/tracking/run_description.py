@@ -1,5 +1,5 @@
 """What a run says about its job, beyond its metrics: the description the UI shows, the code's
-commit, and the config as params."""
+commit, the config as params, and its inputs (datasets, the model its weights came from)."""
 from __future__ import annotations
 
 import subprocess
@@ -39,3 +39,14 @@ def safe_params(cfg: Config) -> dict[str, str]:
         text = redact_text(str(value))
         out[key] = text if len(text) <= MAX_PARAM_LEN else text[: MAX_PARAM_LEN - 3] + "..."
     return out
+
+
+def input_entities(datasets: list[dict], parent: dict) -> tuple[list, list | None, list]:
+    """The run's inputs as MLflow entities: its datasets (lineage.dataset_inputs) with their context,
+    the LoggedModel its weights came from (if MLflow has it), and the parent's tags."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput, RunTag
+
+    inputs = [DatasetInput(Dataset(d["name"], d["digest"], "local", d["source"], profile=d["profile"]),
+                           [InputTag("mlflow.data.context", d["context"])]) for d in datasets]
+    models = [LoggedModelInput(parent["model_id"])] if parent.get("model_id") else None
+    return inputs, models, [RunTag(f"tracktron.parent.{k}", redact_text(v)) for k, v in parent.items()]

@@ -1,0 +1,69 @@
+"""The job's product in MLflow: the servable final model logged into its run and, with
+TRACKING.REGISTERED_MODEL, registered (@final) beside the run's best checkpoint (@best). The run's
+MODEL_TAG, set last, says all of it is there. Functions of an MlflowClient, called on the tracker's
+uploader thread (registration_due: on the training thread of a rerun that has nothing to train)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from trainer.checkpoint.files import FINAL
+from trainer.tracking.checkpoint_models import MODEL_TYPE, checkpoint_file, log_checkpoint, set_alias, update_best
+from trainer.tracking.search import every_page
+
+log = logging.getLogger(__name__)
+
+
+def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, registered: str):
+    """The model folder as the run's servable model, registered @final when asked; MLflow's ModelInfo."""
+    from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
+
+    fail_unfinished(client, experiment_id, run_id)
+    info = log_detector(uri, run_id, folder, registered_model_name=registered)
+    if registered:
+        set_alias(client, registered, "final", info.registered_model_version)
+    return info
+
+
+def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
+    """Models of the run left PENDING by a process killed while logging them (this process, the run's
+    one trainer, logs the model again): FAILED, so that nobody takes them for one still on its way."""
+    for model in every_page(client.search_logged_models, experiment_ids=[experiment_id],
+                            filter_string=f"source_run_id = '{run_id}'"):
+        if str(model.status) == "PENDING" and model.model_type != MODEL_TYPE:  # an evaluation's is made READY again
+            client.finalize_logged_model(model.model_id, "FAILED")
+            log.info("model %s (%s) was left unfinished by an earlier process: marked FAILED", model.model_id,
+                     model.name)
+
+
+def register_logged(uri: str, client, model_id: str, registered: str) -> str:
+    """The run's model, logged already, registered @final (a rerun that asks for it); its version."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)  # register_model's client reads the registry from it
+    version = mlflow.register_model(f"models:/{model_id}", registered).version
+    set_alias(client, registered, "final", version)
+    return version
+
+
+def registration_due(client, run_id: str, registered: str) -> bool:
+    """No version of `registered` comes from this run yet (a rerun's REGISTERED_MODEL, set only now)."""
+    if not registered:
+        return False
+    versions = every_page(client.search_model_versions, filter_string=f"run_id = '{run_id}'")
+    return all(v.name != registered for v in versions)
+
+
+def register_best(uri: str, client, experiment_id: str, run_id: str, best, metric: str, output_dir: Path,
+                  registered: str, final_version: str) -> None:
+    """@best: the run's best checkpoint (`best`, or found now), registered. The final model's version
+    when it is best or when nothing was evaluated (so that @best never names another job's model)."""
+    best = best or update_best(client, experiment_id, run_id, metric)
+    name = checkpoint_file(best) if best is not None else FINAL
+    if name == FINAL:
+        if best is None:
+            log.info("nothing was evaluated: @best is the final model")
+        version = final_version
+    else:
+        version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
+    set_alias(client, registered, "best", version)
