@@ -315,6 +315,9 @@ def test_a_flush_timeout_too_short_for_the_model_still_ends_the_run(tmp_path, da
         assert last.startswith("error: the tracking server did not get: log the final model"), last
         client = MlflowClient(mlflow_server.url)
         assert only_run(client, exp).info.status == "FINISHED"
+        short = run_trainer([*args, "TRACKING.FLUSH_TIMEOUT_S", "0"], cwd=tmp_path)  # a rerun that is cut short too
+        assert short.returncode == 1, short.stderr[-3000:]
+        assert short.stdout.strip().splitlines()[-1].endswith("): nothing to train")  # it claimed 'sent ... the model'
         again = run_trainer(args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.strip().splitlines()[-1].endswith("sent the run what it lacked: the model")

@@ -34,7 +34,8 @@ def here(tmp_path, monkeypatch):
 def train(tmp: Path, *opts: str, data_dir: Path | None = None, dry_run: bool = False, flags: tuple = ()):
     base = ["OUTPUT_DIR", str(tmp / "output"), "TRACKING.URI", f"sqlite:///{tmp / 'mlflow.db'}",
             "SOLVER.MAX_ITER", "4", "TRAIN.SNAPSHOT_ITERS", "1", "DATA_LOADER.NUM_THREADS", "0",
-            "TRAIN.IMS_PER_BATCH", "2", "TEST.DATASETS", "()", "TRACKING.LOG_MODEL", "false"]
+            "TRAIN.IMS_PER_BATCH", "2", "TEST.DATASETS", "()", "TRACKING.LOG_MODEL", "false",
+            "TRACKING.REGISTERED_MODEL", ""]
     if data_dir is not None:
         base += ["DATA_DIR", str(data_dir)]
     return run_cli(["train", "--config", str(DEMO), *(["--dry-run"] if dry_run else []), *flags, *base, *opts])
@@ -450,3 +451,15 @@ def test_the_demos_rpn_keys_under_retinanet_are_said_to_be_ignored(here, data_di
                          "MODEL.RPN_PRE_NMS_TOP_N_TRAIN")
     plain = train(here, data_dir=data_dir, dry_run=True)
     assert plain.code is None and "mean nothing" not in plain.stderr
+
+
+def test_a_registered_model_with_no_model_logged_is_said_to_be_ignored(here, data_dir):
+    """TRACKING.REGISTERED_MODEL with TRACKING.LOG_MODEL false: nothing is logged, so nothing can be
+    registered; the job trains (the demo names a model, a user turns logging off) and says so once.
+    It said nothing (2026-12-04's red team)."""
+    result = train(here, "TRACKING.LOG_MODEL", "false", "TRACKING.REGISTERED_MODEL", "mine", data_dir=data_dir,
+                   dry_run=True)
+    assert result.code is None, result.stderr[-2000:]
+    (line,) = [x for x in result.stderr.splitlines() if "REGISTERED_MODEL" in x]
+    assert line.endswith("TRACKING.REGISTERED_MODEL 'mine' is ignored: TRACKING.LOG_MODEL is false, so no model is "
+                         "logged to register")

@@ -423,7 +423,8 @@ def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_d
 def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_only_then(tmp_path, data_dir):
     """A finished job whose model is logged, run again with TRACKING.REGISTERED_MODEL set: it
     registered nothing and said "nothing to do" (2026-12-04's red team). Now the run's logged model
-    (no second copy) is registered @final and @best, once: the next rerun has nothing to do."""
+    (no second copy) is registered @final and @best, once; aliases deleted since (a registration cut
+    short) are set again on the same version; a logged model deleted from the server is logged again."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]"})
     first = run_trainer(args, cwd=tmp_path, timeout=240)
@@ -435,14 +436,51 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     model_id = run.data.tags["tracktron.model_id"]
     assert not client.search_registered_models()
     named = [*args, "TRACKING.REGISTERED_MODEL", "named later"]
-    again = run_trainer(named, cwd=tmp_path, timeout=240)
-    assert again.returncode == 0, again.stderr[-2000:]
-    last = again.stdout.strip().splitlines()[-1]
-    assert last.endswith("nothing to train; sent the run what it lacked: the model's registration as named later"), last
+
+    def last_line():
+        again = run_trainer(named, cwd=tmp_path, timeout=240)
+        assert again.returncode == 0, again.stderr[-2000:]
+        return again.stdout.strip().splitlines()[-1]
+
+    assert last_line().endswith("nothing to train; sent the run what it lacked: the model's registration as "
+                                "named later (@final, @best)")
     final = client.get_model_version_by_alias("named later", "final")
     assert final.run_id == run.info.run_id and final.source == f"models:/{model_id}"
     assert client.get_model_version_by_alias("named later", "best").version == final.version  # nothing evaluated
     assert len(client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")) == 1
-    third = run_trainer(named, cwd=tmp_path, timeout=240)
-    assert third.returncode == 0 and "nothing to do" in third.stdout, third.stderr[-2000:]
+    assert last_line().startswith("nothing to do")
+    for alias in ("final", "best"):  # the red team's next finding: @best never set (killed), @final deleted
+        client.delete_registered_model_alias("named later", alias)
+        assert last_line().endswith(f"sent the run what it lacked: the model's registration as named later (@{alias})")
+        assert client.get_model_version_by_alias("named later", alias).version == final.version
     assert [v.version for v in client.search_model_versions("name = 'named later'")] == [final.version]
+    client.delete_logged_model(model_id)  # by hand: the run's tag named a model that no longer exists
+    assert last_line().endswith("sent the run what it lacked: the model")
+    (run,) = client.search_runs([run.info.experiment_id])
+    relogged = client.get_model_version_by_alias("named later", "final")
+    assert relogged.source == f"models:/{run.data.tags['tracktron.model_id']}" != f"models:/{model_id}"
+
+
+def test_a_rerun_registering_under_another_name_reuses_the_best_checkpoints_servable_copy(tmp_path, data_dir):
+    """@best of a checkpoint logs a servable copy of it (a full copy of the weights): a rerun that
+    registers the job under another name logged another (2026-12-04's red team found four of them
+    in one run). It registers the copy the run already has."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 4, "TEST.EVAL_PERIOD": 2, "TRAIN.SNAPSHOT_ITERS": 2,
+                                                 "TRACKING.URI": uri, "DETERMINISTIC": "true"})
+    first = run_trainer([*args, "TRACKING.REGISTERED_MODEL", "first"], cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.tags["tracktron.best_checkpoint"] != "model_final.pth", "the test needs a checkpoint as @best"
+    copies = [m for m in client.search_logged_models([run.info.experiment_id]) if m.name.startswith("best-")]
+    assert len(copies) == 1 and client.get_model_version_by_alias("first", "best").source == f"models:/{copies[0].model_id}"
+    again = run_trainer([*args, "TRACKING.REGISTERED_MODEL", "second"], cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1].endswith("the model's registration as second (@final, @best)")
+    assert [m.model_id for m in client.search_logged_models([run.info.experiment_id])
+            if m.name.startswith("best-")] == [copies[0].model_id]
+    assert client.get_model_version_by_alias("second", "best").source == f"models:/{copies[0].model_id}"
+    assert client.get_model_version_by_alias("second", "final").source == f"models:/{run.data.tags['tracktron.model_id']}"

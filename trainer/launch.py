@@ -203,9 +203,9 @@ def _train(cfg, tracker, ctx, prepared) -> None:
         missing = tracker.finish("FINISHED")
     if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
         return
-    if done is not None and done.sent:  # the job's run lacked them (see missing for what did not arrive)
-        write_or_drop(sys.stdout, f"model_final already exists ({done.source}): nothing to train; sent the run "
-                                  f"what it lacked: {', '.join(done.sent)}\n")
+    if done is not None and done.sent:  # the job's run lacked them; when some did not arrive, the error says which
+        sent = "" if missing else f"; sent the run what it lacked: {', '.join(done.sent)}"
+        write_or_drop(sys.stdout, f"model_final already exists ({done.source}): nothing to train{sent}\n")
     elif done is not None:
         write_or_drop(sys.stdout, f"nothing to do: model_final already exists ({done.source})\n")
     else:

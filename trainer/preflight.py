@@ -63,6 +63,9 @@ def prepare(cfg: Config) -> Prepared:
     if unread := unread_keys(cfg):  # said, not refused: a config shared across model types is no mistake
         log.warning("%d of the MODEL keys set mean nothing for %s and are ignored: %s", len(unread), cfg.MODEL.TYPE,
                     ", ".join(unread))
+    if cfg.TRACKING.REGISTERED_MODEL and not cfg.TRACKING.LOG_MODEL and cfg.TRACKING.ENABLED:
+        log.warning("TRACKING.REGISTERED_MODEL %r is ignored: TRACKING.LOG_MODEL is false, so no model is logged "
+                    "to register", cfg.TRACKING.REGISTERED_MODEL)
     return Prepared(dataset, model)
 
 

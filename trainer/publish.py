@@ -59,10 +59,11 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepa
     if evaluating or logging_model:
         sent += _from_final(cfg, tracker, output_dir, prepared, device, evaluating, logging_model)
     registered = cfg.TRACKING.REGISTERED_MODEL
-    if cfg.TRACKING.LOG_MODEL and run.model_logged and _registration_due(tracker, registered):  # asked for only now
-        log.info("the run's model is not registered as %s: registering it", registered)
-        tracker.register_model(registered)
-        sent.append(f"the model's registration as {registered}")
+    if cfg.TRACKING.LOG_MODEL and run.model_logged and (aliases := _registration_due(tracker, registered)):
+        log.info("the run's model lacks %s in the registry (asked for only now, or cut short): registering it",
+                 " and ".join(f"{registered}@{a}" for a in aliases))
+        tracker.register_model(registered, aliases)
+        sent.append(f"the model's registration as {registered} (@{', @'.join(aliases)})")
     return sent
 
 
@@ -87,13 +88,13 @@ def _from_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, devic
     return sent + ["the model"]
 
 
-def _registration_due(tracker: Tracker, registered: str) -> bool:
+def _registration_due(tracker: Tracker, registered: str) -> list[str]:
     try:
         return tracker.registration_due(registered)
     except Exception as e:  # the registry cannot be searched: registering blind could make a second version
         log.warning("cannot tell whether the run's model is registered as %s (%s): it is not registered now",
                     registered, first_line(e, 300))
-        return False
+        return []
 
 
 def _again(tracker: Tracker) -> str:

@@ -90,13 +90,14 @@ class Tracker:
     def log_model(self, folder: Path, cfg: Config) -> None:
         """Log a model folder (trainer.inference.save) as the run's servable MLflow model."""
 
-    def registration_due(self, registered: str) -> bool:
-        """Whether the run's logged model lacks a version of the registered model `registered` (a rerun
-        of a finished job with TRACKING.REGISTERED_MODEL set only now); False for an empty name."""
-        return False
+    def registration_due(self, registered: str) -> list[str]:
+        """The aliases of the registered model `registered` (final, best) that a rerun of the finished
+        job sets for its logged model: TRACKING.REGISTERED_MODEL set only now, or a registration cut short."""
+        return []
 
-    def register_model(self, registered: str) -> None:
-        """Register the run's logged model as `registered` (@final), its best checkpoint @best."""
+    def register_model(self, registered: str, aliases: list[str]) -> None:
+        """Register the run's logged model as `registered`, and set `aliases`: final (it), best (the
+        run's best checkpoint)."""
 
     def wait(self, timeout: float) -> bool:
         """Wait for queued uploads (preemption: the last checkpoint must reach the server)."""

@@ -36,34 +36,56 @@ def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
                      model.name)
 
 
-def register_logged(uri: str, client, model_id: str, registered: str) -> str:
-    """The run's model, logged already, registered @final (a rerun that asks for it); its version."""
+def registration_due(client, run_id: str, registered: str) -> list[str]:
+    """The aliases of `registered` a rerun of the finished job sets: both when no version comes from
+    this run (REGISTERED_MODEL set only now), the missing ones when a registration was cut short or
+    an alias deleted; none while both name a version (another job's newer model keeps them)."""
+    if not registered:
+        return []
+    if not _versions(client, run_id, registered):
+        return ["final", "best"]
+    aliases = client.get_registered_model(registered).aliases
+    return [alias for alias in ("final", "best") if alias not in aliases]
+
+
+def register_logged(uri: str, client, run_id: str, model_id: str, registered: str) -> str:
+    """The version of `registered` that holds the run's logged model `model_id`: the one an earlier
+    process made, else a new one (the model itself is not copied)."""
+    found = [v for v in _versions(client, run_id, registered) if v.source == f"models:/{model_id}"]
+    if found:
+        return found[0].version
     import mlflow
 
     mlflow.set_tracking_uri(uri)  # register_model's client reads the registry from it
-    version = mlflow.register_model(f"models:/{model_id}", registered).version
-    set_alias(client, registered, "final", version)
-    return version
+    return mlflow.register_model(f"models:/{model_id}", registered).version
 
 
-def registration_due(client, run_id: str, registered: str) -> bool:
-    """No version of `registered` comes from this run yet (a rerun's REGISTERED_MODEL, set only now)."""
-    if not registered:
-        return False
-    versions = every_page(client.search_model_versions, filter_string=f"run_id = '{run_id}'")
-    return all(v.name != registered for v in versions)
+def _versions(client, run_id: str, registered: str) -> list:
+    return [v for v in every_page(client.search_model_versions, filter_string=f"run_id = '{run_id}'")
+            if v.name == registered]  # by run_id: a name may hold quotes
 
 
 def register_best(uri: str, client, experiment_id: str, run_id: str, best, metric: str, output_dir: Path,
                   registered: str, final_version: str) -> None:
     """@best: the run's best checkpoint (`best`, or found now), registered. The final model's version
-    when it is best or when nothing was evaluated (so that @best never names another job's model)."""
+    when it is best or when nothing was evaluated (so that @best never names another job's model).
+    A servable copy of that checkpoint logged before (another name, a registration cut short) is
+    registered again rather than logged twice."""
     best = best or update_best(client, experiment_id, run_id, metric)
     name = checkpoint_file(best) if best is not None else FINAL
     if name == FINAL:
         if best is None:
             log.info("nothing was evaluated: @best is the final model")
         version = final_version
+    elif logged := _servable_copy(client, experiment_id, run_id, name):
+        version = register_logged(uri, client, run_id, logged.model_id, registered)
     else:
         version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
     set_alias(client, registered, "best", version)
+
+
+def _servable_copy(client, experiment_id: str, run_id: str, checkpoint: str):
+    """The READY servable model of the run's `checkpoint` (checkpoint_models.log_checkpoint), if any."""
+    return next((m for m in every_page(client.search_logged_models, experiment_ids=[experiment_id],
+                                       filter_string=f"source_run_id = '{run_id}'")
+                 if m.name == f"best-{Path(checkpoint).stem}" and str(m.status) == "READY"), None)

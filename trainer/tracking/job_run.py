@@ -14,6 +14,7 @@ from trainer.config import Config
 from trainer.errors import UserError, first_line
 from trainer.job_identity import job_hash, job_hashes
 from trainer.redaction import redact_text, redact_urls
+from trainer.tracking.checkpoint_models import MODEL_TAG
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
@@ -107,11 +108,7 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
         else:
             if run.data.tags[JOB_TAG] != job_hash(cfg):  # tagged by an earlier tracktron: found by this hash from now on
                 client.set_tag(run.info.run_id, JOB_TAG, job_hash(cfg))
-            if FINAL in checkpoints_of(run) and not _holds_file(client, run.info.run_id, f"checkpoints/{FINAL}"):
-                log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
-                            "and the job completes the run again", run.info.run_id, FINAL)
-                client.delete_tag(run.info.run_id, sha_tag(FINAL))
-                run = client.get_run(run.info.run_id)
+            run = _drop_tags_of_what_is_gone(client, run)
             if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
             if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
@@ -122,6 +119,32 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
     except Exception as e:  # say why in one line
         raise UserError(start_error(uri, e)) from None
     return OpenedRun(run, exp_id, resumed, last_step, note)
+
+
+def _drop_tags_of_what_is_gone(client, run):
+    """A finished run's model_final deleted from its artifact store, or its logged model deleted (by
+    hand, a lifecycle rule): the tag that claims it goes, and the job completes the run again."""
+    run_id, gone = run.info.run_id, []
+    if FINAL in checkpoints_of(run) and not _holds_file(client, run_id, f"checkpoints/{FINAL}"):
+        log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
+                    "and the job completes the run again", run_id, FINAL)
+        gone.append(sha_tag(FINAL))
+    if MODEL_TAG in run.data.tags and _model_deleted(client, run.data.tags[MODEL_TAG]):
+        log.warning("run %s's logged model %s is gone from the tracking server: the job logs it again from %s",
+                    run_id, run.data.tags[MODEL_TAG], FINAL)
+        gone.append(MODEL_TAG)
+    for tag in gone:
+        client.delete_tag(run_id, tag)
+    return client.get_run(run_id) if gone else run
+
+
+def _model_deleted(client, model_id: str) -> bool:
+    """Whether the server says the logged model does not exist (an error of another kind says nothing)."""
+    try:
+        client.get_logged_model(model_id)
+    except Exception as e:
+        return getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
+    return False
 
 
 def _holds_file(client, run_id: str, path: str) -> bool:

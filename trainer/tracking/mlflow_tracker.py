@@ -20,8 +20,8 @@ from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, update_best
-from trainer.tracking.final_model import log_final, register_best, register_logged, registration_due
+from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, set_alias, update_best
+from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import input_entities, safe_params
@@ -327,14 +327,18 @@ class MlflowTracker(Tracker):
             self._uploader.submit("register the best checkpoint", best)
         self._uploader.submit("tag the logged model", mark_logged)
 
-    def registration_due(self, registered: str) -> bool:
+    def registration_due(self, registered: str) -> list[str]:
         return registration_due(self.client, self.run.run_id, registered)
 
-    def register_model(self, registered: str) -> None:
-        """The run's logged model (its MODEL_TAG) registered @final, its best checkpoint @best."""
+    def register_model(self, registered: str, aliases: list[str]) -> None:
+        """The run's logged model (its MODEL_TAG) registered; `aliases` (final, best) set."""
         def register():
-            version = register_logged(self.uri, self.client, self._tags[MODEL_TAG], registered)
-            self._register_best(registered, version)
+            fail_unfinished(self.client, self._experiment_id(), self._run.run_id)  # a registration cut short
+            version = register_logged(self.uri, self.client, self._run.run_id, self._tags[MODEL_TAG], registered)
+            if "final" in aliases:
+                set_alias(self.client, registered, "final", version)
+            if "best" in aliases:
+                self._register_best(registered, version)
 
         self._uploader.submit(f"register the model as {registered}", register)
 
