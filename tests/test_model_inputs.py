@@ -424,7 +424,8 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     """A finished job whose model is logged, run again with TRACKING.REGISTERED_MODEL set: it
     registered nothing and said "nothing to do" (2026-12-04's red team). Now the run's logged model
     (no second copy) is registered @final and @best, once; aliases deleted since (a registration cut
-    short) are set again on the same version; a logged model deleted from the server is logged again."""
+    short) are set again on the same version, and the model logged before the run's tag by a process
+    killed then is taken as it is; a logged model deleted from the server is logged again."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]"})
     first = run_trainer(args, cwd=tmp_path, timeout=240)
@@ -454,6 +455,11 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
         assert last_line().endswith(f"sent the run what it lacked: the model's registration as named later (@{alias})")
         assert client.get_model_version_by_alias("named later", alias).version == final.version
     assert [v.version for v in client.search_model_versions("name = 'named later'")] == [final.version]
+    client.delete_tag(run.info.run_id, "tracktron.model_id")  # a kill after the registration, before the tag
+    assert last_line().endswith("sent the run what it lacked: the model")  # it logged a second copy
+    assert len(client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")) == 1
+    assert [v.version for v in client.search_model_versions("name = 'named later'")] == [final.version]
+    assert client.get_run(run.info.run_id).data.tags["tracktron.model_id"] == model_id
     client.delete_logged_model(model_id)  # by hand: the run's tag named a model that no longer exists
     assert last_line().endswith("sent the run what it lacked: the model")
     (run,) = client.search_runs([run.info.experiment_id])

@@ -6,23 +6,37 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.tracking.checkpoint_models import MODEL_TYPE, checkpoint_file, log_checkpoint, set_alias, update_best
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
+FINAL_NAME = "model"  # the final model's name in its run (runs:/<id>/model)
 
 
-def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, registered: str):
-    """The model folder as the run's servable model, registered @final when asked; MLflow's ModelInfo."""
+class FinalModel(NamedTuple):
+    model_id: str
+    version: str | None  # of TRACKING.REGISTERED_MODEL; None when not registered
+
+
+def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, registered: str) -> FinalModel:
+    """The model folder as the run's servable model, registered @final when asked. One an earlier
+    process logged in full (killed before the run's MODEL_TAG was set) is taken, not logged again."""
     from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
 
     fail_unfinished(client, experiment_id, run_id)
-    info = log_detector(uri, run_id, folder, registered_model_name=registered)
+    if earlier := _ready_model(client, experiment_id, run_id, FINAL_NAME):
+        log.info("the run's model %s was logged by an earlier process: it is not logged again", earlier.model_id)
+        version = register_logged(uri, client, run_id, earlier.model_id, registered) if registered else None
+        final = FinalModel(earlier.model_id, version)
+    else:
+        info = log_detector(uri, run_id, folder, name=FINAL_NAME, registered_model_name=registered)
+        final = FinalModel(info.model_id, info.registered_model_version)
     if registered:
-        set_alias(client, registered, "final", info.registered_model_version)
-    return info
+        set_alias(client, registered, "final", final.version)
+    return final
 
 
 def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
@@ -77,15 +91,15 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
         if best is None:
             log.info("nothing was evaluated: @best is the final model")
         version = final_version
-    elif logged := _servable_copy(client, experiment_id, run_id, name):
+    elif logged := _ready_model(client, experiment_id, run_id, f"best-{Path(name).stem}"):
         version = register_logged(uri, client, run_id, logged.model_id, registered)
     else:
         version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
     set_alias(client, registered, "best", version)
 
 
-def _servable_copy(client, experiment_id: str, run_id: str, checkpoint: str):
-    """The READY servable model of the run's `checkpoint` (checkpoint_models.log_checkpoint), if any."""
+def _ready_model(client, experiment_id: str, run_id: str, name: str):
+    """The run's READY logged model called `name` (the final model, a checkpoint's servable copy), if any."""
     return next((m for m in every_page(client.search_logged_models, experiment_ids=[experiment_id],
                                        filter_string=f"source_run_id = '{run_id}'")
-                 if m.name == f"best-{Path(checkpoint).stem}" and str(m.status) == "READY"), None)
+                 if m.name == name and str(m.status) == "READY" and m.model_type != MODEL_TYPE), None)

@@ -315,7 +315,7 @@ class MlflowTracker(Tracker):
 
         def best():
             if "info" in logged:
-                self._register_best(registered, logged["info"].registered_model_version)
+                self._register_best(registered, logged["info"].version)
                 logged["best"] = True
 
         def mark_logged():  # not when a step failed: a rerun of the job then does it again
