@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import DEMO, demo_overrides, run_trainer, run_tree
+from tests.conftest import DEMO, demo_overrides, kill_tree, run_trainer, run_tree
 from tests.faultkit import Job, wait_until
 from tests.servers import free_port
 from trainer.checkpoint.state import load as load_checkpoint
@@ -91,6 +91,41 @@ def test_a_fine_tune_whose_parent_is_gone_resumes_every_rank_from_its_run_on_ano
     assert f"resuming from run {run.info.run_id} (model_iter" in resumed.stderr
     a, b = (load_checkpoint(d / "output" / "model_final.pth")["model"] for d in (first, second))
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed ranks ended elsewhere than the uninterrupted job"
+
+
+def test_weights_on_the_first_nodes_disk_alone_train_every_node(tmp_path, data_dir):
+    """Two torchrun nodes, TRAIN.WEIGHTS a file on the first one's disk only (a path relative to its
+    working folder): the second node's rank loaded the file itself and failed once training started
+    (2026-12-04's open point). It now starts from rank 0's weights, which DDP broadcasts."""
+    parent_dir = tmp_path / "parent"
+    parent_dir.mkdir()
+    made = run_trainer(demo_overrides(parent_dir, data_dir, **{"SOLVER.MAX_ITER": 1, "TRACKING.ENABLED": "false"}),
+                       cwd=parent_dir)
+    assert made.returncode == 0, made.stderr[-2000:]
+    port, nodes = free_port(), []
+    for rank in (0, 1):
+        folder = tmp_path / f"node{rank}"
+        folder.mkdir()
+        if rank == 0:
+            shutil.copy(parent_dir / "output" / "model_final.pth", folder / "parent.pth")
+        args = demo_overrides(folder, data_dir, **{"SOLVER.MAX_ITER": 2, "TRAIN.WEIGHTS": "parent.pth",
+                                                   "TRACKING.ENABLED": "false", "TEST.DATASETS": "[]"})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "trainer", "train", "--config", str(DEMO), *args]
+        nodes.append(subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    try:
+        results = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    assert "weights parent.pth: loaded" in results[0][1]
+    assert not (tmp_path / "node1" / "parent.pth").exists()
+    assert (tmp_path / "node0" / "output" / "model_final.pth").is_file()
 
 
 @pytest.mark.parametrize("env, message", [

@@ -153,6 +153,28 @@ def test_pretrained_weights_freeze_batchnorm_and_early_stages():
     assert not body.layer3[0].conv1.weight.requires_grad and body.layer4[0].conv1.weight.requires_grad
 
 
+def test_torchvisions_eps_0_coco_weights_keep_eps_0_in_a_model_rebuilt_from_the_job(tmp_path):
+    """torchvision's first COCO detectors (FasterRCNN_ResNet50_FPN_Weights.COCO_V1 and kin) were
+    trained with FrozenBatchNorm2d's eps 0, which only loading them set. eps is in no state_dict:
+    a model rebuilt from the job's checkpoint (a resume, the served model_final, the ranks of a
+    multi-node job that never read the weights) ran with 1e-5. The job's config decides it now."""
+    from trainer.config import config_from_dict, redacted
+    from trainer.inference import Detector
+
+    cfg = make_cfg("fasterrcnn_resnet50_fpn")
+    config.merge(cfg, {"TRAIN": {"WEIGHTS": "FasterRCNN_ResNet50_FPN_Weights.COCO_V1"}})
+    trained = build_model(cfg, num_classes=3)
+    path = tmp_path / "model_final.pth"
+    torch.save({"model": trained.state_dict(), "config": redacted(cfg), "iteration": 9,
+                "categories": {"categories": [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]}}, path)
+    served = Detector.from_checkpoint(path).model
+    assert {m.eps for m in served.modules() if isinstance(m, FrozenBatchNorm2d)} == {0.0}
+    assert {m.eps for m in build_model(config_from_dict(redacted(cfg)), 3).modules()
+            if isinstance(m, FrozenBatchNorm2d)} == {0.0}  # a resume builds from the same config
+    config.merge(cfg, {"TRAIN": {"WEIGHTS": "ResNet50_Weights.IMAGENET1K_V1"}})  # other weights: torchvision's 1e-5
+    assert {m.eps for m in build_model(cfg, 3).modules() if isinstance(m, FrozenBatchNorm2d)} == {1e-5}
+
+
 @pytest.fixture(scope="module")
 def tiny_faster():
     torch.manual_seed(1)

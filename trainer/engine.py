@@ -124,9 +124,11 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     model, parent = prepared.model.to(ctx.device), prepared.parent
     if start.state is not None:  # a resume: the checkpoint's weights
         model.load_state_dict(start.state["model"])
-    elif not prepared.weights_loaded:  # from iteration 0 after all (unusable checkpoints), or on a rank other than 0
+    elif ctx.is_main and not prepared.weights_loaded:  # from iteration 0 after all (unusable checkpoints)
         with initial_weights(cfg) as (weights, parent):
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
+    # Other ranks start from rank 0's weights: DDP broadcasts its parameters and buffers when it wraps
+    # the model (a weights file on rank 0's node alone is enough), and build_model set what is neither.
     if ctx.is_main:
         write_run_files(job, model, parent)
     model.train()

@@ -102,7 +102,7 @@ def _check_job(cfg, tracker, main: bool, resumable: bool):
         if main and resumable:
             check_local(cfg, prepared)
         tracker.check_found()  # the run it would continue, free to be trained by this job
-        if prepared is not None and (main or not resumable):  # rank 0's lookup says whether the others need them
+        if prepared is not None and main:  # the other ranks get them from rank 0 (DDP's broadcast)
             _initial_weights(cfg, tracker, prepared)
     except UserError:
         tracker.finish(None)

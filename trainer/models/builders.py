@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from functools import partial
+
+import torchvision
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models import detection as tvd
+from torchvision.models.detection._utils import overwrite_eps
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.retinanet import RetinaNetHead
@@ -40,6 +44,7 @@ from trainer.models.architectures import anchor_generator, build_c4, build_fpn, 
 from trainer.models.backbones import BACKBONES
 
 log = logging.getLogger(__name__)
+WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")  # a torchvision weight name, such as ResNet50_Weights.IMAGENET1K_V1
 
 MODEL_TYPES = (
     "fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
@@ -89,6 +94,10 @@ def build_model(cfg, num_classes: int, num_keypoints: int = 0) -> nn.Module:
         _set_anchors(model, cfg, family)
     if family != "ssdlite320":
         _prepare_backbone(model, cfg)
+    # Decided by the config, not by loading the weights: a resumed job, every rank and the served
+    # model_final then run with the eps the weights were trained with.
+    if zero_eps_weights(cfg.TRAIN.WEIGHTS):
+        overwrite_eps(model, 0.0)
     if family.endswith("rcnn") and m.REPRESENTATION_SIZE != 1024 and not m.BACKBONE:
         _set_box_head(model, m.REPRESENTATION_SIZE, n)
     if m.PIXEL_MEAN:  # 0-255 in the config (Detectron's convention), 0-1 in torchvision's transform
@@ -239,6 +248,19 @@ def _prepare_backbone(model: nn.Module, cfg) -> None:
     for name, p in body.named_parameters():
         if name.split(".")[0] in frozen:
             p.requires_grad_(False)
+
+
+def zero_eps_weights(spec: str) -> bool:
+    """Whether `spec` names one of torchvision's first COCO detectors, trained with FrozenBatchNorm2d's
+    eps 0 (torchvision's builders set it for them; eps is an attribute, in no state_dict)."""
+    if not WEIGHT_NAME.fullmatch(spec):
+        return False
+    try:
+        weight = torchvision.models.get_weight(spec)
+    except (ValueError, KeyError, AttributeError):
+        return False
+    return weight in {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
+                      tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
 
 
 def _stages(body: nn.Module) -> list[list[str]]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import re
 import urllib.parse
 import zipfile
 from dataclasses import dataclass, field
@@ -12,18 +11,16 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
-from torchvision.models import detection as tvd
 from torchvision.models.detection._utils import overwrite_eps
 
 from trainer import torch_load
 from trainer.hashing import sha256_of
 from trainer.errors import UserError, first_line, user_path
-from trainer.models.builders import unwrap
+from trainer.models.builders import WEIGHT_NAME, unwrap, zero_eps_weights
 from trainer.downloads import URL_SCHEMES, download
 from trainer.models.detectron_weights import convert, read_blobs
 
 log = logging.getLogger(__name__)
-_WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")
 
 @dataclass
 class LoadReport:
@@ -59,8 +56,8 @@ def load_weights(model: nn.Module, spec: str, option: str = "TRAIN.WEIGHTS", sho
     result = module.load_state_dict(kept, strict=False)
     missing = [k for k in result.missing_keys if k not in skipped]
     report = LoadReport(shown, target, [k for k in own if k in kept], skipped, missing, list(result.unexpected_keys))
-    if weight is not None and weight in _zero_eps_weights():
-        overwrite_eps(model, 0.0)  # these legacy COCO weights were trained with eps 0, as torchvision does
+    if weight is not None and zero_eps_weights(spec):  # as build_model does for TRAIN.WEIGHTS (eval --weights)
+        overwrite_eps(model, 0.0)
     _log_report(report)
     return report
 
@@ -78,7 +75,7 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
         return _read_path(path, option, shown, model), None
     if path.exists():  # a folder, a pipe, a device
         raise UserError(f"{option} {spec}: not a weights file (a folder or a device)")
-    if not _WEIGHT_NAME.fullmatch(spec):
+    if not WEIGHT_NAME.fullmatch(spec):
         raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
     try:
@@ -167,11 +164,6 @@ def _pick_target(model: nn.Module, state: dict):
     if body is not None:  # classification weights: resnet keys as they are, mobilenet's without features.
         candidates.append(("backbone.body", body, {k.removeprefix("features."): v for k, v in state.items()}))
     return max(candidates, key=lambda c: len(c[1].state_dict().keys() & c[2].keys()))
-
-
-def _zero_eps_weights() -> set:
-    return {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
-            tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
 
 
 def _log_report(r: LoadReport) -> None:
