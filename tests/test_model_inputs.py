@@ -425,7 +425,8 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     registered nothing and said "nothing to do" (2026-12-04's red team). Now the run's logged model
     (no second copy) is registered @final and @best, once; aliases deleted since (a registration cut
     short) are set again on the same version, and the model logged before the run's tag by a process
-    killed then is taken as it is; a logged model deleted from the server is logged again."""
+    killed then is taken as it is; a logged model deleted from the server is logged again (a model of
+    the same name that tracktron did not log is not taken for it)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]"})
     first = run_trainer(args, cwd=tmp_path, timeout=240)
@@ -465,6 +466,13 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     (run,) = client.search_runs([run.info.experiment_id])
     relogged = client.get_model_version_by_alias("named later", "final")
     assert relogged.source == f"models:/{run.data.tags['tracktron.model_id']}" != f"models:/{model_id}"
+    client.delete_logged_model(run.data.tags["tracktron.model_id"])  # and another "model" in the run, not ours
+    foreign = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run.info.run_id)
+    client.finalize_logged_model(foreign.model_id, "READY")
+    assert last_line().endswith("sent the run what it lacked: the model")
+    ours = client.get_run(run.info.run_id).data.tags["tracktron.model_id"]
+    assert ours != foreign.model_id and client.get_logged_model(ours).model_type == "tracktron-detector"
+    assert client.get_model_version_by_alias("named later", "final").source == f"models:/{ours}"
 
 
 def test_a_rerun_registering_under_another_name_reuses_the_best_checkpoints_servable_copy(tmp_path, data_dir):

@@ -27,7 +27,6 @@ import re
 from functools import partial
 
 import torchvision
-
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.models import detection as tvd

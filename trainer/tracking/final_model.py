@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.tracking.checkpoint_models import MODEL_TYPE, checkpoint_file, log_checkpoint, set_alias, update_best
+from trainer.tracking.runs import DETECTOR_TYPE
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
 
 
 def _ready_model(client, experiment_id: str, run_id: str, name: str):
-    """The run's READY logged model called `name` (the final model, a checkpoint's servable copy), if any."""
+    """The run's READY servable model called `name` (the final model, a checkpoint's copy) that tracktron
+    logged (its model_type says so: a model of that name someone else logged into the run is not it)."""
     return next((m for m in every_page(client.search_logged_models, experiment_ids=[experiment_id],
                                        filter_string=f"source_run_id = '{run_id}'")
-                 if m.name == name and str(m.status) == "READY" and m.model_type != MODEL_TYPE), None)
+                 if m.name == name and str(m.status) == "READY" and m.model_type == DETECTOR_TYPE), None)

@@ -18,7 +18,7 @@ from trainer.config import load_config
 from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
-from trainer.tracking.runs import download_uri
+from trainer.tracking.runs import DETECTOR_TYPE, download_uri
 
 CODE = Path(__file__).with_name("detector_code.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it
@@ -72,7 +72,8 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
         return mlflow.pyfunc.log_model(
             name=name, python_model=str(CODE), artifacts={ARTIFACT: str(folder)}, code_paths=[str(PACKAGE)],
             signature=signature(model_type), input_example=pd.DataFrame({"image": [example_image()]}),
-            pip_requirements=requirements(), registered_model_name=registered_model_name or None)
+            pip_requirements=requirements(), registered_model_name=registered_model_name or None,
+            model_type=DETECTOR_TYPE)
 
 
 def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:

@@ -28,6 +28,7 @@ LATEST_TAG = "tracktron.ckpt.latest"
 
 STATUS_REASON = "tracktron.status_reason"  # why a run ended FAILED or KILLED
 EVAL_SETS_TAG = "tracktron.eval.datasets"  # the test sets `tracktron eval` scored a run on (trained without)
+DETECTOR_TYPE = "tracktron-detector"  # the model_type of every servable model tracktron logs (not a user's)
 
 
 def sha_tag(name: str) -> str:
