@@ -357,6 +357,9 @@ def test_a_uri_that_names_nothing_is_one_line(tmp_path):
     # MLflow registers these, but models:/a#b?c@final and models:/a@b/1 cannot address them
     ("TRACKING.REGISTERED_MODEL", "a#b?c", False),
     ("TRACKING.REGISTERED_MODEL", "a@b", False),
+    # MLflow's SQL stores hold 256 characters: on PostgreSQL or MySQL the registration failed after training
+    ("TRACKING.REGISTERED_MODEL", "n" * 256, True),
+    ("TRACKING.REGISTERED_MODEL", "n" * 257, False),
 ])
 def test_config_values(key, value, ok):
     if ok:
@@ -426,7 +429,7 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     (no second copy) is registered @final and @best, once; aliases deleted since (a registration cut
     short) are set again on the same version, and the model logged before the run's tag by a process
     killed then is taken as it is; a logged model deleted from the server is logged again (a model of
-    the same name that tracktron did not log is not taken for it)."""
+    the same name that tracktron did not log is not taken for it, nor another run's named by the tag)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]"})
     first = run_trainer(args, cwd=tmp_path, timeout=240)
@@ -473,6 +476,15 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     ours = client.get_run(run.info.run_id).data.tags["tracktron.model_id"]
     assert ours != foreign.model_id and client.get_logged_model(ours).model_type == "tracktron-detector"
     assert client.get_model_version_by_alias("named later", "final").source == f"models:/{ours}"
+    other_run = client.create_run(run.info.experiment_id).info.run_id  # another job's model, its tag rewritten
+    other = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=other_run,
+                                       model_type="tracktron-detector")
+    client.finalize_logged_model(other.model_id, "READY")
+    client.set_tag(run.info.run_id, "tracktron.model_id", other.model_id)
+    client.delete_registered_model_alias("named later", "final")
+    assert last_line().endswith("sent the run what it lacked: the model")  # it registered the other job's
+    assert client.get_model_version_by_alias("named later", "final").source == f"models:/{ours}"
+    assert all(v.source != f"models:/{other.model_id}" for v in client.search_model_versions("name = 'named later'"))
 
 
 def test_a_rerun_registering_under_another_name_reuses_the_best_checkpoints_servable_copy(tmp_path, data_dir):

@@ -77,7 +77,7 @@ def _best_metric_ok(cfg) -> bool:
 def _model_name_ok(name: str) -> bool:
     """MLflow's registry rules, checked now rather than when the model is registered after training."""
     return not name or (bool(name.strip()) and not set("/:@#?") & set(name) and name.isprintable()
-                        and name not in (".", ".."))
+                        and name not in (".", "..") and len(name) <= 256)  # its SQL stores' column
 
 
 def finite_float(key: str, number, written) -> float:
@@ -183,7 +183,7 @@ def validate(cfg) -> None:
          f"TRACKING.CHECKPOINTS_KEEP must be >= 0 (0 keeps every checkpoint), got {cfg.TRACKING.CHECKPOINTS_KEEP}"),
         (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
          f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
-         "(not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),
+         "(1 to 256 characters, not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ] + _model_and_size_checks(cfg) + _tracking_name_checks(cfg)

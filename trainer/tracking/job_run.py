@@ -129,22 +129,22 @@ def _drop_tags_of_what_is_gone(client, run):
         log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
                     "and the job completes the run again", run_id, FINAL)
         gone.append(sha_tag(FINAL))
-    if MODEL_TAG in run.data.tags and _model_deleted(client, run.data.tags[MODEL_TAG]):
-        log.warning("run %s's logged model %s is gone from the tracking server: the job logs it again from %s",
-                    run_id, run.data.tags[MODEL_TAG], FINAL)
+    if MODEL_TAG in run.data.tags and not _holds_model(client, run_id, run.data.tags[MODEL_TAG]):
+        log.warning("run %s's logged model %s is gone from the tracking server (or is another run's): the job "
+                    "logs its own again from %s", run_id, run.data.tags[MODEL_TAG], FINAL)
         gone.append(MODEL_TAG)
     for tag in gone:
         client.delete_tag(run_id, tag)
     return client.get_run(run_id) if gone else run
 
 
-def _model_deleted(client, model_id: str) -> bool:
-    """Whether the server says the logged model does not exist (an error of another kind says nothing)."""
+def _holds_model(client, run_id: str, model_id: str) -> bool:
+    """Whether the logged model exists and is the run's (a tag rewritten by hand could name another
+    job's, which would then be registered as this one's); True when the server cannot say."""
     try:
-        client.get_logged_model(model_id)
+        return client.get_logged_model(model_id).source_run_id == run_id
     except Exception as e:
-        return getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
-    return False
+        return getattr(e, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 
 
 def _holds_file(client, run_id: str, path: str) -> bool:
