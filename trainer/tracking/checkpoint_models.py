@@ -103,11 +103,16 @@ def detector_folder(client, run_id: str, local: Path, tmp: Path) -> Path:
                       state["categories"]["categories"], state["categories"]["keypoint_names"])
 
 
+def servable_name(checkpoint: str) -> str:
+    """The name in its run of a checkpoint's servable copy (log_checkpoint): best-model_iter399."""
+    return f"best-{Path(checkpoint).stem}"
+
+
 def log_checkpoint(client, uri: str, run_id: str, local: Path, registered: str) -> str:
     """A checkpoint of the run (its best) logged as a servable model too, registered; its version."""
     from trainer.tracking.logged_model import log_detector  # torch
 
     with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
         folder = detector_folder(client, run_id, local, Path(tmp))
-        return log_detector(uri, run_id, folder, name=f"best-{local.stem}",
+        return log_detector(uri, run_id, folder, name=servable_name(local.name),
                             registered_model_name=registered).registered_model_version

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
-from trainer.tracking.checkpoint_models import MODEL_TYPE, checkpoint_file, log_checkpoint, set_alias, update_best
+from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log_checkpoint, servable_name, set_alias,
+                                               update_best)
 from trainer.tracking.runs import DETECTOR_TYPE
 from trainer.tracking.search import every_page
 
@@ -92,7 +93,7 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
         if best is None:
             log.info("nothing was evaluated: @best is the final model")
         version = final_version
-    elif logged := _ready_model(client, experiment_id, run_id, f"best-{Path(name).stem}"):
+    elif logged := _ready_model(client, experiment_id, run_id, servable_name(name)):
         version = register_logged(uri, client, run_id, logged.model_id, registered)
     else:
         version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
@@ -102,6 +103,6 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
 def _ready_model(client, experiment_id: str, run_id: str, name: str):
     """The run's READY servable model called `name` (the final model, a checkpoint's copy) that tracktron
     logged (its model_type says so: a model of that name someone else logged into the run is not it)."""
-    return next((m for m in every_page(client.search_logged_models, experiment_ids=[experiment_id],
-                                       filter_string=f"source_run_id = '{run_id}'")
-                 if m.name == name and str(m.status) == "READY" and m.model_type == DETECTOR_TYPE), None)
+    models = every_page(client.search_logged_models, experiment_ids=[experiment_id],
+                        filter_string=f"source_run_id = '{run_id}' AND model_type = '{DETECTOR_TYPE}' AND name = '{name}'")
+    return next((m for m in models if str(m.status) == "READY"), None)
