@@ -112,7 +112,7 @@ def test_an_empty_resume_id_is_refused(here):
     lambda p: os.mkfifo(p),  # the resume scan hung on it
     lambda p: p.symlink_to("/dev/zero"),  # the resume scan read until the OOM killer came
 ], ids=["folder", "fifo", "link-to-dev-zero"])
-@pytest.mark.parametrize("name", ["model_iter1.pth", "json_stats.log", "config.yaml", "model.txt"])
+@pytest.mark.parametrize("name", ["model_iter1.pth", "json_stats.log", "config.yaml", "model.txt", "unsent_metrics.json"])
 def test_an_output_name_that_is_no_file_is_refused_before_the_run(here, make, name):
     """Found for json_stats.log, config.yaml and model.txt too: the run made, then a hang at the first
     stats line (a FIFO) or an IsADirectoryError traceback (a folder)."""

@@ -44,7 +44,8 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepa
     """A rerun of a finished job: send what its run lacks (model_final, json_stats.log, the final
     evaluation, the model, its registration); returns what it sent (queued: finish() says what did
     not arrive). `prepared` is the job's network and dataset (None when its data is gone)."""
-    final, run, sent = output_dir / FINAL, tracker.run, []
+    final, run = output_dir / FINAL, tracker.run
+    sent = [run.resent_metrics] if run.resent_metrics else []
     if run.run_id is None or not final.exists():
         return sent
     if FINAL not in run.checkpoints:  # the artifact store was down to the end

@@ -60,7 +60,8 @@ def local_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
 
 
-JOB_FILES = ("config.yaml", "model.txt", "json_stats.log")  # what else the job writes in OUTPUT_DIR
+UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
+JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 
 
 def not_files(output_dir: Path) -> list[Path]:
@@ -128,14 +129,14 @@ def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset())
 
 def set_aside(output_dir: Path) -> Path | None:
     """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
-    they move to `earlier-<time>/` with json_stats.log, kept but out of the way. Left in place, a
-    later resume of the new start took their model_final for its own (nothing to do) or their
-    newest model_iter for its newest. The folder, or None when there was nothing to move."""
+    they move to `earlier-<time>/` with json_stats.log (and the metrics its run never got), kept but
+    out of the way. Left in place, a later resume of the new start took their model_final for its
+    own (nothing to do) or their newest model_iter for its newest. The folder, or None when there was nothing to move."""
     found = local_checkpoints(output_dir)
     if not found:
         return None
     folder = Path(tempfile.mkdtemp(prefix=time.strftime("earlier-%Y%m%d-%H%M%S-"), dir=output_dir))
-    log_file = output_dir / "json_stats.log"
-    for path in [*found, *([log_file] if log_file.is_file() else [])]:
+    logs = [output_dir / name for name in ("json_stats.log", UNSENT_METRICS)]  # the earlier start's, not the new run's
+    for path in [*found, *(p for p in logs if p.is_file())]:
         os.replace(path, folder / path.name)
     return folder

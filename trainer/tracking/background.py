@@ -50,6 +50,7 @@ class MetricSender:
         self._nudge = threading.Event()  # send now, don't wait out the interval
         self._inflight_from: int | None = None  # the first step of the batch being sent
         self._inflight_steps = 0  # how many iterations that batch holds
+        self._batch: list = []  # the batch being sent, as (key, value, timestamp_ms, step) points
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
@@ -98,6 +99,19 @@ class MetricSender:
                         left, self.dropped)
         return left == 0 and not self._thread.is_alive()
 
+    def resend(self, points: list) -> None:
+        """Points an earlier process of the run could not send, ahead of everything put after."""
+        for step, ts, metrics in reversed(_grouped(points)):
+            self._pending.appendleft((step, ts, metrics))
+        self._nudge.set()
+
+    def leftover(self) -> list:
+        """After close(): the points given up on (the batch in flight too: a resend of it that did
+        arrive is the same point, which the server keeps once)."""
+        inflight = list(self._batch) if self._inflight_from is not None else []
+        return inflight + [(k, float(v), ts, step) for step, ts, metrics in list(self._pending)
+                           for k, v in metrics.items()]
+
     def _next_batch(self) -> list:
         batch: list = []
         if self._pending:
@@ -118,7 +132,7 @@ class MetricSender:
         backoff, batch = Backoff(), []
         while True:
             if not batch:
-                batch = self._next_batch()
+                batch = self._batch = self._next_batch()
             if not batch:
                 if self._stop.is_set():
                     return
@@ -150,6 +164,14 @@ class MetricSender:
             self._send([])
         except Exception as e:  # the next batch retries; a missed beat only makes a watcher wait
             log.debug("metrics: heartbeat not sent: %s", first_line(e))
+
+
+def _grouped(points: list) -> list:
+    """(key, value, timestamp_ms, step) points back to the sender's (step, timestamp_ms, metrics)."""
+    groups: dict = {}
+    for key, value, ts, step in points:
+        groups.setdefault((step, ts), {})[key] = value
+    return [(step, ts, metrics) for (step, ts), metrics in groups.items()]
 
 
 class Uploader:

@@ -18,6 +18,7 @@ class RunInfo:
     experiment_id: str | None = None
     model_logged: bool = False  # the servable model is in the run (and registered, if asked)
     last_step: int = -1  # the newest iteration whose metrics the run had when the job started (-1: none)
+    resent_metrics: str = ""  # the metrics an earlier start could not send, which this one sends first (unsent.py)
 
 
 class Tracker:

@@ -1,8 +1,8 @@
-"""The MLflow implementation of the tracking interface. `start()` finds the job's run on a thread while
-the caller imports torch and checks the job, then makes or reopens it; `run` waits for it. Everything
-after goes through two background threads with MLflow's own client: the MetricSender (one `log_batch`
-every few seconds, the run's heartbeat with it) and the Uploader (artifacts, checkpoints and their
-tags, pruning in the run, the evaluations and the final model, the status)."""
+"""The MLflow implementation of the tracking interface. `start()` finds the job's run on a thread while the
+caller imports torch and checks the job, then makes or reopens it; `run` waits for it. Everything after
+goes through two background threads with MLflow's own client: the MetricSender (one `log_batch` every
+few seconds, the run's heartbeat with it) and the Uploader (artifacts, checkpoints and their tags, pruning
+in the run, the evaluations and the final model, the status)."""
 from __future__ import annotations
 
 import importlib
@@ -28,6 +28,7 @@ from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id,
                                    experiment_name, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
+from trainer.tracking import unsent
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
 
@@ -56,9 +57,9 @@ class MlflowTracker(Tracker):
         self._status_set = False  # finish() has recorded the run's end
         self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
+        self._resent = False  # this start took metrics an earlier one left in OUTPUT_DIR (unsent.py)
         self._uploader = Uploader(retryable)
-        self._newest_checkpoint = -1.0  # the newest checkpoint handed to log_checkpoint
-        self._newest_uploaded = -1.0  # ... and the newest one tagged complete on the server
+        self._newest_checkpoint = self._newest_uploaded = -1.0  # handed to log_checkpoint; tagged complete on the server
         self._uploaded: set[str] = set()  # checkpoint files this process put on the server
         self._attached = False
         self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
@@ -90,8 +91,7 @@ class MlflowTracker(Tracker):
         return self._found.result().checkpoints if self._found is not None else []
 
     def check_found(self) -> None:
-        if self._found is not None:
-            self._found.result()
+        self.found_checkpoints()  # raises the lookup's UserError
 
     @property
     def run(self) -> RunInfo:
@@ -149,6 +149,7 @@ class MlflowTracker(Tracker):
                                 checkpoints_from(self._tags), opened.experiment_id, MODEL_TAG in self._tags,
                                 opened.last_step)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S, beat=True)
+            self._resent = unsent.resend(self._sender, self._output_dir, self._run)  # first: what a start left
             self._log_params(cfg, set(opened.run.data.params))
         except BaseException as e:
             return failed(e)
@@ -366,15 +367,16 @@ class MlflowTracker(Tracker):
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        if self._sender:
-            self._sender.close(timeout)
+        sent, kept = (self._sender.close(timeout) if self._sender else True), []
+        if (not sent and not self._attached) or self._resent:  # what is left goes to the job's next start
+            kept = unsent.keep(self._output_dir, run_id, self._sender.leftover())
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
         if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one direct try
             wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(floor, deadline - time.monotonic()))
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
-        return [d for d in self._uploader.failed if not self._superseded(d) and d not in done]
+        return [d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag
