@@ -164,7 +164,8 @@ def run(env: Env) -> Section:
     r50_cfg = load_config(None, ["TRACKING.URI", env.mlflow.url, "TRACKING.EXPERIMENT", "bench-checkpoint-stall",
                                  "OUTPUT_DIR", str(env.scratch("r50-out")), "TRACKING.LOG_MODEL", "false"])
     demo_cfg = env.demo_cfg("TRACKING.URI", env.mlflow.url, "TRACKING.EXPERIMENT", "bench-checkpoint-stall",
-                            "OUTPUT_DIR", str(env.scratch("demo-out")), "TRACKING.LOG_MODEL", "false")
+                            "OUTPUT_DIR", str(env.scratch("demo-out")), "TRACKING.LOG_MODEL", "false",
+                            "TRACKING.REGISTERED_MODEL", "")
     results = [measure(env, "demo", demo_cfg, 4, 3 if quick else 5),
                measure(env, "R50-FPN", r50_cfg, 91, 2 if quick else 3)]
 

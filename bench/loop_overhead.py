@@ -84,7 +84,7 @@ class LoopBench:
         self.out = env.scratch("loop")
         self.cfg = env.demo_cfg("TRACKING.URI", env.mlflow.url, "TRACKING.EXPERIMENT", "bench-loop-overhead",
                                 "OUTPUT_DIR", self.out, "DATA_LOADER.NUM_THREADS", 0, "SOLVER.MAX_ITER", 1_000_000,
-                                "TRACKING.LOG_MODEL", False,
+                                "TRACKING.LOG_MODEL", False, "TRACKING.REGISTERED_MODEL", "",
                                 # a constant LR: bare (no scheduler) and ours then compute the same numbers
                                 "SOLVER.BASE_LR", 0.005, "SOLVER.WARM_UP_ITERS", 0)
         self.tracker = MlflowTracker(self.cfg)
