@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ from tests.conftest import run_trainer
 from tests.faultkit import jobs, job_args, only_run, steps, wait_until  # noqa: F401 - jobs is a fixture
 from tests.servers import FaultProxy
 from trainer.checkpoint.files import UNSENT_METRICS
-from trainer.tracking import unsent
+from trainer.tracking.unsent import UnsentMetrics
 from trainer.tracking.background import MetricSender
 from trainer.tracking.base import RunInfo
 
@@ -75,6 +76,22 @@ def test_metrics_the_server_never_got_at_the_end_are_named_and_sent_by_the_rerun
     assert not (out / UNSENT_METRICS).exists()
 
 
+def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_path, data_dir):
+    """A file the job did not take (another run's: a folder reused by hand) is never sent to this
+    run, and a job with nothing left over does not remove it."""
+    out = tmp_path / "output"
+    out.mkdir()
+    foreign = json.dumps({"run_id": "someone-else", "points": [["loss", 0.5, 1000, 3]]})
+    (out / UNSENT_METRICS).write_text(foreign)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4}), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "holds metrics of run someone-else, not of this job's run" in done.stderr
+    assert (out / UNSENT_METRICS).read_text() == foreign
+    client = MlflowClient(uri)
+    assert steps(client, only_run(client, "demo").info.run_id) == [0, 1, 2, 3]
+
+
 # ---- the sender: what it gives up on, and sends again first ----
 
 def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_next_time():
@@ -99,46 +116,94 @@ def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_ne
 
 # ---- the file: what nobody would write ----
 
+class Sender:
+    """Stands in for the MetricSender: collects what resend() queues."""
+
+    def __init__(self):
+        self.points = []
+
+    def resend(self, points):
+        self.points += points
+
+
 def _kept(tmp_path, body):
     (tmp_path / UNSENT_METRICS).write_text(body if isinstance(body, str) else json.dumps(body))
 
 
+def _resend(tmp_path, run_id="r1", logged=None):
+    kept, sender, run = UnsentMetrics(tmp_path, run_id), Sender(), RunInfo(run_id, last_step=1)
+    kept.resend(sender, run, logged or {})
+    return kept, sender.points, run
+
+
 @pytest.mark.parametrize("body", [
-    "not json", "[]", "null", '{"run_id": "r1"}', {"run_id": "r1", "points": "abcd"},
+    "not json", "[]", "null", '{"run_id": "r1"}', {"run_id": 7, "points": []}, {"run_id": "r1", "points": "abcd"},
     {"run_id": "r1", "points": [["loss", "0.5", 1, 2]]}, {"run_id": "r1", "points": [["loss", True, 1, 2]]},
-    {"run_id": "r1", "points": [["loss", 0.5, -1, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, 1, 2**63]]},
-    {"run_id": "r1", "points": [["loss", 0.5, 1.5, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, 1]]},
-    {"run_id": "r1", "points": [["../loss", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["/loss", 0.5, 1, 2]]},
-    {"run_id": "r1", "points": [["a//b", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["loss\n", 0.5, 1, 2]]},
-    {"run_id": "r1", "points": [["x" * 251, 0.5, 1, 2]]}, {"run_id": "r1", "points": [["", 0.5, 1, 2]]},
-])
-def test_a_damaged_or_foreign_file_sends_nothing_and_stays(tmp_path, caplog, body):
+    {"run_id": "r1", "points": [["loss", 10**400, 1, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, -1, 2]]},
+    {"run_id": "r1", "points": [["loss", 0.5, 1, 2**63]]}, {"run_id": "r1", "points": [["loss", 0.5, 1.5, 2]]},
+    {"run_id": "r1", "points": [["loss", 0.5, 1]]}, {"run_id": "r1", "points": [["../loss", 0.5, 1, 2]]},
+    {"run_id": "r1", "points": [["/loss", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["a//b", 0.5, 1, 2]]},
+    {"run_id": "r1", "points": [["loss\n", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["x" * 251, 0.5, 1, 2]]},
+    {"run_id": "r1", "points": [["", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, 1, 2], ["lr", 1, 1]]},
+    '{"run_id": "r1", "points": ' + "[" * 200_000,  # deeper than the parser's recursion
+], ids=lambda body: repr(body)[:40])
+def test_a_damaged_file_sends_nothing_fails_nothing_and_stays(tmp_path, caplog, body):
     """A point MLflow would refuse must never reach the sender: the server's refusal of the first
-    batch would hold back every metric after it, and every checkpoint's completion with them."""
+    batch would hold back every metric after it, and every checkpoint's completion with them. A
+    file nested too deep was a RecursionError that failed every start of the job (red team)."""
     _kept(tmp_path, body)
+    before = (tmp_path / UNSENT_METRICS).read_bytes()
     with caplog.at_level(logging.WARNING):
-        assert unsent.take(tmp_path, "r1") == []
-    assert "not sent" in caplog.text
-    assert (tmp_path / UNSENT_METRICS).exists()
+        kept, sent, run = _resend(tmp_path)
+    assert sent == [] and run.last_step == 1
+    assert "is not a list of metric points" in caplog.text
+    assert kept.keep([("loss", 0.5, 1000, 5)]) == ["the metrics of iteration 5"]  # not kept over it
+    kept.keep([])
+    assert (tmp_path / UNSENT_METRICS).read_bytes() == before
 
 
-def test_another_runs_points_are_not_sent_to_this_one(tmp_path, caplog):
+def test_another_runs_file_is_neither_sent_nor_replaced(tmp_path, caplog):
+    """A start over (--no-resume) in a folder without checkpoints leaves the file where it is: the
+    new run's own leftovers must not replace it (red team)."""
     _kept(tmp_path, {"run_id": "r0", "points": [["loss", 0.5, 1, 2]]})
-    run = RunInfo("r1", last_step=1)
-    assert not unsent.resend(None, tmp_path, run)
+    before = (tmp_path / UNSENT_METRICS).read_bytes()
+    kept, sent, run = _resend(tmp_path)
+    assert sent == [] and run.last_step == 1
     assert "holds metrics of run r0, not of this job's run r1" in caplog.text
-    assert run.last_step == 1
+    kept.keep([("loss", 0.5, 1000, 5)])
+    kept.keep([])
+    assert (tmp_path / UNSENT_METRICS).read_bytes() == before
 
 
-def test_resent_steps_count_as_logged_and_nan_survives(tmp_path):
-    unsent.keep(tmp_path, "r1", [("loss", float("nan"), 1000, 7), ("bbox/AP", 0.25, 1000, 9)])
-    sent = []
+def test_unicode_metric_names_are_kept_and_sent(tmp_path):
+    """MLflow takes any word character: an evaluation of a test set named `größe_val` logs
+    `größe_val/bbox/AP`. An ASCII-only check refused the whole file, losing every point (red team)."""
+    UnsentMetrics(tmp_path, "r1").keep([("loss", 0.5, 1000, 5), ("größe_val/bbox/AP", 0.3, 1000, 5)])
+    _, sent, _ = _resend(tmp_path)
+    assert [p[0] for p in sent] == ["loss", "größe_val/bbox/AP"]
 
-    class Sender:
-        resend = sent.extend
 
-    run = RunInfo("r1", last_step=3)
-    assert unsent.resend(Sender, tmp_path, run)
+def test_points_the_run_holds_are_not_sent_again_and_resent_steps_count_as_logged(tmp_path):
+    """Node-local OUTPUT_DIRs: steps kept on one machine that the run got since from another start
+    (the newest step per key says so) are not sent twice (red team); NaN survives the file."""
+    UnsentMetrics(tmp_path, "r1").keep([("loss", 1.0, 1000, 3), ("loss", float("nan"), 1000, 7),
+                                        ("bbox/AP", 0.25, 1000, 3), ("bbox/AP", 0.5, 1000, 9)])
+    kept, sent, run = _resend(tmp_path, logged={"loss": 4, "bbox/AP": 2})
+    assert [(p[0], p[3]) for p in sent] == [("loss", 7), ("bbox/AP", 3), ("bbox/AP", 9)]
+    assert sent[0][1] != sent[0][1]  # NaN
     assert run.last_step == 7  # the loss's newest step: a resume from before it sends none of them twice
-    assert run.resent_metrics == "the metrics of 2 iterations (7-9)"
-    assert [p[0] for p in sent] == ["loss", "bbox/AP"] and sent[0][1] != sent[0][1]
+    assert run.resent_metrics == "the metrics of 3 iterations (3-9)"
+    kept.keep([])
+    assert not (tmp_path / UNSENT_METRICS).exists()  # taken, all sent: removed
+
+
+def test_a_resend_past_the_queues_room_drops_the_oldest_and_counts_them():
+    """The points sit in the queue or in the batch being sent (a server that does not answer here):
+    leftover() has them either way."""
+    server = threading.Event()
+    sender = MetricSender(lambda points: server.wait(), max_pending=3, interval=60)
+    sender.put({"loss": 9.0}, 9)
+    sender.resend([("loss", float(s), 1000 + s, s) for s in range(4)])
+    assert sender.dropped == 2
+    assert [p[3] for p in sender.leftover()] == [2, 3, 9]
+    server.set()

@@ -51,6 +51,7 @@ class MetricSender:
         self._inflight_from: int | None = None  # the first step of the batch being sent
         self._inflight_steps = 0  # how many iterations that batch holds
         self._batch: list = []  # the batch being sent, as (key, value, timestamp_ms, step) points
+        self._taking = threading.Lock()  # a batch taken from the queue, against leftover()
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
@@ -100,19 +101,31 @@ class MetricSender:
         return left == 0 and not self._thread.is_alive()
 
     def resend(self, points: list) -> None:
-        """Points an earlier process of the run could not send, ahead of everything put after."""
-        for step, ts, metrics in reversed(_grouped(points)):
+        """Points an earlier process of the run could not send, ahead of everything put after; past
+        the queue's room the oldest are dropped (and counted), as put() drops them."""
+        groups = _grouped(points)
+        room = self._pending.maxlen - len(self._pending)
+        if len(groups) > room:
+            self.dropped += len(groups) - room
+            groups = groups[len(groups) - room:]
+        for step, ts, metrics in reversed(groups):
             self._pending.appendleft((step, ts, metrics))
         self._nudge.set()
 
     def leftover(self) -> list:
         """After close(): the points given up on (the batch in flight too: a resend of it that did
         arrive is the same point, which the server keeps once)."""
-        inflight = list(self._batch) if self._inflight_from is not None else []
-        return inflight + [(k, float(v), ts, step) for step, ts, metrics in list(self._pending)
-                           for k, v in metrics.items()]
+        with self._taking:  # a point is in the queue or in the batch, never between the two
+            inflight = list(self._batch) if self._inflight_from is not None else []
+            return inflight + [(k, float(v), ts, step) for step, ts, metrics in list(self._pending)
+                               for k, v in metrics.items()]
 
     def _next_batch(self) -> list:
+        with self._taking:
+            self._batch = self._take_batch()
+            return self._batch
+
+    def _take_batch(self) -> list:
         batch: list = []
         if self._pending:
             self._inflight_from = self._pending[0][0]  # before the pop: wait_sent() must see it somewhere
@@ -132,7 +145,7 @@ class MetricSender:
         backoff, batch = Backoff(), []
         while True:
             if not batch:
-                batch = self._batch = self._next_batch()
+                batch = self._next_batch()
             if not batch:
                 if self._stop.is_set():
                     return

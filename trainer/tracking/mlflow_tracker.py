@@ -1,8 +1,7 @@
-"""The MLflow implementation of the tracking interface. `start()` finds the job's run on a thread while the
-caller imports torch and checks the job, then makes or reopens it; `run` waits for it. Everything after
-goes through two background threads with MLflow's own client: the MetricSender (one `log_batch` every
-few seconds, the run's heartbeat with it) and the Uploader (artifacts, checkpoints and their tags, pruning
-in the run, the evaluations and the final model, the status)."""
+"""The MLflow implementation of the tracking interface. `start()` finds the job's run on a thread while the caller
+imports torch and checks the job, then makes or reopens it; `run` waits for it. Everything after goes through two
+threads with MLflow's own client: the MetricSender (a `log_batch` every few seconds, the run's heartbeat with it) and
+the Uploader (artifacts, checkpoints and their tags, pruning, the evaluations and the final model, the status)."""
 from __future__ import annotations
 
 import importlib
@@ -26,11 +25,11 @@ from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, open_run
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id,
-                                   experiment_name, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
-from trainer.tracking import unsent
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, experiment_name,
+                                   logged_steps, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import run_repository, upload as upload_file
+from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class MlflowTracker(Tracker):
         self._status_set = False  # finish() has recorded the run's end
         self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
-        self._resent = False  # this start took metrics an earlier one left in OUTPUT_DIR (unsent.py)
+        self._unsent: UnsentMetrics | None = None  # OUTPUT_DIR's metrics that an earlier start could not send
         self._uploader = Uploader(retryable)
         self._newest_checkpoint = self._newest_uploaded = -1.0  # handed to log_checkpoint; tagged complete on the server
         self._uploaded: set[str] = set()  # checkpoint files this process put on the server
@@ -149,7 +148,8 @@ class MlflowTracker(Tracker):
                                 checkpoints_from(self._tags), opened.experiment_id, MODEL_TAG in self._tags,
                                 opened.last_step)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S, beat=True)
-            self._resent = unsent.resend(self._sender, self._output_dir, self._run)  # first: what a start left
+            self._unsent = UnsentMetrics(self._output_dir, run_id)
+            self._unsent.resend(self._sender, self._run, logged_steps(opened.run))  # before anything else
             self._log_params(cfg, set(opened.run.data.params))
         except BaseException as e:
             return failed(e)
@@ -289,9 +289,10 @@ class MlflowTracker(Tracker):
             on_server = checkpoint in self._uploaded or self._attached or (  # a rerun's evaluation of model_final
                 checkpoint == FINAL and FINAL in self._run.checkpoints)
             if not on_server:  # its upload failed: no model to link
-                log.warning("%s is not on the server: its evaluation is logged without a model", checkpoint)
-                self._sender.put(metrics, step)
-                return
+                final = checkpoint == FINAL  # evaluated again by the job's next start, into its model: not sent twice
+                log.warning("%s is not on the server: its evaluation is %s", checkpoint,
+                            "left to the job's next start" if final else "logged without a model")
+                return None if final else self._sender.put(metrics, step)
             experiment_id = self._experiment_id()
             link_evaluation(self.client, experiment_id, self._run.run_id, checkpoint, metrics, step)
             self._best = update_best(self.client, experiment_id, self._run.run_id, self._best_metric) or self._best
@@ -367,14 +368,14 @@ class MlflowTracker(Tracker):
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        sent, kept = (self._sender.close(timeout) if self._sender else True), []
-        if (not sent and not self._attached) or self._resent:  # what is left goes to the job's next start
-            kept = unsent.keep(self._output_dir, run_id, self._sender.leftover())
+        if self._sender:
+            self._sender.close(timeout)
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
         if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one direct try
             wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(floor, deadline - time.monotonic()))
+        kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         return [d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept
 

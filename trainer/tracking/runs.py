@@ -122,10 +122,14 @@ def checkpoints_from(tags: dict) -> list[str]:
 
 
 def last_step_of(run, key: str = "loss") -> int:
-    """The newest step of `key` logged to the run, -1 if none. The store keeps each key's latest
-    point (the one with the highest step) with the run, and RunData's proto carries its step, so a
-    long job's history of every iteration is never fetched."""
-    return max((m.step for m in run.data.to_proto().metrics if m.key == key), default=-1)
+    return logged_steps(run).get(key, -1)
+
+
+def logged_steps(run) -> dict[str, int]:
+    """The newest step of each key logged to the run. The store keeps each key's latest point (the
+    one with the highest step) with the run, and RunData's proto carries its step, so a long job's
+    history of every iteration is never fetched."""
+    return {m.key: m.step for m in run.data.to_proto().metrics}
 
 
 # ---- fetching what a run holds ----

@@ -1,6 +1,7 @@
-"""Metric points a job could not send before its deadline (the tracking server down at its end, or
-at a SIGTERM's), kept in OUTPUT_DIR beside its checkpoints: the next start of the job that reopens
-the same run sends them first, so a checkpoint resumed there leaves no hole in the run's curves."""
+"""Metric points a job could not send before it stopped (the tracking server down at a signal, a
+failure or the end of training), kept in OUTPUT_DIR beside its checkpoints: the next start of the
+job that reopens the same run sends them first, so a checkpoint resumed there leaves no hole in
+the run's curves."""
 from __future__ import annotations
 
 import contextlib
@@ -16,70 +17,86 @@ from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
 
-KEY = re.compile(r"[\w\-. /:]{1,250}", re.ASCII)  # MLflow's rule for a metric's name, with its path rule (_point)
+KEY = re.compile(r"[\w\-. /:]{1,250}")  # MLflow's rule for a metric's name, with its path rule (valid_point)
+MAX_BYTES = 256 * 2**20  # what the sender holds at most (200,000 iterations of ~12 metrics) is ~150 MB
 
 
-def keep(output_dir: Path, run_id: str, points: list) -> list[str]:
-    """Write the points the run never got (replacing the file), or remove the file when none are
-    left. What the run lacks, for the job's last line: [] or one description."""
-    path = Path(output_dir) / UNSENT_METRICS
-    if not points:
-        with contextlib.suppress(OSError):  # a file it cannot remove is sent again, and kept once
-            path.unlink(missing_ok=True)
-        return []
-    lacking = f"the metrics of {describe(points)}"
-    try:
-        write_atomic(path, json.dumps({"run_id": run_id, "points": points}))
-    except OSError as e:  # the folder is gone or full: those points are lost, as they were before
-        log.warning("could not keep the unsent metrics in %s: %s", path, first_line(e))
-        return [lacking]
-    return [f"{lacking} (kept in {path})"]
+class UnsentMetrics:
+    """OUTPUT_DIR/unsent_metrics.json of one run: taken at the start, rewritten at the end. A file
+    it refused (another run's, damaged) is never sent, rewritten or removed."""
+
+    def __init__(self, output_dir: Path, run_id: str):
+        self.path, self.run_id = Path(output_dir) / UNSENT_METRICS, run_id
+        self.taken = False
+        self.refused = False
+
+    def resend(self, sender, run, logged: dict[str, int]) -> None:
+        """Queue the points an earlier start left ahead of everything else, but those the run holds
+        (`logged`: its newest step per key); the loss's steps count as logged (run.last_step), so a
+        resume from before them sends none of them twice."""
+        points = [p for p in self._take() if p[3] > logged.get(p[0], -1)]
+        if points:
+            run.resent_metrics = f"the metrics of {describe(points)}"
+            log.info("sending %s that an earlier start could not send", run.resent_metrics)
+            sender.resend(points)
+            run.last_step = max([run.last_step, *(step for key, _, _, step in points if key == "loss")])
+
+    def keep(self, points: list) -> list[str]:
+        """Write the points the run never got (replacing a file it took), or remove a file it took
+        when none are left. What the run lacks, for the job's last line: [] or one description."""
+        if not points:
+            if self.taken:
+                with contextlib.suppress(OSError):  # one it cannot remove is sent again, and kept once
+                    self.path.unlink(missing_ok=True)
+            return []
+        lacking = f"the metrics of {describe(points)}"
+        if self.refused and self.path.exists():  # not when a start over set it aside meanwhile
+            log.warning("%s not kept: %s holds what this job refused to send", lacking, self.path)
+            return [lacking]
+        try:
+            write_atomic(self.path, json.dumps({"run_id": self.run_id, "points": points}))
+        except OSError as e:  # the folder is gone or full: those points are lost, as they were before
+            log.warning("could not keep the unsent metrics in %s: %s", self.path, first_line(e))
+            return [lacking]
+        return [f"{lacking} (kept in {self.path})"]
+
+    def _take(self) -> list:
+        if not self.path.is_file():
+            return []
+        self.refused = True
+        try:
+            if self.path.stat().st_size > MAX_BYTES:
+                raise ValueError(f"larger than {MAX_BYTES // 2**20} MiB")
+            kept = json.loads(self.path.read_text())
+            owner, points = kept["run_id"], kept["points"]
+            if not isinstance(owner, str):
+                raise ValueError("no run id")
+            if owner != self.run_id:
+                log.warning("%s holds metrics of run %.100s, not of this job's run %s: not sent", self.path, owner,
+                            self.run_id)
+                return []
+            if not isinstance(points, list) or not all(map(valid_point, points)):
+                raise ValueError("a point is no (key, value, timestamp, step) that MLflow takes")
+        except Exception as e:  # not ours, or damaged (too deep, too large): never sent, never fatal
+            log.warning("%s is not a list of metric points (%s): not sent", self.path, first_line(e))
+            return []
+        self.refused, self.taken = False, True
+        return [(key, float(value), ts, step) for key, value, ts, step in points]
+
+
+def valid_point(p) -> bool:
+    """A point as the sender made it: (key, value, timestamp_ms, step). A key MLflow would refuse
+    must never reach the sender: the server's refusal of a batch would hold back every metric (and
+    checkpoint tag) after it."""
+    if not (isinstance(p, list) and len(p) == 4):
+        return False
+    key, value, timestamp, step = p
+    good_key = (isinstance(key, str) and KEY.fullmatch(key) is not None and posixpath.normpath(key) == key
+                and key != "." and not key.startswith(("..", "/")))
+    good_value = isinstance(value, float) or (type(value) is int and abs(value) < 2**53)
+    return good_key and good_value and all(type(n) is int and 0 <= n < 2**63 for n in (timestamp, step))
 
 
 def describe(points: list) -> str:
     steps = sorted({p[3] for p in points})
     return f"iteration {steps[0]}" if len(steps) == 1 else f"{len(steps)} iterations ({steps[0]}-{steps[-1]})"
-
-
-def take(output_dir: Path, run_id: str) -> list:
-    """The points an earlier start of this run left, checked; [] when there are none, or when they
-    are another run's (left in place, said once)."""
-    path = Path(output_dir) / UNSENT_METRICS
-    if not path.is_file():
-        return []
-    try:
-        kept = json.loads(path.read_text())
-        points = [_point(p) for p in kept["points"]]
-        owner = kept["run_id"]
-    except (OSError, ValueError, KeyError, TypeError) as e:  # not ours, or damaged: never sent, never fatal
-        log.warning("%s is not a list of metric points (%s): not sent", path, first_line(e))
-        return []
-    if owner != run_id:
-        log.warning("%s holds metrics of run %s, not of this job's run %s: not sent", path, owner, run_id)
-        return []
-    return points
-
-
-def _point(p) -> tuple:
-    """A point as the sender made it. A key MLflow would refuse is refused here: the server's refusal
-    of the first batch would hold back every metric (and checkpoint tag) after it."""
-    key, value, timestamp, step = p
-    if not (isinstance(key, str) and KEY.fullmatch(key) and posixpath.normpath(key) == key
-            and key != "." and not key.startswith(("..", "/")) and isinstance(value, (int, float)) and not isinstance(value, bool)
-            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in (timestamp, step))):
-        raise ValueError(f"{p!r:.80} is no (key, value, timestamp, step)")
-    return key, float(value), timestamp, step
-
-
-def resend(sender, output_dir: Path, run) -> bool:
-    """Queue what an earlier start of `run` left ahead of everything else; the steps they hold count
-    as logged (run.last_step), so that a resume from before them does not send them twice. True
-    when there was something to send: the file is then rewritten or removed at the end (keep)."""
-    points = take(output_dir, run.run_id)
-    if points:
-        run.resent_metrics = f"the metrics of {describe(points)}"
-        log.info("sending %s that an earlier start could not send", run.resent_metrics)
-        sender.resend(points)
-        run.last_step = max([run.last_step, *(step for key, _, _, step in points if key == "loss")])
-    return bool(points)
-
