@@ -37,6 +37,7 @@ def test_a_job_stopped_while_the_server_is_down_leaves_no_hole_in_its_curves(tmp
         job.signal_group(signal.SIGTERM)
         assert job.wait() == 128 + signal.SIGTERM, job.stderr[-3000:]
         kept = json.loads((out / UNSENT_METRICS).read_text())
+        assert "the tracking server did not get: " in job.stderr and f"(kept in {out / UNSENT_METRICS})" in job.stderr
         stopped_at = max(job.iters())
         assert max(p[3] for p in kept["points"]) == stopped_at
         proxy.set_mode("pass")
@@ -78,7 +79,8 @@ def test_metrics_the_server_never_got_at_the_end_are_named_and_sent_by_the_rerun
 
 def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_path, data_dir):
     """A file the job did not take (another run's: a folder reused by hand) is never sent to this
-    run, and a job with nothing left over does not remove it."""
+    run; it moves to `earlier-<time>/`, so that it neither blocks this run's own leftovers for good
+    nor is lost (helper-44's red team)."""
     out = tmp_path / "output"
     out.mkdir()
     foreign = json.dumps({"run_id": "someone-else", "points": [["loss", 0.5, 1000, 3]]})
@@ -87,7 +89,8 @@ def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_p
     done = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4}), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "holds metrics of run someone-else, not of this job's run" in done.stderr
-    assert (out / UNSENT_METRICS).read_text() == foreign
+    assert not (out / UNSENT_METRICS).exists()
+    assert [p.read_text() for p in out.glob(f"earlier-*/{UNSENT_METRICS}")] == [foreign]  # kept, out of the way
     client = MlflowClient(uri)
     assert steps(client, only_run(client, "demo").info.run_id) == [0, 1, 2, 3]
 
@@ -147,32 +150,62 @@ def _resend(tmp_path, run_id="r1", logged=None):
     {"run_id": "r1", "points": [["", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, 1, 2], ["lr", 1, 1]]},
     '{"run_id": "r1", "points": ' + "[" * 200_000,  # deeper than the parser's recursion
 ], ids=lambda body: repr(body)[:40])
-def test_a_damaged_file_sends_nothing_fails_nothing_and_stays(tmp_path, caplog, body):
+def test_a_damaged_file_sends_nothing_fails_nothing_and_moves_aside(tmp_path, caplog, body):
     """A point MLflow would refuse must never reach the sender: the server's refusal of the first
     batch would hold back every metric after it, and every checkpoint's completion with them. A
-    file nested too deep was a RecursionError that failed every start of the job (red team)."""
+    file nested too deep was a RecursionError that failed every start of the job (red team). The
+    file is kept as it was, in `earlier-<time>/`, and this run's own leftovers take its name."""
     _kept(tmp_path, body)
     before = (tmp_path / UNSENT_METRICS).read_bytes()
     with caplog.at_level(logging.WARNING):
         kept, sent, run = _resend(tmp_path)
     assert sent == [] and run.last_step == 1
-    assert "is not a list of metric points" in caplog.text
-    assert kept.keep([("loss", 0.5, 1000, 5)]) == ["the metrics of iteration 5"]  # not kept over it
-    kept.keep([])
-    assert (tmp_path / UNSENT_METRICS).read_bytes() == before
+    assert "is not a list of metric points" in caplog.text and "moved to" in caplog.text
+    assert [p.read_bytes() for p in tmp_path.glob(f"earlier-*/{UNSENT_METRICS}")] == [before]
+    assert kept.keep([("loss", 0.5, 1000, 5)]) == [f"the metrics of iteration 5 (kept in {tmp_path / UNSENT_METRICS})"]
 
 
 def test_another_runs_file_is_neither_sent_nor_replaced(tmp_path, caplog):
-    """A start over (--no-resume) in a folder without checkpoints leaves the file where it is: the
-    new run's own leftovers must not replace it (red team)."""
+    """A start over (--no-resume) in a folder without checkpoints found the earlier run's file: it
+    was refused at every start, and this run's own leftovers were never kept (red team)."""
     _kept(tmp_path, {"run_id": "r0", "points": [["loss", 0.5, 1, 2]]})
     before = (tmp_path / UNSENT_METRICS).read_bytes()
     kept, sent, run = _resend(tmp_path)
     assert sent == [] and run.last_step == 1
-    assert "holds metrics of run r0, not of this job's run r1" in caplog.text
-    kept.keep([("loss", 0.5, 1000, 5)])
+    assert "holds metrics of run r0, not of this job's run r1: not sent; moved to" in caplog.text
+    assert [p.read_bytes() for p in tmp_path.glob(f"earlier-*/{UNSENT_METRICS}")] == [before]
+    kept.keep([])
+    assert not (tmp_path / UNSENT_METRICS).exists()
+
+
+def test_a_refused_file_that_cannot_move_is_never_overwritten(tmp_path, monkeypatch, caplog):
+    _kept(tmp_path, {"run_id": "r0", "points": [["loss", 0.5, 1, 2]]})
+    before = (tmp_path / UNSENT_METRICS).read_bytes()
+
+    def cannot(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr("trainer.tracking.unsent.move_aside", cannot)
+    kept, _, _ = _resend(tmp_path)
+    assert kept.keep([("loss", 0.5, 1000, 5)]) == [
+        f"the metrics of iteration 5 (lost: they could not be kept in {tmp_path / UNSENT_METRICS})"]
     kept.keep([])
     assert (tmp_path / UNSENT_METRICS).read_bytes() == before
+
+
+def test_what_cannot_be_kept_is_said_lost_and_a_long_outage_keeps_the_newest(tmp_path, monkeypatch, caplog):
+    """The end-of-job line promises that a rerun sends what the run lacks: not for metrics that
+    could not be written (here OUTPUT_DIR's place is a file). Past MAX_BYTES, the newest points."""
+    (tmp_path / "file").write_text("")
+    assert UnsentMetrics(tmp_path / "file", "r1").keep([("loss", 0.5, 1000, 5)]) == [
+        f"the metrics of iteration 5 (lost: they could not be kept in {tmp_path / 'file' / UNSENT_METRICS})"]
+    monkeypatch.setattr("trainer.tracking.unsent.MAX_BYTES", 2000)
+    points = [("loss", 0.5, 1000 + s, s) for s in range(200)]
+    assert UnsentMetrics(tmp_path, "r1").keep(points)
+    kept = json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]
+    assert len((tmp_path / UNSENT_METRICS).read_text()) <= 2000 and kept[-1][3] == 199
+    assert [p[3] for p in kept] == list(range(200 - len(kept), 200))
+    assert "only the newest" in caplog.text
 
 
 def test_unicode_metric_names_are_kept_and_sent(tmp_path):

@@ -224,6 +224,8 @@ class Stopped(SystemExit):
 
 def _stopped(tracker, e: Preempted | StopRequested):
     """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
-    tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
+    missing = tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
+    if missing:  # the server down at the stop: where the metrics the run lacks are kept, too
+        log.warning("the tracking server did not get: %s", ", ".join(missing))
     log.warning("%s; the job resumes from its last checkpoint", e)
     raise Stopped(128 + e.signum)

@@ -131,12 +131,18 @@ def set_aside(output_dir: Path) -> Path | None:
     """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
     they move to `earlier-<time>/` with json_stats.log (and the metrics its run never got), kept but
     out of the way. Left in place, a later resume of the new start took their model_final for its
-    own (nothing to do) or their newest model_iter for its newest. The folder, or None when there was nothing to move."""
+    own (nothing to do) or their newest model_iter for its newest. The folder, or None when there was
+    nothing to move."""
     found = local_checkpoints(output_dir)
     if not found:
         return None
+    return move_aside(output_dir, [*found, *(p for p in (output_dir / "json_stats.log", output_dir / UNSENT_METRICS)
+                                             if p.is_file())])
+
+
+def move_aside(output_dir: Path, paths: list[Path]) -> Path:
+    """`paths` moved to a new `earlier-<time>-*/` folder of output_dir, kept but out of the way."""
     folder = Path(tempfile.mkdtemp(prefix=time.strftime("earlier-%Y%m%d-%H%M%S-"), dir=output_dir))
-    logs = [output_dir / name for name in ("json_stats.log", UNSENT_METRICS)]  # the earlier start's, not the new run's
-    for path in [*found, *(p for p in logs if p.is_file())]:
+    for path in paths:
         os.replace(path, folder / path.name)
     return folder

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import UNSENT_METRICS
+from trainer.checkpoint.files import UNSENT_METRICS, move_aside
 from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -23,12 +23,12 @@ MAX_BYTES = 256 * 2**20  # what the sender holds at most (200,000 iterations of 
 
 class UnsentMetrics:
     """OUTPUT_DIR/unsent_metrics.json of one run: taken at the start, rewritten at the end. A file
-    it refused (another run's, damaged) is never sent, rewritten or removed."""
+    it refuses (another run's, damaged) is never sent or rewritten: it moves to `earlier-<time>/`."""
 
     def __init__(self, output_dir: Path, run_id: str):
         self.path, self.run_id = Path(output_dir) / UNSENT_METRICS, run_id
         self.taken = False
-        self.refused = False
+        self.blocked = False  # a refused file that could not be moved aside holds the name
 
     def resend(self, sender, run, logged: dict[str, int]) -> None:
         """Queue the points an earlier start left ahead of everything else, but those the run holds
@@ -42,7 +42,7 @@ class UnsentMetrics:
             run.last_step = max([run.last_step, *(step for key, _, _, step in points if key == "loss")])
 
     def keep(self, points: list) -> list[str]:
-        """Write the points the run never got (replacing a file it took), or remove a file it took
+        """Write the points the run never got (the newest, up to MAX_BYTES), or remove a file it took
         when none are left. What the run lacks, for the job's last line: [] or one description."""
         if not points:
             if self.taken:
@@ -50,38 +50,48 @@ class UnsentMetrics:
                     self.path.unlink(missing_ok=True)
             return []
         lacking = f"the metrics of {describe(points)}"
-        if self.refused and self.path.exists():  # not when a start over set it aside meanwhile
-            log.warning("%s not kept: %s holds what this job refused to send", lacking, self.path)
-            return [lacking]
+        data = json.dumps({"run_id": self.run_id, "points": points})
+        if len(data) > MAX_BYTES:  # a long outage: the newest points, as the sender's queue keeps them
+            points = points[len(points) - int(len(points) * MAX_BYTES * 0.9 / len(data)):]
+            data = json.dumps({"run_id": self.run_id, "points": points})
+            log.warning("%s: only the newest %d points are kept (%d MiB at most)", lacking, len(points), MAX_BYTES >> 20)
         try:
-            write_atomic(self.path, json.dumps({"run_id": self.run_id, "points": points}))
-        except OSError as e:  # the folder is gone or full: those points are lost, as they were before
+            if self.blocked and self.path.exists():
+                raise FileExistsError(f"{self.path} holds what this job refused to send")
+            write_atomic(self.path, data)
+        except OSError as e:  # the folder is gone or full: those points are lost, and said so
             log.warning("could not keep the unsent metrics in %s: %s", self.path, first_line(e))
-            return [lacking]
+            return [f"{lacking} (lost: they could not be kept in {self.path})"]
         return [f"{lacking} (kept in {self.path})"]
 
     def _take(self) -> list:
-        if not self.path.is_file():
-            return []
-        self.refused = True
         try:
+            if not self.path.is_file():
+                return []
             if self.path.stat().st_size > MAX_BYTES:
-                raise ValueError(f"larger than {MAX_BYTES // 2**20} MiB")
+                raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
             kept = json.loads(self.path.read_text())
             owner, points = kept["run_id"], kept["points"]
             if not isinstance(owner, str):
                 raise ValueError("no run id")
             if owner != self.run_id:
-                log.warning("%s holds metrics of run %.100s, not of this job's run %s: not sent", self.path, owner,
-                            self.run_id)
-                return []
+                return self._refuse(f"holds metrics of run {owner:.100}, not of this job's run {self.run_id}")
             if not isinstance(points, list) or not all(map(valid_point, points)):
                 raise ValueError("a point is no (key, value, timestamp, step) that MLflow takes")
         except Exception as e:  # not ours, or damaged (too deep, too large): never sent, never fatal
-            log.warning("%s is not a list of metric points (%s): not sent", self.path, first_line(e))
-            return []
-        self.refused, self.taken = False, True
+            return self._refuse(f"is not a list of metric points ({first_line(e)})")
+        self.taken = True
         return [(key, float(value), ts, step) for key, value, ts, step in points]
+
+    def _refuse(self, why: str) -> list:
+        """Out of the way, kept: the name is free for this run's own leftovers."""
+        try:
+            folder = move_aside(self.path.parent, [self.path])
+            log.warning("%s %s: not sent; moved to %s", self.path, why, folder)
+        except OSError as e:
+            self.blocked = True
+            log.warning("%s %s: not sent (%s)", self.path, why, first_line(e))
+        return []
 
 
 def valid_point(p) -> bool:
