@@ -88,7 +88,7 @@ def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_p
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     done = run_trainer(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4}), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "holds metrics of run someone-else, not of this job's run" in done.stderr
+    assert "holds metrics of run 'someone-else', not of this job's run" in done.stderr
     assert not (out / UNSENT_METRICS).exists()
     assert [p.read_text() for p in out.glob(f"earlier-*/{UNSENT_METRICS}")] == [foreign]  # kept, out of the way
     client = MlflowClient(uri)
@@ -172,7 +172,7 @@ def test_another_runs_file_is_neither_sent_nor_replaced(tmp_path, caplog):
     before = (tmp_path / UNSENT_METRICS).read_bytes()
     kept, sent, run = _resend(tmp_path)
     assert sent == [] and run.last_step == 1
-    assert "holds metrics of run r0, not of this job's run r1: not sent; moved to" in caplog.text
+    assert "holds metrics of run 'r0', not of this job's run r1: not sent; moved to" in caplog.text
     assert [p.read_bytes() for p in tmp_path.glob(f"earlier-*/{UNSENT_METRICS}")] == [before]
     kept.keep([])
     assert not (tmp_path / UNSENT_METRICS).exists()
@@ -201,11 +201,13 @@ def test_what_cannot_be_kept_is_said_lost_and_a_long_outage_keeps_the_newest(tmp
         f"the metrics of iteration 5 (lost: they could not be kept in {tmp_path / 'file' / UNSENT_METRICS})"]
     monkeypatch.setattr("trainer.tracking.unsent.MAX_BYTES", 2000)
     points = [("loss", 0.5, 1000 + s, s) for s in range(200)]
-    assert UnsentMetrics(tmp_path, "r1").keep(points)
+    said = UnsentMetrics(tmp_path, "r1").keep(points)
     kept = json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]
-    assert len((tmp_path / UNSENT_METRICS).read_text()) <= 2000 and kept[-1][3] == 199
+    assert len((tmp_path / UNSENT_METRICS).read_text()) <= 2000
     assert [p[3] for p in kept] == list(range(200 - len(kept), 200))
-    assert "only the newest" in caplog.text
+    assert said == [f"the metrics of 200 iterations (0-199) (those of {len(kept)} iterations ({200 - len(kept)}-199) "
+                     f"kept in {tmp_path / UNSENT_METRICS})"]
+    assert "the older are lost" in caplog.text
 
 
 def test_unicode_metric_names_are_kept_and_sent(tmp_path):

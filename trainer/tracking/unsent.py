@@ -49,12 +49,13 @@ class UnsentMetrics:
                 with contextlib.suppress(OSError):  # one it cannot remove is sent again, and kept once
                     self.path.unlink(missing_ok=True)
             return []
-        lacking = f"the metrics of {describe(points)}"
+        lacking, which = f"the metrics of {describe(points)}", ""
         data = json.dumps({"run_id": self.run_id, "points": points})
         if len(data) > MAX_BYTES:  # a long outage: the newest points, as the sender's queue keeps them
             points = points[len(points) - int(len(points) * MAX_BYTES * 0.9 / len(data)):]
             data = json.dumps({"run_id": self.run_id, "points": points})
-            log.warning("%s: only the newest %d points are kept (%d MiB at most)", lacking, len(points), MAX_BYTES >> 20)
+            which = f"those of {describe(points)} "
+            log.warning("%s: only %s are kept (%d MiB at most), the older are lost", lacking, which, MAX_BYTES >> 20)
         try:
             if self.blocked and self.path.exists():
                 raise FileExistsError(f"{self.path} holds what this job refused to send")
@@ -62,7 +63,7 @@ class UnsentMetrics:
         except OSError as e:  # the folder is gone or full: those points are lost, and said so
             log.warning("could not keep the unsent metrics in %s: %s", self.path, first_line(e))
             return [f"{lacking} (lost: they could not be kept in {self.path})"]
-        return [f"{lacking} (kept in {self.path})"]
+        return [f"{lacking} ({which}kept in {self.path})"]
 
     def _take(self) -> list:
         try:
@@ -75,7 +76,7 @@ class UnsentMetrics:
             if not isinstance(owner, str):
                 raise ValueError("no run id")
             if owner != self.run_id:
-                return self._refuse(f"holds metrics of run {owner:.100}, not of this job's run {self.run_id}")
+                return self._refuse(f"holds metrics of run {owner[:100]!r}, not of this job's run {self.run_id}")
             if not isinstance(points, list) or not all(map(valid_point, points)):
                 raise ValueError("a point is no (key, value, timestamp, step) that MLflow takes")
         except Exception as e:  # not ours, or damaged (too deep, too large): never sent, never fatal
