@@ -6,6 +6,9 @@
 #
 #   bench/gpu.sh [options of python -m bench.gpu_bench, e.g. --tracking none --iters 20]
 #
+# The whole-job checks on the GPU (CLI jobs: AMP, preemption, deterministic resume, CPU serving) are
+# `python -m bench.gpu_checks` (bench/GPU_CHECKS.md; about 8 minutes).
+#
 # PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

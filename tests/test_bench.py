@@ -32,6 +32,30 @@ def test_gpu_bench_smoke_runs_both_models_bare_and_ours_and_writes_the_table(tmp
     assert "none (CPU smoke test)" in out.read_text()
 
 
+def test_gpu_checks_smoke_runs_a_whole_job_check_on_the_cpu_and_writes_its_row(tmp_path):
+    """bench/gpu_checks.py runs only where a GPU is lent (rarely): its CPU smoke mode runs one real
+    check (two trainer processes, a resume compared tensor by tensor) so a change that breaks the
+    script shows here, not in the next GPU session's few minutes."""
+    out = tmp_path / "GPU_CHECKS.md"
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_checks", "--allow-cpu", "--only", "deterministic_resume_fp32",
+                             "--out", str(out), "--logs", str(tmp_path / "logs")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| deterministic_resume_fp32 ")]
+    assert "| **PASS** |" in row and "bit-identical" in row
+    assert "-> exit 0" in (tmp_path / "logs" / "determ_fp32.log").read_text()
+
+
+def test_gpu_checks_refuse_an_unknown_check_and_a_cpu_without_allow_cpu(tmp_path):
+    unknown = subprocess.run([sys.executable, "-m", "bench.gpu_checks", "--allow-cpu", "--only", "train_amp,warp_drive"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown checks ['warp_drive']" in unknown.stderr
+    if not shutil.which("nvidia-smi"):
+        bare = subprocess.run([sys.executable, "-m", "bench.gpu_checks", "--out", str(tmp_path / "x.md")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert bare.returncode == 2 and "no CUDA device" in bare.stderr and not (tmp_path / "x.md").exists()
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA GPU")
 def test_gpu_sh_without_a_gpu_says_so_in_one_line_and_exits_2():
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, capture_output=True, text=True,

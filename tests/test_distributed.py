@@ -311,3 +311,31 @@ def test_sigterm_to_a_rank_stuck_in_a_collective_exits_at_the_grace_period_and_t
     (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
     assert run.info.status == "KILLED", stderr[-3000:]
     assert run.data.tags["tracktron.status_reason"] == "stopped by SIGTERM: still running when its 6s grace period ended"
+
+
+@pytest.mark.parametrize("env, gpus, refused", [
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, "2 processes on this node, but it has 1 GPU visible"),
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, 2, "start at most torchrun --nproc-per-node 2"),  # rank 0 too
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "3"}, 1, r"1 GPU visible \(CUDA_VISIBLE_DEVICES='3'\)"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, None),
+    ({}, 1, None),
+])
+def test_more_processes_on_a_node_than_it_has_gpus_is_refused_on_every_rank(monkeypatch, env, gpus, refused):
+    """Written for the first H200 session: torchrun --nproc-per-node 2 on a one-GPU node reached rank 1's
+    cuda.set_device(1) ("invalid device ordinal") only at the join, after rank 0 had made the run, which
+    torchrun then killed. Unit test of the check alone; bench/gpu_checks.py (more_ranks_than_gpus)
+    ran it on the H200: one error line, no run."""
+    from trainer import distributed
+    from trainer.errors import UserError
+
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if refused is None:
+        distributed.check_devices()
+    else:
+        with pytest.raises(UserError, match=refused):
+            distributed.check_devices()

@@ -106,6 +106,7 @@ def eval_(config_file, weights, opts_text, opts):
     check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TEST.IMS_PER_BATCH)
     torchrun_environment()
+    distributed.check_devices()
     try:
         ctx = distributed.setup()
     except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors

@@ -39,6 +39,18 @@ class Context:
         return self.world_size > 1
 
 
+def check_devices() -> None:
+    """One process per GPU: under torchrun each process takes the GPU of its LOCAL_RANK, so a node
+    started with more processes than it has GPUs fails on every rank before a run is made, not in
+    CUDA's set_device of the ranks past the last GPU while rank 0 makes the run."""
+    processes = max(int(os.environ.get("LOCAL_RANK", "0")) + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if torch.cuda.is_available() and processes > (count := torch.cuda.device_count()):
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if shown is None else f" (CUDA_VISIBLE_DEVICES={shown!r})"
+        raise UserError(f"{processes} processes on this node, but it has {count} GPU{'s' * (count != 1)} visible{shown}: "
+                        f"one process per GPU, start at most torchrun --nproc-per-node {count}")
+
+
 def setup() -> Context:
     """Read torchrun's environment and join the process group; a lone process needs nothing."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -22,6 +22,7 @@ from trainer.errors import UserError
 from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.checks import category_difference, same_categories
 from trainer.data.coco import check_batch_size
+from trainer.distributed import check_devices
 from trainer.inference import categories_of, category_key_of
 from trainer.lineage import initial_weights
 from trainer.models import build_model, load_weights, unread_keys
@@ -55,6 +56,7 @@ def seed_everything(cfg: Config) -> None:
 def prepare(cfg: Config) -> Prepared:
     """UserError for the first thing that would stop the job. Seeds first: the network's random
     initialisation is the job's."""
+    check_devices()
     seed_everything(cfg)
     dataset = build_train_dataset(cfg)
     check_test_datasets(cfg, dataset)
