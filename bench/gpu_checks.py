@@ -14,6 +14,7 @@ a sqlite tracking store in a temporary folder), and passes only on what a user w
 - eval_predict_cpu: `tracktron eval` of the GPU checkpoint on the GPU and with no GPU visible, `predict`,
   and the registered model loaded as an MLflow pyfunc on the CPU (trained on a GPU, served without one).
 - more_ranks_than_gpus: torchrun with one process more than the host has GPUs: exit 2, one line, no run.
+- first_iterations: a fresh process's 60 iterations with CUDNN_BENCHMARK off and on (figures, not a verdict).
 
 The results table goes to --out (and stdout); each check's output to --logs.
 """
@@ -207,10 +208,29 @@ def more_ranks_than_gpus(env: Env) -> str:
     return f"--nproc-per-node {n}: exit {result.returncode}, no run; {errors[0][:160]}"
 
 
+def first_iterations(env: Env) -> str:
+    """Not pass or fail on speed: the figures that decide CUDNN_BENCHMARK's default, the demo's
+    many-shaped batches trained from a fresh process with it off and on."""
+    seen = []
+    for benchmark in ("false", "true"):
+        name = f"cudnn_benchmark_{benchmark}"
+        t0 = time.monotonic()
+        result = env.run("first_iterations", ["train", "--config", str(DEMO), *env.keys(name, **{
+            "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 1000, "TRAIN.IMS_PER_BATCH": 8, "CUDNN_BENCHMARK": benchmark,
+            "TRACKING.ENABLED": "false", "TEST.DATASETS": "[]"})])
+        expect(result.returncode == 0, f"CUDNN_BENCHMARK {benchmark}: exit {result.returncode}: {tail(result)}")
+        stats = [json.loads(line.split("json_stats: ", 1)[1]) for line in result.stdout.splitlines()
+                 if line.startswith("json_stats: ")]
+        seen.append(f"CUDNN_BENCHMARK {benchmark}: {time.monotonic() - t0:.0f} s for the process, "
+                    f"{stats[-1]['time'] * 1000:.0f} ms an iteration at the end")
+    return "; ".join(seen)
+
+
 CHECKS = {"train_amp": train_amp, "preempt_resume": preempt_resume,
           "deterministic_resume_fp32": lambda env: deterministic_resume(env, False),
           "deterministic_resume_amp": lambda env: deterministic_resume(env, True),
-          "eval_predict_cpu": eval_predict_cpu, "more_ranks_than_gpus": more_ranks_than_gpus}
+          "eval_predict_cpu": eval_predict_cpu, "more_ranks_than_gpus": more_ranks_than_gpus,
+          "first_iterations": first_iterations}
 
 
 def render(rows: list, started: float) -> str:

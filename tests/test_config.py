@@ -71,6 +71,7 @@ def test_dataset_catalog_takes_user_entries():
     (["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"], "one rate per step"),
     (["SOLVER.LR_POLICY", "steps_with_decay", "SOLVER.STEPS", "[100, 200]"], "needs SOLVER.STEPS starting at 0"),
     (["SOLVER.MAX_ITER"], "has no value"),
+    (["DETERMINISTIC", "true", "CUDNN_BENCHMARK", "true"], "it cannot go with DETERMINISTIC true"),
 ])
 def test_bad_overrides_name_the_problem(opts, message):
     with pytest.raises(ConfigError) as e:
@@ -101,6 +102,9 @@ def test_job_hash_ignores_where_the_job_runs_but_not_what_it_trains():
     base = job_hash(defaults())
     assert job_hash(load_config(None, ["OUTPUT_DIR", "/elsewhere", "TRACKING.URI", "http://x",
                                        "DATA_LOADER.NUM_THREADS", "8"])) == base
+    # how fast cuDNN runs is not what is trained: a job may turn it on at a restart (and a job
+    # hashed before the key existed is still found)
+    assert job_hash(load_config(None, ["CUDNN_BENCHMARK", "true"])) == base
     assert job_hash(load_config(None, ["SOLVER.BASE_LR", "0.02"])) != base
 
 
@@ -215,3 +219,22 @@ def test_two_test_sets_evaluated_under_one_name_are_refused():
         load_config(None, ["TEST.DATASETS", "(synth_shapes_val, synth_shapes_val)"])
     load_config(None, ["TEST.DATASETS", "(/x/a/val, /x/b/val2, synth_shapes_val)"])
     load_config(None, ["TEST.DATASETS", "('~no-such-user/val', '/x/a\\0b')"])  # no folder, found when read
+
+
+@pytest.mark.parametrize("opts, benchmark", [([], False), (["CUDNN_BENCHMARK", "true"], True),
+                                             (["DETERMINISTIC", "true"], False)])
+def test_cudnn_benchmark_is_off_unless_asked_as_in_detectron2(opts, benchmark):
+    """Detection batches come in many shapes (each padded batch follows its images' aspect ratios),
+    and cuDNN's benchmark mode times its algorithms again for each new one: on by default, it was."""
+    import torch
+
+    from trainer.preflight import seed_everything
+
+    before = torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.backends.cudnn.benchmark = not benchmark
+        seed_everything(load_config(None, opts))
+        assert torch.backends.cudnn.benchmark is benchmark
+    finally:
+        torch.backends.cudnn.benchmark = before[0]
+        torch.use_deterministic_algorithms(before[1])

@@ -77,6 +77,9 @@ _DEFAULTS: dict = {
     "DATASET_CATALOG": {},  # open mapping: name -> {IM_DIR: ..., ANN_FN: ...}
     "LOG_PERIOD": 20,
     "DETERMINISTIC": False,
+    # cuDNN times its algorithms for each new input shape (detectron2's key and default): detection
+    # batches come in many shapes, so this costs more than it gains until the shapes repeat
+    "CUDNN_BENCHMARK": False,
     "SOLVER": {
         "BASE_LR": 0.001,
         "LR_POLICY": "step",

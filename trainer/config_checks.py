@@ -184,6 +184,9 @@ def validate(cfg) -> None:
         (_model_name_ok(cfg.TRACKING.REGISTERED_MODEL),
          f"TRACKING.REGISTERED_MODEL {cfg.TRACKING.REGISTERED_MODEL!r} cannot name a registered model "
          "(1 to 256 characters, not blank, and no '/', ':', '@', '#' or '?', which models:/ URIs could not name)"),
+        (not (cfg.CUDNN_BENCHMARK and cfg.DETERMINISTIC),
+         "CUDNN_BENCHMARK true lets cuDNN pick its algorithms by timing them, so two runs may differ: it cannot go "
+         "with DETERMINISTIC true"),
         (cfg.TRACKING.SYSTEM_METRICS in ("auto", "true", "false"),
          f"TRACKING.SYSTEM_METRICS must be auto, true or false; got {cfg.TRACKING.SYSTEM_METRICS!r}"),
     ] + _model_and_size_checks(cfg) + _tracking_name_checks(cfg)

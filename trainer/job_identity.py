@@ -11,7 +11,7 @@ from trainer.config import defaults, flatten, redacted
 
 # Where the job runs, how it is logged, tracked and evaluated, and when it is checkpointed: a
 # resume is bit-identical wherever its checkpoints fall, so SNAPSHOT_ITERS may change between starts.
-_NOT_IN_JOB = ("NAME", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
+_NOT_IN_JOB = ("NAME", "CUDNN_BENCHMARK", "OUTPUT_DIR", "DATA_DIR", "DATASET_CATALOG", "LOG_PERIOD", "TRACKING", "TEST",
                "DATA_LOADER", "TRAIN.AUTO_RESUME", "TRAIN.CHECKPOINTS_KEEP", "TRAIN.PREEMPT_GRACE_S",
                "TRAIN.SNAPSHOT_ITERS")
 # Keys added after jobs were first hashed: at their default they stay out of the hash, so a job

@@ -48,9 +48,9 @@ def seed_everything(cfg: Config) -> None:
     if cfg.DETERMINISTIC:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = True  # fixed-size inputs per scale: let cuDNN pick kernels
+    # Off unless asked (detectron2's default): a padded batch's shape follows its images' aspect
+    # ratios, and cuDNN times its algorithms again for every new shape
+    torch.backends.cudnn.benchmark = cfg.CUDNN_BENCHMARK and not cfg.DETERMINISTIC
 
 
 def prepare(cfg: Config) -> Prepared:
