@@ -51,9 +51,9 @@ class _Process:
         self.proc: subprocess.Popen | None = None
 
     def _spawn(self, cmd: list[str], env: dict) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                     start_new_session=True)
+        with open(self.log_path, "ab") as log:  # the server keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                         start_new_session=True)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
