@@ -190,8 +190,8 @@ def test_tracking_server_down_mid_run_loses_no_point(tmp_path, data_dir, s3_serv
     exp = "outage"
     args = tracked(tmp_path, data_dir, server, exp, **{"SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 10,
                                                        "LOG_PERIOD": 1})
-    err_log = open(tmp_path / "trainer.err", "w")  # a file, not a pipe nobody drains while we wait
-    proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_log)
+    with open(tmp_path / "trainer.err", "w") as err_log:  # a file, not a pipe nobody drains while we wait
+        proc = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_log)
     log = tmp_path / "output" / "json_stats.log"
     try:
         client = MlflowClient(server.url)
