@@ -52,6 +52,44 @@ def test_a_job_stopped_while_the_server_is_down_leaves_no_hole_in_its_curves(tmp
     assert not (out / UNSENT_METRICS).exists()
 
 
+def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole(tmp_path, data_dir, mlflow_server, jobs):
+    """SIGKILL (a lost node, the OOM killer) during an outage: nothing runs at the stop, so the points
+    since the outage began were only in memory, and the next start resumed after the newest local
+    checkpoint with those iterations missing for good (it said so, row 160). Now each checkpoint
+    written once the sender has found the server down keeps what the server lacks of its iterations
+    beside it."""
+    exp, out = f"unsent-kill-{uuid.uuid4().hex[:6]}", tmp_path / "output"
+
+    def checkpoints() -> list[int]:
+        return sorted(int(p.stem[len("model_iter"):]) for p in out.glob("model_iter*.pth"))
+
+    def kept_through() -> int:
+        try:
+            return max(p[3] for p in json.loads((out / UNSENT_METRICS).read_text())["points"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    with FaultProxy(mlflow_server.url) as proxy:
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                               "SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 20})
+        job = jobs(args, tmp_path)
+        wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+        proxy.set_mode("error")  # the sender finds out at its next batch (every 5 s)
+        wait_until(lambda: checkpoints() and kept_through() == checkpoints()[-1], job, "a checkpoint's metrics kept")
+        job.kill_group()
+        newest = kept_through()
+        for later in [n for n in checkpoints() if n > newest]:  # written between the look and the kill: as if
+            (out / f"model_iter{later}.pth").unlink()         # the kill had come first
+        proxy.set_mode("pass")
+        again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at iteration {newest + 1}" in again.stderr and "that an earlier start could not send" in again.stderr
+    assert "has no metrics for iterations" not in again.stderr
+    client = MlflowClient(mlflow_server.url)
+    assert steps(client, only_run(client, exp).info.run_id) == list(range(200))  # every iteration, once
+    assert not (out / UNSENT_METRICS).exists()
+
+
 def test_metrics_the_server_never_got_at_the_end_are_named_and_sent_by_the_rerun(tmp_path, data_dir, mlflow_server,
                                                                                  jobs):
     """The server down from iteration 1 to the end (the first batch of metrics is due 5 s in): exit
@@ -115,6 +153,33 @@ def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_ne
     assert again.close(5)
     assert [p[3] for p in got] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 7]
     assert sorted(got[:10]) == sorted(left)  # the same points: same values and timestamps
+
+
+def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_once_they_are_sent(tmp_path):
+    class Down:
+        failing = True
+
+        def __init__(self, points):
+            self.points = points
+
+        def leftover(self):
+            return list(self.points)
+
+    points = [("loss", 0.5, 1000, step) for step in range(12)]
+    kept = UnsentMetrics(tmp_path, "r1")
+    kept.spill(Down(points), 7, "model_iter7.pth")
+    on_disk = json.loads((tmp_path / UNSENT_METRICS).read_text())
+    assert on_disk["run_id"] == "r1" and [p[3] for p in on_disk["points"]] == list(range(8))  # 8-11: trained again
+    up = Down(points[10:])
+    up.failing = False  # the server answers again, but 10 and 11 are not sent yet: nothing changes
+    kept.spill(up, 11, "model_iter11.pth")
+    assert json.loads((tmp_path / UNSENT_METRICS).read_text()) == on_disk
+    up.points = []
+    kept.spill(up, 15, "model_iter15.pth")
+    assert not (tmp_path / UNSENT_METRICS).exists()
+    healthy = UnsentMetrics(tmp_path, "r1")  # a job whose server never failed writes nothing, reads nothing
+    healthy.spill(up, 3, "model_iter3.pth")
+    assert not (tmp_path / UNSENT_METRICS).exists()
 
 
 # ---- the file: what nobody would write ----

@@ -55,6 +55,7 @@ class MetricSender:
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
+        self.failing = False  # the last send failed: the server is down (or refusing) now
         self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
         self._thread.start()
 
@@ -113,8 +114,8 @@ class MetricSender:
         self._nudge.set()
 
     def leftover(self) -> list:
-        """After close(): the points given up on (the batch in flight too: a resend of it that did
-        arrive is the same point, which the server keeps once)."""
+        """The points not sent yet (after close(): those given up on), the batch in flight too: a
+        resend of it that did arrive is the same point, which the server keeps once."""
         with self._taking:  # a point is in the queue or in the batch, never between the two
             inflight = list(self._batch) if self._inflight_from is not None else []
             return inflight + [(k, float(v), ts, step) for step, ts, metrics in list(self._pending)
@@ -159,9 +160,11 @@ class MetricSender:
                 self._last_send = time.monotonic()
                 batch = []
                 self._inflight_from = None
+                self.failing = False
                 backoff.reset()
             except Exception as e:  # a server that is down is retried
                 self.failures += 1
+                self.failing = True
                 delay = backoff.failed()
                 if time.monotonic() + delay > self._deadline:
                     log.warning("metrics: giving up on %d points: %s", len(batch), first_line(e))

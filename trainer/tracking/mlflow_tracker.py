@@ -63,8 +63,7 @@ class MlflowTracker(Tracker):
         self._attached = False
         self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
         self._queued: set[str] = set()  # checkpoint files whose upload has not succeeded or been skipped
-        self._best_metric = cfg.TEST.BEST_METRIC
-        self._best = None  # the run's best checkpoint model so far (checkpoint_models.update_best)
+        self._best_metric, self._best = cfg.TEST.BEST_METRIC, None  # the run's best checkpoint model so far (update_best)
         self._output_dir = Path(cfg.OUTPUT_DIR)
         self._keep_on_server = cfg.TRACKING.CHECKPOINTS_KEEP  # model_iter checkpoints kept in the run (0: all)
         self._repo = None  # MLflow's artifact repository of the run, made on the uploader thread
@@ -222,6 +221,8 @@ class MlflowTracker(Tracker):
         iteration = iteration_of(path.name)
         self._newest_checkpoint = max(self._newest_checkpoint, iteration)
         self._queued.add(path.name)
+        if self._unsent:  # the server down: what it lacks of this checkpoint's iterations, kept beside it
+            self._unsent.spill(self._sender, iteration, path.name)
 
         def upload():
             if iteration < self._newest_checkpoint and path.name not in self._evaluated:  # a newer one is on its way
@@ -249,8 +250,7 @@ class MlflowTracker(Tracker):
         return {n for n in list(self._queued) if n in self._evaluated or iteration_of(n) >= self._newest_checkpoint}
 
     def _artifacts(self):
-        if self._repo is None:
-            self._repo = run_repository(self.client, self.uri, self._run.run_id)
+        self._repo = self._repo or run_repository(self.client, self.uri, self._run.run_id)
         return self._repo
 
     def _prune(self) -> None:

@@ -1,7 +1,7 @@
-"""Metric points a job could not send before it stopped (the tracking server down at a signal, a
+"""Metric points a job could not send (the tracking server down at a checkpoint, at a signal, a
 failure or the end of training), kept in OUTPUT_DIR beside its checkpoints: the next start of the
 job that reopens the same run sends them first, so a checkpoint resumed there leaves no hole in
-the run's curves."""
+the run's curves, even after a SIGKILL."""
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +41,20 @@ class UnsentMetrics:
             sender.resend(points)
             run.last_step = max([run.last_step, *(step for key, _, _, step in points if key == "loss")])
 
+    def spill(self, sender, step: float, checkpoint: str) -> None:
+        """At a checkpoint of iteration `step` (the writer thread, its file complete): while the
+        server is down, the points of the iterations the checkpoint holds that it has not got are
+        kept now, so a job killed before it answers (SIGKILL, a lost node) resumes there without a
+        hole. Once they have all been sent, the file goes."""
+        if not (sender.failing or self.taken):
+            return
+        unsent = [p for p in sender.leftover() if p[3] <= step]
+        if unsent and sender.failing:
+            if kept := self.keep(unsent):
+                log.info("tracking server down at %s: %s", checkpoint, kept[0])
+        elif not unsent:
+            self.keep([])
+
     def keep(self, points: list) -> list[str]:
         """Write the points the run never got (the newest, up to MAX_BYTES), or remove a file it took
         when none are left. What the run lacks, for the job's last line: [] or one description."""
@@ -48,6 +62,7 @@ class UnsentMetrics:
             if self.taken:
                 with contextlib.suppress(OSError):  # one it cannot remove is sent again, and kept once
                     self.path.unlink(missing_ok=True)
+                    self.taken = False
             return []
         lacking, which = f"the metrics of {describe(points)}", ""
         data = json.dumps({"run_id": self.run_id, "points": points})
@@ -60,6 +75,7 @@ class UnsentMetrics:
             if self.blocked and self.path.exists():
                 raise FileExistsError(f"{self.path} holds what this job refused to send")
             write_atomic(self.path, data)
+            self.taken = True  # this run's file now: removed once nothing is left to send
         except OSError as e:  # the folder is gone or full: those points are lost, and said so
             log.warning("could not keep the unsent metrics in %s: %s", self.path, first_line(e))
             return [f"{lacking} (lost: they could not be kept in {self.path})"]
