@@ -171,14 +171,52 @@ def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_on
     on_disk = json.loads((tmp_path / UNSENT_METRICS).read_text())
     assert on_disk["run_id"] == "r1" and [p[3] for p in on_disk["points"]] == list(range(8))  # 8-11: trained again
     up = Down(points[10:])
-    up.failing = False  # the server answers again, but 10 and 11 are not sent yet: nothing changes
+    up.failing = False  # the server answers again, 10 and 11 not sent yet: the file follows the queue
     kept.spill(up, 11, "model_iter11.pth")
-    assert json.loads((tmp_path / UNSENT_METRICS).read_text()) == on_disk
+    assert [p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]] == [10, 11]
     up.points = []
     kept.spill(up, 15, "model_iter15.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
     healthy = UnsentMetrics(tmp_path, "r1")  # a job whose server never failed writes nothing, reads nothing
     healthy.spill(up, 3, "model_iter3.pth")
+    assert not (tmp_path / UNSENT_METRICS).exists()
+
+
+def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_points_until_sent(tmp_path):
+    """helper-45's red team of the above: once one batch got through (a backlog draining 1000 metrics
+    a batch, a flaky server), checkpoints stopped rewriting the file, so a SIGKILL then resumed past
+    iterations it did not hold; and a file taken at the start lost the points above the next
+    checkpoint (this start does not log those steps again) while they were still queued."""
+    class Queue:
+        failing = True
+
+        def __init__(self, points):
+            self.points = points
+
+        def leftover(self):
+            return list(self.points)
+
+        def resend(self, points):
+            self.points = list(points) + self.points
+
+    def on_disk():
+        return sorted({p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]})
+
+    point = [("loss", 0.5, 1000, step) for step in range(60)]
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:20])
+    kept.spill(queue, 19, "model_iter19.pth")
+    queue.failing, queue.points = False, point[10:40]  # 0-9 sent, the server answers again; 10-39 queued
+    kept.spill(queue, 39, "model_iter39.pth")
+    assert on_disk() == list(range(10, 40))
+
+    (tmp_path / UNSENT_METRICS).write_text(json.dumps({"run_id": "r1", "points": [list(p) for p in point[:51]]}))
+    again, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    again.resend(queue, RunInfo("r1", last_step=-1), {})  # a start resumed from before step 50
+    queue.failing, queue.points = False, queue.points[20:]  # 0-19 sent
+    again.spill(queue, 19, "model_iter19.pth")
+    assert on_disk() == list(range(20, 51))
+    queue.points = []
+    again.spill(queue, 39, "model_iter39.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
 
 

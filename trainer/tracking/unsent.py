@@ -27,8 +27,9 @@ class UnsentMetrics:
 
     def __init__(self, output_dir: Path, run_id: str):
         self.path, self.run_id = Path(output_dir) / UNSENT_METRICS, run_id
-        self.taken = False
+        self.taken = False  # the file is this run's: removed once nothing in it is left to send
         self.blocked = False  # a refused file that could not be moved aside holds the name
+        self.resent_through = -1  # the newest step resent from an earlier start's file
 
     def resend(self, sender, run, logged: dict[str, int]) -> None:
         """Queue the points an earlier start left ahead of everything else, but those the run holds
@@ -39,23 +40,25 @@ class UnsentMetrics:
             run.resent_metrics = f"the metrics of {describe(points)}"
             log.info("sending %s that an earlier start could not send", run.resent_metrics)
             sender.resend(points)
+            self.resent_through = max(p[3] for p in points)
             run.last_step = max([run.last_step, *(step for key, _, _, step in points if key == "loss")])
 
     def spill(self, sender, step: float, checkpoint: str) -> None:
-        """At a checkpoint of iteration `step` (the writer thread, its file complete): while the
-        server is down, the points of the iterations the checkpoint holds that it has not got are
-        kept now, so a job killed before it answers (SIGKILL, a lost node) resumes there without a
-        hole. Once they have all been sent, the file goes."""
+        """At a checkpoint of iteration `step` (the writer thread, its file complete): once the
+        server has been found down, the points it lacks of the iterations the checkpoint holds are
+        kept, with those an earlier start's file left (this start does not log their steps again),
+        so a job killed before they are sent (SIGKILL, a lost node) resumes there without a hole.
+        The file is rewritten at each checkpoint until they have all been sent, then it goes."""
         if not (sender.failing or self.taken):
             return
-        unsent = [p for p in sender.leftover() if p[3] <= step]
-        if unsent and sender.failing:
-            if kept := self.keep(unsent):
-                log.info("tracking server down at %s: %s", checkpoint, kept[0])
-        elif not unsent:
+        through = max(step, self.resent_through)
+        unsent = [p for p in sender.leftover() if p[3] <= through]
+        if not unsent:
             self.keep([])
+        elif (kept := self.keep(unsent, stopping=False)) and sender.failing:  # else the queue drains: no news
+            log.info("tracking server down at %s: %s", checkpoint, kept[0])
 
-    def keep(self, points: list) -> list[str]:
+    def keep(self, points: list, stopping: bool = True) -> list[str]:
         """Write the points the run never got (the newest, up to MAX_BYTES), or remove a file it took
         when none are left. What the run lacks, for the job's last line: [] or one description."""
         if not points:
@@ -70,7 +73,8 @@ class UnsentMetrics:
             points = points[len(points) - int(len(points) * MAX_BYTES * 0.9 / len(data)):]
             data = json.dumps({"run_id": self.run_id, "points": points})
             which = f"those of {describe(points)} "
-            log.warning("%s: only %s are kept (%d MiB at most), the older are lost", lacking, which, MAX_BYTES >> 20)
+            log.warning("%s: only %s are kept (%d MiB at most), the older are %s", lacking, which, MAX_BYTES >> 20,
+                        "lost" if stopping else "still queued to send, in memory only")
         try:
             if self.blocked and self.path.exists():
                 raise FileExistsError(f"{self.path} holds what this job refused to send")
