@@ -48,7 +48,8 @@ class UnsentMetrics:
         server has been found down, the points it lacks of the iterations the checkpoint holds are
         kept, with those an earlier start's file left (this start does not log their steps again),
         so a job killed before they are sent (SIGKILL, a lost node) resumes there without a hole.
-        The file is rewritten at each checkpoint until they have all been sent, then it goes."""
+        Each later checkpoint rewrites the file with what is still queued; one that finds nothing
+        queued (or the job's end, keep) removes it."""
         if not (sender.failing or self.taken):
             return
         through = max(step, self.resent_through)
