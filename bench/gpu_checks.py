@@ -1,4 +1,4 @@
-"""GPU checks of the whole job, through the CLI as a user runs it (bench/gpu.sh runs them after the benchmark).
+"""GPU checks of the whole job, through the CLI as a user runs it (bench/gpu.sh is the throughput benchmark).
 
     python -m bench.gpu_checks [--out bench/GPU_CHECKS.md] [--logs DIR] [--only NAME,...] [--allow-cpu]
 
@@ -10,10 +10,11 @@ a sqlite tracking store in a temporary folder), and passes only on what a user w
 - preempt_resume: SIGTERM mid-run (a preempted node), then the same command: exit 143, then 0, one run,
   every iteration's loss logged once.
 - deterministic_resume (fp32, AMP): DETERMINISTIC true, a run straight through against one resumed from
-  its model_iter; model_final bit-identical (CUDA's non-deterministic kernels refused or replaced).
+  its model_iter; model_final bit-identical (weights, optimizer, AMP scaler, RNG and sampler restored).
 - eval_predict_cpu: `tracktron eval` of the GPU checkpoint on the GPU and with no GPU visible, `predict`,
   and the registered model loaded as an MLflow pyfunc on the CPU (trained on a GPU, served without one).
-- more_ranks_than_gpus: torchrun with one process more than the host has GPUs: exit 2, one line, no run.
+- more_ranks_than_gpus: torchrun with one process more than the host has GPUs: each rank exits 2 with one
+  `error:` line naming the GPU count (torchrun itself then exits 1), and no run is made.
 - first_iterations: a fresh process's 60 iterations with CUDNN_BENCHMARK off and on (figures, not a verdict).
 
 The results table goes to --out (and stdout); each check's output to --logs.
