@@ -452,8 +452,9 @@ def test_a_resumed_job_that_fails_its_checks_drops_the_checkpoint_it_began_downl
     first = jobs(job_args(tmp_path / "machine1", data_dir, **keys), tmp_path / "machine1", env=s3_server.env)
 
     def complete() -> bool:  # the run (made once the checks passed) holds a checkpoint with its tag
-        made = client.get_experiment_by_name(exp)
-        return bool(made and [t for t in only_run(client, exp).data.tags if t.endswith(".sha256")])
+        made = client.get_experiment_by_name(exp)  # made a moment before the run: none may be there yet
+        runs = client.search_runs([made.experiment_id]) if made else []
+        return any(t.endswith(".sha256") for run in runs for t in run.data.tags)
 
     wait_until(complete, first, "a checkpoint complete on the server", poll=0.2)
     first.kill_group()
