@@ -155,23 +155,27 @@ def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_ne
     assert sorted(got[:10]) == sorted(left)  # the same points: same values and timestamps
 
 
+class Queue:
+    """Stands in for the MetricSender: its queue (what resend() puts first, what leftover() reads) and
+    whether its last batch failed."""
+
+    def __init__(self, points=(), failing=True):
+        self.points, self.failing = list(points), failing
+
+    def leftover(self):
+        return list(self.points)
+
+    def resend(self, points):
+        self.points = list(points) + self.points
+
+
 def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_once_they_are_sent(tmp_path):
-    class Down:
-        failing = True
-
-        def __init__(self, points):
-            self.points = points
-
-        def leftover(self):
-            return list(self.points)
-
     points = [("loss", 0.5, 1000, step) for step in range(12)]
     kept = UnsentMetrics(tmp_path, "r1")
-    kept.spill(Down(points), 7, "model_iter7.pth")
+    kept.spill(Queue(points), 7, "model_iter7.pth")
     on_disk = json.loads((tmp_path / UNSENT_METRICS).read_text())
     assert on_disk["run_id"] == "r1" and [p[3] for p in on_disk["points"]] == list(range(8))  # 8-11: trained again
-    up = Down(points[10:])
-    up.failing = False  # the server answers again, 10 and 11 not sent yet: the file follows the queue
+    up = Queue(points[10:], failing=False)  # the server answers again, 10 and 11 not sent yet: the file follows the queue
     kept.spill(up, 11, "model_iter11.pth")
     assert [p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]] == [10, 11]
     up.points = []
@@ -187,18 +191,6 @@ def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_
     a batch, a flaky server), checkpoints stopped rewriting the file, so a SIGKILL then resumed past
     iterations it did not hold; and a file taken at the start lost the points above the next
     checkpoint (this start does not log those steps again) while they were still queued."""
-    class Queue:
-        failing = True
-
-        def __init__(self, points):
-            self.points = points
-
-        def leftover(self):
-            return list(self.points)
-
-        def resend(self, points):
-            self.points = list(points) + self.points
-
     def on_disk():
         return sorted({p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]})
 
@@ -222,22 +214,12 @@ def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_
 
 # ---- the file: what nobody would write ----
 
-class Sender:
-    """Stands in for the MetricSender: collects what resend() queues."""
-
-    def __init__(self):
-        self.points = []
-
-    def resend(self, points):
-        self.points += points
-
-
 def _kept(tmp_path, body):
     (tmp_path / UNSENT_METRICS).write_text(body if isinstance(body, str) else json.dumps(body))
 
 
 def _resend(tmp_path, run_id="r1", logged=None):
-    kept, sender, run = UnsentMetrics(tmp_path, run_id), Sender(), RunInfo(run_id, last_step=1)
+    kept, sender, run = UnsentMetrics(tmp_path, run_id), Queue(), RunInfo(run_id, last_step=1)
     kept.resend(sender, run, logged or {})
     return kept, sender.points, run
 
