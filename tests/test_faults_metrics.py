@@ -162,22 +162,36 @@ class Queue:
     def __init__(self, points=(), failing=True):
         self.points, self.failing = list(points), failing
 
-    def leftover(self):
-        return list(self.points)
+    def queued(self):
+        return [(step, ts, {key: value}) for key, value, ts, step in self.points]
 
     def resend(self, points):
         self.points = list(points) + self.points
+
+
+def _on_disk(tmp_path) -> list[int]:
+    """The steps the file holds, line by line (points sent since may stay in it)."""
+    lines = (tmp_path / UNSENT_METRICS).read_text().splitlines()
+    return [p[3] for p in json.loads(lines[0])["points"]] + [p[3] for line in lines[1:] for p in json.loads(line)]
+
+
+def _sent_by_next_start(tmp_path, server_has: int) -> list[int]:
+    """The steps the job's next start sends, its run holding `loss` up to `server_has`."""
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    kept.resend(queue, RunInfo("r1", last_step=-1), {"loss": server_has})
+    return [p[3] for p in queue.points]
 
 
 def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_once_they_are_sent(tmp_path):
     points = [("loss", 0.5, 1000, step) for step in range(12)]
     kept = UnsentMetrics(tmp_path, "r1")
     kept.spill(Queue(points), 7, "model_iter7.pth")
-    on_disk = json.loads((tmp_path / UNSENT_METRICS).read_text())
-    assert on_disk["run_id"] == "r1" and [p[3] for p in on_disk["points"]] == list(range(8))  # 8-11: trained again
-    up = Queue(points[10:], failing=False)  # the server answers again, 10 and 11 not sent yet: the file follows the queue
+    assert json.loads((tmp_path / UNSENT_METRICS).read_text())["run_id"] == "r1"
+    assert _on_disk(tmp_path) == list(range(8))  # 8-11: trained again from model_iter7
+    up = Queue(points[10:], failing=False)  # the server answers again, 10 and 11 not sent yet: appended
     kept.spill(up, 11, "model_iter11.pth")
-    assert [p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]] == [10, 11]
+    assert _on_disk(tmp_path) == [*range(8), 10, 11]
+    assert _sent_by_next_start(tmp_path, server_has=9) == [10, 11]  # 0-9 reached the run: not sent twice
     up.points = []
     kept.spill(up, 15, "model_iter15.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
@@ -188,28 +202,68 @@ def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_on
 
 def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_points_until_sent(tmp_path):
     """helper-45's red team of the above: once one batch got through (a backlog draining 1000 metrics
-    a batch, a flaky server), checkpoints stopped rewriting the file, so a SIGKILL then resumed past
+    a batch, a flaky server), checkpoints stopped keeping the new points, so a SIGKILL then resumed past
     iterations it did not hold; and a file taken at the start lost the points above the next
     checkpoint (this start does not log those steps again) while they were still queued."""
-    def on_disk():
-        return sorted({p[3] for p in json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]})
-
     point = [("loss", 0.5, 1000, step) for step in range(60)]
     kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:20])
     kept.spill(queue, 19, "model_iter19.pth")
     queue.failing, queue.points = False, point[10:40]  # 0-9 sent, the server answers again; 10-39 queued
     kept.spill(queue, 39, "model_iter39.pth")
-    assert on_disk() == list(range(10, 40))
+    assert set(_on_disk(tmp_path)) == set(range(40))
+    assert _sent_by_next_start(tmp_path, server_has=9) == list(range(10, 40))
 
     (tmp_path / UNSENT_METRICS).write_text(json.dumps({"run_id": "r1", "points": [list(p) for p in point[:51]]}))
     again, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
     again.resend(queue, RunInfo("r1", last_step=-1), {})  # a start resumed from before step 50
     queue.failing, queue.points = False, queue.points[20:]  # 0-19 sent
     again.spill(queue, 19, "model_iter19.pth")
-    assert on_disk() == list(range(20, 51))
+    assert _sent_by_next_start(tmp_path, server_has=19) == list(range(20, 51))
     queue.points = []
     again.spill(queue, 39, "model_iter39.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
+
+
+def test_a_long_outage_appends_each_checkpoints_new_points_and_a_torn_append_costs_only_its_own(tmp_path):
+    """Each checkpoint of an outage rewrote the whole file: 3.7 s and 124 MB on the writer thread for
+    the sender's full queue (helper-45). It appends a line of the points the file lacks; what was
+    written stays byte for byte. A kill in the middle of an append leaves a line without its end:
+    the lines before it are sent, the file is not refused."""
+    point = [("loss", 0.5, 1000 + step, step) for step in range(100)]
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:10])
+    kept.spill(queue, 9, "model_iter9.pth")
+    written = []
+    for through in (19, 29, 39):
+        written.append((tmp_path / UNSENT_METRICS).read_bytes())
+        queue.points = point[:through + 5]  # the iterations after the checkpoint are queued too: not kept yet
+        kept.spill(queue, through, f"model_iter{through}.pth")
+        assert (tmp_path / UNSENT_METRICS).read_bytes().startswith(written[-1])
+    assert _on_disk(tmp_path) == list(range(40))
+    assert len((tmp_path / UNSENT_METRICS).read_text().splitlines()) == 4
+    kept.spill(queue, 39, "model_iter39.pth")  # nothing new: the file as it was
+    assert _on_disk(tmp_path) == list(range(40))
+
+    with open(tmp_path / UNSENT_METRICS, "a") as f:
+        f.write(json.dumps([list(p) for p in point[40:50]])[:-7])  # SIGKILL
+    again, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    again.resend(queue, RunInfo("r1", last_step=-1), {})
+    assert [p[3] for p in queue.points] == list(range(40)) and not list(tmp_path.glob("earlier-*"))
+    queue.points = point[:60]  # the next start's own checkpoint in the outage: after the last whole line
+    again.spill(queue, 59, "model_iter59.pth")
+    assert _sent_by_next_start(tmp_path, server_has=-1) == list(range(60))
+
+
+def test_an_append_past_the_size_limit_writes_the_file_anew_with_what_is_queued(tmp_path, monkeypatch):
+    point = [("loss", 0.5, 1000 + step, step) for step in range(100)]
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:30])
+    kept.spill(queue, 29, "model_iter29.pth")
+    limit = len((tmp_path / UNSENT_METRICS).read_bytes()) * 3 // 2
+    monkeypatch.setattr("trainer.tracking.unsent.MAX_BYTES", limit)
+    queue.points = point[20:60]  # 0-19 sent; an append of 30-59 would pass the limit
+    kept.spill(queue, 59, "model_iter59.pth")
+    assert len((tmp_path / UNSENT_METRICS).read_bytes()) <= limit
+    assert _on_disk(tmp_path) == list(range(20, 60))
+    assert _sent_by_next_start(tmp_path, server_has=19) == list(range(20, 60))
 
 
 # ---- the file: what nobody would write ----

@@ -51,7 +51,7 @@ class MetricSender:
         self._inflight_from: int | None = None  # the first step of the batch being sent
         self._inflight_steps = 0  # how many iterations that batch holds
         self._batch: list = []  # the batch being sent, as (key, value, timestamp_ms, step) points
-        self._taking = threading.Lock()  # a batch taken from the queue, against leftover()
+        self._taking = threading.Lock()  # a batch taken from the queue, against queued()
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
@@ -113,13 +113,17 @@ class MetricSender:
             self._pending.appendleft((step, ts, metrics))
         self._nudge.set()
 
-    def leftover(self) -> list:
-        """The points not sent yet (after close(): those given up on), the batch in flight too: a
-        resend of it that did arrive is the same point, which the server keeps once."""
+    def queued(self) -> list:
+        """What is not sent yet, one (step, timestamp_ms, metrics) per put, the batch in flight first
+        (after close(): what was given up on)."""
         with self._taking:  # a point is in the queue or in the batch, never between the two
-            inflight = list(self._batch) if self._inflight_from is not None else []
-            return inflight + [(k, float(v), ts, step) for step, ts, metrics in list(self._pending)
-                               for k, v in metrics.items()]
+            inflight = _grouped(self._batch) if self._inflight_from is not None else []
+            return inflight + list(self._pending)
+
+    def leftover(self) -> list:
+        """queued(), one (key, value, timestamp_ms, step) point each: a resend of the batch in flight
+        that did arrive is the same point, which the server keeps once."""
+        return [(k, float(v), ts, step) for step, ts, metrics in self.queued() for k, v in metrics.items()]
 
     def _next_batch(self) -> list:
         with self._taking:

@@ -1,12 +1,17 @@
 """Metric points a job could not send (the tracking server down at a checkpoint, at a signal, a
 failure or the end of training), kept in OUTPUT_DIR beside its checkpoints: the next start of the
 job that reopens the same run sends them first, so a checkpoint resumed there leaves no hole in
-the run's curves, even after a SIGKILL."""
+the run's curves, even after a SIGKILL.
+
+The file is JSON lines: `{"run_id": ..., "points": [...]}`, then one list of points per checkpoint
+of an outage, appended, so that a long outage costs each checkpoint its new points only. Points
+that were sent since stay in it: the next start sends only the steps the run lacks."""
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
 import posixpath
 import re
 from pathlib import Path
@@ -30,6 +35,7 @@ class UnsentMetrics:
         self.taken = False  # the file is this run's: removed once nothing in it is left to send
         self.blocked = False  # a refused file that could not be moved aside holds the name
         self.resent_through = -1  # the newest step resent from an earlier start's file
+        self._in_file: set = set()  # (step, timestamp_ms) of the queued puts the file holds
 
     def resend(self, sender, run, logged: dict[str, int]) -> None:
         """Queue the points an earlier start left ahead of everything else, but those the run holds
@@ -48,20 +54,46 @@ class UnsentMetrics:
         server has been found down, the points it lacks of the iterations the checkpoint holds are
         kept, with those an earlier start's file left (this start does not log their steps again),
         so a job killed before they are sent (SIGKILL, a lost node) resumes there without a hole.
-        Each later checkpoint rewrites the file with what is still queued; one that finds nothing
+        Each later checkpoint appends what is queued and not in the file yet; one that finds nothing
         queued (or the job's end, keep) removes it."""
         if not (sender.failing or self.taken):
             return
         through = max(step, self.resent_through)
-        unsent = [p for p in sender.leftover() if p[3] <= through]
-        if not unsent:
-            self.keep([])
-        elif (kept := self.keep(unsent, stopping=False)) and sender.failing:  # else the queue drains: no news
-            log.info("tracking server down at %s: %s", checkpoint, kept[0])
+        queued = [put for put in sender.queued() if put[0] <= through]
+        new = [put for put in queued if put[:2] not in self._in_file]
+        if queued and not new:
+            return  # the file holds them all
+        if queued and self.taken and self._append(new):
+            self._in_file = {put[:2] for put in queued}
+            said = [f"the metrics of {_steps(sorted({put[0] for put in queued}))} (kept in {self.path})"]
+        else:  # removed when none are left; or written anew
+            said = self.keep(_points(queued), stopping=False)
+        if said and sender.failing:  # else the queue drains: no news
+            log.info("tracking server down at %s: %s", checkpoint, said[0])
+
+    def _append(self, puts: list) -> bool:
+        """One line of `puts`' points at the end of this run's file; False where the file must be
+        written anew (gone, about to pass MAX_BYTES, or the append failed)."""
+        line = (json.dumps(_points(puts)) + "\n").encode()
+        try:
+            size = self.path.stat().st_size
+            if size + len(line) > MAX_BYTES:
+                return False
+            with open(self.path, "ab") as f:
+                try:
+                    f.write(line)
+                    f.flush()
+                except OSError:  # a disk full in the middle: the next addition must not follow half a line
+                    f.truncate(size)
+                    raise
+        except OSError:
+            return False
+        return True
 
     def keep(self, points: list, stopping: bool = True) -> list[str]:
         """Write the points the run never got (the newest, up to MAX_BYTES), or remove a file it took
         when none are left. What the run lacks, for the job's last line: [] or one description."""
+        self._in_file = set()
         if not points:
             if self.taken:
                 with contextlib.suppress(OSError):  # one it cannot remove is sent again, and kept once
@@ -69,10 +101,10 @@ class UnsentMetrics:
                     self.taken = False
             return []
         lacking, which = f"the metrics of {describe(points)}", ""
-        data = json.dumps({"run_id": self.run_id, "points": points})
+        data = _file(self.run_id, points)
         if len(data) > MAX_BYTES:  # a long outage: the newest points, as the sender's queue keeps them
             points = points[len(points) - int(len(points) * MAX_BYTES * 0.9 / len(data)):]
-            data = json.dumps({"run_id": self.run_id, "points": points})
+            data = _file(self.run_id, points)
             which = f"those of {describe(points)} "
             log.warning("%s: only %s are kept (%d MiB at most), the older are %s", lacking, which, MAX_BYTES >> 20,
                         "lost" if stopping else "still queued to send, in memory only")
@@ -81,6 +113,7 @@ class UnsentMetrics:
                 raise FileExistsError(f"{self.path} holds what this job refused to send")
             write_atomic(self.path, data)
             self.taken = True  # this run's file now: removed once nothing is left to send
+            self._in_file = {(step, ts) for _, _, ts, step in points}
         except OSError as e:  # the folder is gone or full: those points are lost, and said so
             log.warning("could not keep the unsent metrics in %s: %s", self.path, first_line(e))
             return [f"{lacking} (lost: they could not be kept in {self.path})"]
@@ -92,18 +125,26 @@ class UnsentMetrics:
                 return []
             if self.path.stat().st_size > MAX_BYTES:
                 raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
-            kept = json.loads(self.path.read_text())
+            data = self.path.read_bytes()
+            head, *appended = _lines(data.decode("utf-8"))
+            kept = json.loads(head)
             owner, points = kept["run_id"], kept["points"]
             if not isinstance(owner, str):
                 raise ValueError("no run id")
             if owner != self.run_id:
                 return self._refuse(f"holds metrics of run {owner[:100]!r}, not of this job's run {self.run_id}")
-            if not isinstance(points, list) or not all(map(valid_point, points)):
+            points = [points, *map(json.loads, appended)]
+            if not all(isinstance(line, list) and all(map(valid_point, line)) for line in points):
                 raise ValueError("a point is no (key, value, timestamp, step) that MLflow takes")
         except Exception as e:  # not ours, or damaged (too deep, too large): never sent, never fatal
             return self._refuse(f"is not a list of metric points ({first_line(e)})")
         self.taken = True
-        return [(key, float(value), ts, step) for key, value, ts, step in points]
+        if b"\n" in data and not data.endswith(b"\n"):  # what follows is added after the last whole line
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, data.rindex(b"\n") + 1)
+        points = [(key, float(value), ts, step) for line in points for key, value, ts, step in line]
+        self._in_file = {(step, ts) for _, _, ts, step in points}
+        return points
 
     def _refuse(self, why: str) -> list:
         """Out of the way, kept: the name is free for this run's own leftovers."""
@@ -130,5 +171,27 @@ def valid_point(p) -> bool:
 
 
 def describe(points: list) -> str:
-    steps = sorted({p[3] for p in points})
+    return _steps(sorted({p[3] for p in points}))
+
+
+def _steps(steps: list) -> str:
     return f"iteration {steps[0]}" if len(steps) == 1 else f"{len(steps)} iterations ({steps[0]}-{steps[-1]})"
+
+
+def _points(puts: list) -> list:
+    """The sender's (step, timestamp_ms, metrics) puts as (key, value, timestamp_ms, step) points."""
+    return [(k, float(v), ts, step) for step, ts, metrics in puts for k, v in metrics.items()]
+
+
+def _file(run_id: str, points: list) -> str:
+    return json.dumps({"run_id": run_id, "points": points}) + "\n"
+
+
+def _lines(text: str) -> list[str]:
+    """The file's complete lines: a last one without its newline is an append cut short (a kill in
+    the middle of it), whose points the line before it does not need. A file of one line without a
+    newline is whole (as written before the appends)."""
+    lines = text.split("\n")
+    if len(lines) > 1:
+        lines.pop()  # "" after the last newline, or the torn end of an append
+    return [line for line in lines if line] or [""]
