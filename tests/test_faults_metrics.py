@@ -115,6 +115,32 @@ def test_metrics_the_server_never_got_at_the_end_are_named_and_sent_by_the_rerun
     assert not (out / UNSENT_METRICS).exists()
 
 
+def test_the_scores_of_an_evaluation_during_an_outage_to_the_end_are_kept_and_sent_by_the_rerun(
+        tmp_path, data_dir, mlflow_server, jobs):
+    """A periodic evaluation whose logging waits behind its checkpoint's upload, the server down to
+    the end: the uploader gave up on both at the deadline and the scores were lost for good (an open
+    point since 2026-12-03). They are kept with the metrics the run lacks; the rerun sends them."""
+    exp, out = f"unsent-eval-{uuid.uuid4().hex[:6]}", tmp_path / "output"
+    with FaultProxy(mlflow_server.url) as proxy:
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                               "TRACKING.FLUSH_TIMEOUT_S": 4, "TEST.EVAL_PERIOD": 5,
+                                               "TEST.DATASETS": "('synth_shapes_val',)"})
+        job = jobs(args, tmp_path)
+        wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+        proxy.set_mode("error")
+        assert job.wait() == 1, job.stderr[-3000:]
+        kept = json.loads((out / UNSENT_METRICS).read_text().splitlines()[0])["points"]
+        assert [p[3] for p in kept if p[0] == "bbox/AP"] == [4], job.last_line  # model_final's: evaluated again
+        proxy.set_mode("pass")
+        again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    client = MlflowClient(mlflow_server.url)
+    run_id = only_run(client, exp).info.run_id
+    assert sorted(m.step for m in client.get_metric_history(run_id, "bbox/AP")) == [4, 9]
+    assert steps(client, run_id) == list(range(10))
+    assert not (out / UNSENT_METRICS).exists()
+
+
 def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_path, data_dir):
     """A file the job did not take (another run's: a folder reused by hand) is never sent to this
     run; it moves to `earlier-<time>/`, so that it neither blocks this run's own leftovers for good

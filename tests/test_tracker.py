@@ -230,3 +230,24 @@ def test_the_metric_senders_count_of_what_it_gave_up_on_is_in_iterations(caplog)
     caplog.set_level("WARNING", logger="trainer.tracking.background")
     assert sender.close(timeout=1.0) is False
     assert "metrics: 10 iterations not sent before the deadline, 0 dropped on overflow" in caplog.messages
+
+
+def test_a_job_the_uploader_gives_up_on_runs_its_fallback_and_one_that_succeeds_does_not():
+    """The fallback of a queued job (an evaluation's scores, kept for the job's next start) runs when
+    the job fails for good or is never run before close()'s deadline; never twice, never after a success."""
+    from trainer.tracking.background import Uploader
+
+    ran, server_down = [], threading.Event()
+    uploader = Uploader(retryable=lambda e: not isinstance(e, KeyError))
+    uploader.submit("ok", lambda: ran.append("ok"), dropped=lambda: ran.append("ok dropped"))
+    uploader.submit("refused", lambda: {}["x"], dropped=lambda: ran.append("refused dropped"))
+    uploader.submit("stuck", lambda: server_down.wait(30) and None, dropped=lambda: ran.append("stuck dropped"))
+    uploader.submit("behind", lambda: ran.append("behind"), dropped=lambda: ran.append("behind dropped"))
+    uploader.submit("no fallback", lambda: ran.append("no fallback"))
+    end = time.monotonic() + 30
+    while len(ran) < 2 and time.monotonic() < end:  # "ok" ran, "refused" failed for good; "stuck" holds the thread
+        time.sleep(0.01)
+    assert not uploader.close(0.5)
+    assert ran == ["ok", "refused dropped", "behind dropped"]
+    assert uploader.failed == ["refused", "stuck", "behind", "no fallback"]
+    server_down.set()

@@ -7,7 +7,8 @@ sent on purpose: a retried batch carries the same timestamps, which the server d
 `beat`, an interval with nothing to send still sends an empty batch: the run's heartbeat rides on it.
 
 `Uploader`: a FIFO of jobs (artifact uploads, checkpoint upload + tags, the run's final status),
-each retried with backoff until it succeeds or the close deadline passes.
+each retried with backoff until it succeeds or the close deadline passes; a job given up on runs
+its `dropped` fallback, if it has one, on the closing thread.
 """
 from __future__ import annotations
 
@@ -209,9 +210,10 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="uploader", daemon=True)
         self._thread.start()
 
-    def submit(self, description: str, job: Callable[[], None]) -> None:
+    def submit(self, description: str, job: Callable[[], None], dropped: Callable[[], None] | None = None) -> None:
+        """`dropped` runs instead when the job fails for good or is never run (close's deadline)."""
         with self._cv:
-            self._jobs.append((description, job))
+            self._jobs.append((description, job, dropped))
             self._cv.notify()
 
     def wait(self, timeout: float) -> bool:
@@ -232,8 +234,10 @@ class Uploader:
             left = len(self._jobs) + (self._busy is not None)
             self._abandoned = self._thread.is_alive()
             stuck = [self._busy] if self._abandoned and self._busy is not None else []
-            self.failed += stuck + [description for description, _ in self._jobs]
-            self._jobs.clear()
+            self.failed += stuck + [description for description, _, _ in self._jobs]
+            never_run, self._jobs = list(self._jobs), collections.deque()
+        for _, _, dropped in never_run:
+            _fallback(dropped)
         if self.failed:
             log.warning("tracking: not done before the deadline: %s", ", ".join(self.failed))
         return left == 0 and not self.failed
@@ -250,26 +254,37 @@ class Uploader:
 
     def _run(self) -> None:
         while (item := self._take()) is not None:
-            description, job = item
-            self._attempt(description, job)
+            description, job, dropped = item
+            if not self._attempt(description, job):
+                _fallback(dropped)
             with self._cv:
                 self._busy = None
                 self._cv.notify_all()
 
-    def _attempt(self, description: str, job: Callable[[], None]) -> None:
+    def _attempt(self, description: str, job: Callable[[], None]) -> bool:
+        """True once the job succeeded; False when it failed for good (not when close() gave up on
+        it while it ran: the process is ending, and a late success must not be done twice)."""
         backoff = Backoff()
         while True:
             try:
                 job()
-                return
+                return True
             except Exception as e:  # retried until the deadline
                 delay = backoff.failed()
                 if self._abandoned:  # close() has reported it; the job is exiting
-                    return
+                    return True
                 if not self._retryable(e) or time.monotonic() + delay > self._deadline:
                     log.warning("tracking: %s failed: %s", description, first_line(e))
                     self.failed.append(description)
-                    return
+                    return False
                 first = backoff.delay == backoff.first * 2
                 (log.warning if first else log.debug)("tracking: %s failed (%s); retrying", description, first_line(e, 200))
                 time.sleep(delay)
+
+
+def _fallback(dropped: Callable[[], None] | None) -> None:
+    try:
+        if dropped is not None:
+            dropped()
+    except Exception as e:  # a fallback is best effort: the job's failure is reported already
+        log.warning("tracking: %s", first_line(e))

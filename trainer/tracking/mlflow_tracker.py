@@ -161,8 +161,7 @@ class MlflowTracker(Tracker):
 
         items = [Param(k, v) for k, v in safe_params(cfg).items() if k not in logged]
         for i in range(0, len(items), 100):
-            chunk = items[i:i + 100]
-            self._uploader.submit("params", lambda c=chunk: self.client.log_batch(self._run.run_id, params=c))
+            self._uploader.submit("params", lambda c=items[i:i + 100]: self.client.log_batch(self._run.run_id, params=c))
 
     # ---- resume ----
 
@@ -212,8 +211,7 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self._run.run_id, metrics=metrics, tags=tags, synchronous=True)
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._uploader.submit(f"upload {path.name}",
-                              lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
+        self._uploader.submit(f"upload {path.name}", lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         from mlflow.entities import RunTag
@@ -284,20 +282,22 @@ class MlflowTracker(Tracker):
 
     def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
         self._evaluated.add(checkpoint)
+        final, linked = checkpoint == FINAL, []  # model_final's: evaluated again by the job's next start, into its model
 
         def link():
-            on_server = checkpoint in self._uploaded or self._attached or (  # a rerun's evaluation of model_final
-                checkpoint == FINAL and FINAL in self._run.checkpoints)
+            on_server = checkpoint in self._uploaded or self._attached or (final and FINAL in self._run.checkpoints)
             if not on_server:  # its upload failed: no model to link
-                final = checkpoint == FINAL  # evaluated again by the job's next start, into its model: not sent twice
                 log.warning("%s is not on the server: its evaluation is %s", checkpoint,
                             "left to the job's next start" if final else "logged without a model")
-                return None if final else self._sender.put(metrics, step)
+                return unlinked()
             experiment_id = self._experiment_id()
-            link_evaluation(self.client, experiment_id, self._run.run_id, checkpoint, metrics, step)
+            linked.append(link_evaluation(self.client, experiment_id, self._run.run_id, checkpoint, metrics, step))
             self._best = update_best(self.client, experiment_id, self._run.run_id, self._best_metric) or self._best
 
-        self._uploader.submit(f"log the evaluation of {checkpoint}", link)
+        def unlinked():  # also when the link is given up on (an outage to the end): kept for the job's next start
+            return None if final or linked else linked.append(self._sender.put(metrics, step))
+
+        self._uploader.submit(f"log the evaluation of {checkpoint}", link, dropped=unlinked)
 
     def evaluation_due(self, checkpoint: str, datasets: list[dict]) -> bool:
         return evaluation_due(self.client, self._experiment_id(), self.client.get_run(self.run.run_id), checkpoint, datasets)
