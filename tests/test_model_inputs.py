@@ -485,6 +485,10 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
     assert last_line().endswith("sent the run what it lacked: the model")  # it registered the other job's
     assert client.get_model_version_by_alias("named later", "final").source == f"models:/{ours}"
     assert all(v.source != f"models:/{other.model_id}" for v in client.search_model_versions("name = 'named later'"))
+    for tag in ("", "../m-1/x"):  # no model's id: a server asked for a path answers 404 ("cannot say")
+        client.set_tag(run.info.run_id, "tracktron.model_id", tag)
+        assert last_line().endswith("sent the run what it lacked: the model")
+        assert client.get_run(run.info.run_id).data.tags["tracktron.model_id"] not in ("", "../m-1/x")
 
 
 def test_a_rerun_registering_under_another_name_reuses_the_best_checkpoints_servable_copy(tmp_path, data_dir):

@@ -414,3 +414,17 @@ def test_two_jobs_starting_at_once_on_a_new_sqlite_store_both_work(tmp_path, dat
     runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
     assert all(r.data.tags["tracktron.ckpt.latest"] == "model_final.pth" for r in runs)
+
+
+def test_a_model_tag_no_model_can_have_names_none_on_a_server(mlflow_server):
+    """`tracktron.model_id` rewritten to a path: the server answers 404 for the URL it makes, which
+    read as "cannot say", so the tag was kept and every rerun tried to register that model."""
+    from trainer.tracking.job_run import _holds_model
+
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.create_experiment(f"model-tag-{uuid.uuid4().hex[:6]}")
+    run_id = client.create_run(experiment).info.run_id
+    model = client.create_logged_model(experiment, name="model", source_run_id=run_id)
+    assert _holds_model(client, run_id, model.model_id)
+    for tag in ("", "a/b", "../x", f"{model.model_id}/..", "m-1?x=1"):
+        assert not _holds_model(client, run_id, tag), tag

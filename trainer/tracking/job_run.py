@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -140,7 +141,10 @@ def _drop_tags_of_what_is_gone(client, run):
 
 def _holds_model(client, run_id: str, model_id: str) -> bool:
     """Whether the logged model exists and is the run's (a tag rewritten by hand could name another
-    job's, which would then be registered as this one's); True when the server cannot say."""
+    job's, which would then be registered as this one's); True when the server cannot say. An id no
+    model can have (MLflow's are `m-<hex>`; '', a path) is none: a server asked for `a/b` answers 404."""
+    if not re.fullmatch(r"[\w\-]+", model_id):
+        return False
     try:
         return client.get_logged_model(model_id).source_run_id == run_id
     except Exception as e:
