@@ -131,6 +131,7 @@ CONFIG_CASES = [
     ("ims-per-batch-0", ["TRAIN.IMS_PER_BATCH", "0"], "TRAIN.IMS_PER_BATCH must be > 0"),
     ("test-ims-per-batch-0", ["TEST.IMS_PER_BATCH", "0"], "TEST.IMS_PER_BATCH must be > 0"),
     ("backbone-width-0", ["MODEL.BACKBONE_WIDTH", "0"], "MODEL.BACKBONE_WIDTH must be > 0"),
+    ("backbone-width-huge", ["MODEL.BACKBONE_WIDTH", "1e6"], "MODEL.BACKBONE_WIDTH must be at most 8, got 1,000,000.0"),
     ("detections-0", ["MODEL.DETECTIONS_PER_IMAGE", "0"], "MODEL.DETECTIONS_PER_IMAGE must be > 0"),
     ("rpn-negative", ["MODEL.RPN_POST_NMS_TOP_N_TRAIN", "-5"], "MODEL.RPN_POST_NMS_TOP_N_TRAIN must be > 0"),
     ("num-classes-1", ["MODEL.NUM_CLASSES", "1"], "MODEL.NUM_CLASSES must be -1 (from the dataset) or >= 2"),

@@ -242,6 +242,14 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     with pytest.raises(UserError, match="cannot fetch"):
         eval_command(cfg, f"runs:/{run_id}/checkpoints/model_iter999.pth")
 
+    # A deleted run takes no write: that was said after the whole evaluation (helper-46's red team).
+    client.delete_run(run_id)
+    late = config.load_config(ROOT / "configs" / "demo.yaml",
+                              ["DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "late"), "TRACKING.URI", uri])
+    with pytest.raises(UserError, match=f"run {run_id} is deleted, so its evaluation cannot be logged into it"):
+        eval_command(late, f"runs:/{run_id}/checkpoints/model_final.pth")
+    assert not (tmp_path / "late" / "eval").exists()
+
 
 def test_weights_of_another_model_are_refused(shapes, tmp_path):
     cfg = make_cfg(shapes)

@@ -13,10 +13,13 @@ import io
 import json
 import logging
 import os
+import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +178,8 @@ def bad(tmp_path, images, model_dir):
     Image.new("RGB", (32, 32)).save(tmp_path / "pic.bmp")  # PIL reads it, torchvision does not
     os.mkfifo(tmp_path / "fifo.png")  # reading it waited for a writer forever
     (tmp_path / "zero.png").symlink_to("/dev/zero")  # read until the OOM killer
+    (tmp_path / "bomb.png").write_bytes(png_header(13000, 13000))  # PIL warns past 89M pixels, before our line
+    (tmp_path / "plain.pth").write_bytes(pickle.dumps({"model": {"w": 1}}, protocol=4))  # torch warns of protocol 4
     return lambda *args, out="out", weights=str(model_dir): ["predict", "--weights", weights, "--out", out, *args]
 
 
@@ -208,8 +213,19 @@ BAD = [  # id, argv (from the `bad` fixture's builder), what the one line says
     ("weights an empty file", lambda a: a("good.png", weights="empty.png"), "empty.png is not a valid torch checkpoint "
                                                                               "(the file is empty or cut short)"),
     ("weights folder not a model", lambda a: a("good.png", weights="shots"), "neither a checkpoint nor a tracktron model"),
+    ("a 13000x13000 image", lambda a: a("bomb.png"), "IMAGE bomb.png: an image of 13000x13000 pixels: at most 40,000,000"),
+    ("weights a plain pickle", lambda a: a("good.png", weights="plain.pth"), "plain.pth is not a valid torch checkpoint"),
 ]
-SHELL = ["missing image", "not an image", "out is a file"]  # also as real processes
+# also as real processes (the library warnings of the last two reached stderr before the line: helper-46)
+SHELL = ["missing image", "not an image", "out is a file", "a 13000x13000 image", "weights a plain pickle"]
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, IHDR and IEND, no pixels: what PIL reads to tell the size."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
 
 
 def tree(root: Path) -> dict:
@@ -343,6 +359,41 @@ def test_the_same_image_from_another_folder_replaces_its_own_results(tmp_path, m
         assert result.returncode == 0, result.stderr
         assert sorted(p.name for p in out.iterdir()) == ["cat.json", "cat.png"]
         check_outputs(out, "cat", cat, categories)
+
+
+def test_a_folder_where_a_drawing_was_takes_the_next_name_and_a_reader_gone_stops_nothing(tmp_path, model_dir, images,
+                                                                                           categories):
+    """helper-46's red team: a prediction's .png replaced by a folder (its json still this image's)
+    was a traceback at the rename, after the drawing was made; and `predict ... | head -1` exited 1
+    with nothing said, the images after the second left unpredicted (the pipe's EPIPE)."""
+    out = tmp_path / "out"
+    first = predict_cli("--weights", model_dir, "--out", out, images["png"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    name = images["png"].stem
+    (out / f"{name}.png").unlink()
+    (out / f"{name}.png").mkdir()
+    again = predict_cli("--weights", model_dir, "--out", out, images["png"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    check_outputs(out, f"{name}-2", images["png"], categories)
+    assert (out / f"{name}.png").is_dir()
+
+    many = []
+    for n in range(4):
+        many.append(tmp_path / "many" / f"img{n}.png")
+        many[-1].parent.mkdir(exist_ok=True)
+        shutil.copy(images["png"], many[-1])
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: `| head -0`
+    try:
+        gone = subprocess.run([sys.executable, "-m", "trainer", "predict", "--weights", str(model_dir), "--out",
+                               str(tmp_path / "piped"), *map(str, many)], cwd=tmp_path, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert gone.returncode == 0, gone.stderr
+    assert "the console's stdout is gone" in gone.stderr
+    for image in many:
+        check_outputs(tmp_path / "piped", image.stem, image, categories)
 
 
 # ------------------------------------------------------------------------------------------ drawing

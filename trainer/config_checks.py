@@ -209,8 +209,8 @@ _OR_DEFAULT = ("FG_IOU", "BG_IOU", "NMS_THRESH", "SCORE_THRESH")  # -1 = torchvi
 
 
 # Sizes past these allocate more than any machine has (an allocator traceback, or the OOM killer).
-_CEILINGS = {"NUM_CLASSES": 100_000, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384, "BOX_POOL_SIZE": 64,
-             "MASK_POOL_SIZE": 64, "KEYPOINT_POOL_SIZE": 64, "DETECTIONS_PER_IMAGE": 100_000}
+_CEILINGS = {"BACKBONE_WIDTH": 8, "NUM_CLASSES": 100_000, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384,
+             "BOX_POOL_SIZE": 64, "MASK_POOL_SIZE": 64, "KEYPOINT_POOL_SIZE": 64, "DETECTIONS_PER_IMAGE": 100_000}
 
 
 def _architecture_checks(m) -> list:

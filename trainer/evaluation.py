@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
 from trainer.job_identity import job_keys
 from trainer.lineage import dataset_inputs
-from trainer.logs import held_while_checking
+from trainer.logs import held_while_checking, write_or_drop
 from trainer.output_dir import make_writable
 from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import categories_of, category_key_of, checked_categories, encode_masks
@@ -335,8 +336,9 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     finally:
         failed = tracker.finish(None)
     if ctx.is_main:
-        print(format_metrics(metrics, weights) if metrics else
-              f"evaluation of {weights}: no metric (the test sets have no annotations to score against)")
+        said = format_metrics(metrics, weights) if metrics else \
+            f"evaluation of {weights}: no metric (the test sets have no annotations to score against)"
+        write_or_drop(sys.stdout, said + "\n")  # a view, as in training: a reader gone (`| head`) fails nothing
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from trainer.data.images import read_file
 from trainer.errors import UserError, first_line, user_path
 from trainer.redaction import printable
 from trainer.inference import decode
+from trainer.logs import write_or_drop
 from trainer.output_dir import make_writable, named_folder
 from trainer.tracking.logged_model import load_detector
 from trainer.visualize import draw, to_png
@@ -75,7 +77,8 @@ def predict_one(detector, image: str, out: Path, name: str, score_threshold: flo
     record = {"image": where, "width": pixels.shape[2], "height": pixels.shape[1], **found}
     write_atomic(out / f"{name}.json", json.dumps(record))
     shown = sum(s >= score_threshold for s in found["scores"])
-    print(printable(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}"))
+    line = printable(f"{image}: {len(found['scores'])} detections ({shown} above {score_threshold:g}) -> {drawing}")
+    write_or_drop(sys.stdout, line + "\n")  # a view: a reader gone (`| head`) stops no prediction
 
 
 def check_out_dir(out_dir: str) -> Path:
@@ -151,10 +154,10 @@ def output_names(images: list[str], out: Path) -> list[str]:
 
 
 def _free(out: Path, name: str, inputs: set, image: str) -> bool:
-    """OUT/<name>.png and .json may be written: neither is an input, and what is there already is an
-    earlier prediction of `image` (a rerun replaces it), or nothing."""
+    """OUT/<name>.png and .json may be written: neither is an input or a folder (no rename replaces
+    one), and what is there already is an earlier prediction of `image` (a rerun replaces it), or nothing."""
     files = [out / f"{name}.{e}" for e in ("png", "json")]
-    if any(_real(f) in inputs for f in files):
+    if any(_real(f) in inputs or (f.is_dir() and not f.is_symlink()) for f in files):
         return False
     return not any(f.exists() or f.is_symlink() for f in files) or _is_prediction(files[1], image)
 

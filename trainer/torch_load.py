@@ -4,10 +4,14 @@ stores its entries uncompressed, but torch.load inflates deflated ones: a 1 MB f
 1 GiB tensor of zeros, taken into memory before anything is checked."""
 from __future__ import annotations
 
+import warnings
 import zipfile
 from pathlib import Path
 
 MAX_EXPANSION = 100
+# torch's note on a plain pickle (protocol past 2) that it may not read: what it cannot read is one
+# line of ours; the note would come before it, in two.
+warnings.filterwarnings("ignore", r"Detected pickle protocol \d+ in the checkpoint")
 
 
 def load(path, mmap: bool = False):

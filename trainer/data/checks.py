@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 from trainer.errors import UserError, first_line
 
+# PIL warns of an image past its own threshold, which is above our MAX_PIXELS: the size is refused
+# anyway, in one line that its two-line warning would come before.
+warnings.filterwarnings("ignore", r"Image size \(\d+ pixels\) exceeds limit")
 MAX_IMAGE_SIDE = 20_000  # pixels
 MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)

@@ -38,9 +38,14 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
     try:
-        taken = takes_scores(tracker.client, tracker.client.get_run(run_id), datasets)
+        run = tracker.client.get_run(run_id)
+        taken = run.info.lifecycle_stage == "active" and takes_scores(tracker.client, run, datasets)
     except Exception as e:  # the checkpoint's download just worked: a server that fails now
         raise UserError(start_error(tracker.uri, e)) from None
+    if run.info.lifecycle_stage != "active":  # MLflow refuses every write to it: said now, not after the evaluation
+        tracker.finish(None)
+        raise UserError(f"run {run_id} is deleted, so its evaluation cannot be logged into it: restore it "
+                        f"(`mlflow runs restore --run-id {run_id}`) or evaluate a copy of the checkpoint file")
     if not taken:
         tracker.finish(None)
         return Tracker()
