@@ -279,6 +279,20 @@ def test_a_long_outage_appends_each_checkpoints_new_points_and_a_torn_append_cos
     assert _sent_by_next_start(tmp_path, server_has=-1) == list(range(60))
 
 
+def test_an_addition_never_goes_through_a_link_put_in_the_files_place(tmp_path):
+    point = [("loss", 0.5, 1000 + step, step) for step in range(40)]
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:20])
+    kept.spill(queue, 19, "model_iter19.pth")
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("a user's file\n")
+    (tmp_path / UNSENT_METRICS).unlink()
+    (tmp_path / UNSENT_METRICS).symlink_to(elsewhere)
+    queue.points = point
+    kept.spill(queue, 39, "model_iter39.pth")
+    assert elsewhere.read_text() == "a user's file\n"
+    assert not (tmp_path / UNSENT_METRICS).is_symlink() and _on_disk(tmp_path) == list(range(40))
+
+
 def test_an_append_past_the_size_limit_writes_the_file_anew_with_what_is_queued(tmp_path, monkeypatch):
     point = [("loss", 0.5, 1000 + step, step) for step in range(100)]
     kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:30])

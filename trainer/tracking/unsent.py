@@ -75,19 +75,21 @@ class UnsentMetrics:
         """One line of `puts`' points at the end of this run's file; False where the file must be
         written anew (gone, about to pass MAX_BYTES, or the append failed)."""
         line = (json.dumps(_points(puts)) + "\n").encode()
-        try:
-            size = self.path.stat().st_size
-            if size + len(line) > MAX_BYTES:
-                return False
-            with open(self.path, "ab") as f:
-                try:
-                    f.write(line)
-                    f.flush()
-                except OSError:  # a disk full in the middle: the next addition must not follow half a line
-                    f.truncate(size)
-                    raise
+        try:  # never through a link put in its place: the file is written anew instead
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         except OSError:
             return False
+        with open(fd, "ab") as f:
+            size = os.fstat(fd).st_size
+            if size + len(line) > MAX_BYTES:
+                return False
+            try:
+                f.write(line)
+                f.flush()
+            except OSError:  # a disk full in the middle: the next addition must not follow half a line
+                with contextlib.suppress(OSError):
+                    f.truncate(size)
+                return False
         return True
 
     def keep(self, points: list, stopping: bool = True) -> list[str]:
