@@ -43,7 +43,7 @@ def _data_wait(env: Env, quick: bool) -> tuple[list, bool]:
 
     def step(k: int, record: bool) -> None:
         job, s, st = trainers[k]
-        engine.run_iteration(job, s, st["iter"], False)
+        engine.run_iteration(job, s, st["iter"])
         st["iter"] += 1
         if record:
             st["data"].append(s.stats.data_time.latest)

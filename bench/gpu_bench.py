@@ -136,7 +136,7 @@ def bench_one(args, model_type: str, amp: bool, device, workdir: Path) -> dict:
     def ours(n: int) -> None:
         for _ in range(n):
             t.batches.index = state["iter"]
-            losses, _ = engine.run_iteration(job, t, state["iter"], False)
+            losses, _ = engine.run_iteration(job, t, state["iter"])
             engine.check_finite(losses, state["iter"])
             t.stats.maybe_reset_timer(state["iter"])
             state["iter"] += 1

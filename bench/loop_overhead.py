@@ -129,7 +129,7 @@ class LoopBench:
         for k in range(n):
             mark = self._mark()
             cur_iter = self.iter
-            out, _ = engine.run_iteration(job, s, cur_iter, False)
+            out, _ = engine.run_iteration(job, s, cur_iter)
             if losses is not None:
                 losses.append(out["loss"])
             engine.check_finite(out, cur_iter)

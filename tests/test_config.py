@@ -2,6 +2,7 @@
 import pytest
 
 from trainer.config import ConfigError, defaults, load_config, write_config
+from trainer.errors import UserError
 from trainer.job_identity import job_hash
 
 
@@ -238,3 +239,13 @@ def test_cudnn_benchmark_is_off_unless_asked_as_in_detectron2(opts, benchmark):
     finally:
         torch.backends.cudnn.benchmark = before[0]
         torch.use_deterministic_algorithms(before[1])
+
+
+def test_a_home_relative_output_dir_is_the_home_folders(monkeypatch, tmp_path):
+    """DATA_DIR, the datasets, TRAIN.WEIGHTS and --out expanded ~; OUTPUT_DIR made ./~/runs and said
+    `~/runs/model_final.pth`, where nothing was (helper-47's red team)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["OUTPUT_DIR", "~/runs/demo"])
+    assert cfg.OUTPUT_DIR == str(tmp_path / "runs" / "demo")
+    with pytest.raises(UserError, match="OUTPUT_DIR ~nobody-tracktron/x: no home folder is known"):
+        load_config(None, ["OUTPUT_DIR", "~nobody-tracktron/x"])

@@ -253,6 +253,17 @@ def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_the_job_running(tm
     assert only_run(client, "hangup").info.status == "FINISHED"
 
 
+def test_a_job_started_with_sigint_ignored_keeps_it_ignored(tmp_path, data_dir, jobs):
+    """`tracktron train ... &` in a script: bash starts it with SIGINT ignored, so that a Ctrl-C meant
+    for the script does not stop it. The trainer put its own handler in and stopped (exit 130) as
+    nohup's SIGHUP is kept ignored (helper-47's red team)."""
+    job = jobs(job_args(tmp_path, data_dir), tmp_path, launcher=("env", "--ignore-signal=INT"))
+    wait_until(lambda: 1 in job.iters(), job, "iteration 1")
+    job.signal_group(signal.SIGINT)
+    assert job.wait(120) == 0, job.stderr[-3000:]
+    assert "SIGINT" not in job.stderr and job.iters()[-1] == MAX_ITER - 1
+
+
 def test_slurms_time_limit_warning_stops_the_job_for_its_requeue(tmp_path, data_dir, jobs):
     """`sbatch --signal=USR1@120`: SIGUSR1 (or SIGUSR2) before the time limit, for the job to save
     and be requeued. Its default action killed the trainer mid-iteration and left the run RUNNING."""

@@ -298,3 +298,32 @@ def test_a_learning_rate_that_overflows_is_refused_with_the_config(solver, messa
     assert str(refused.value) == message
     kept = cfg_of(BASE_LR=1.0, GAMMA=1e12, STEP_SIZE=10, MAX_ITER=30, WARM_UP_ITERS=0)  # within float32 throughout
     check(kept, {0: 1.0, 10: 1e12, 29: 1e24, 30: 1e36})
+
+
+def test_a_stop_signal_during_an_iteration_stops_the_job_after_that_iteration():
+    """The stop flag was read as the iteration began: a signal during iteration N trained N and all
+    of N+1 before the checkpoint, past the grace period a slow iteration leaves (helper-47). It is
+    read after the step, just before the iteration's one collective."""
+    from types import SimpleNamespace
+
+    from trainer.distributed import Context
+    from trainer.engine import train_step
+
+    signalled = []
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, images, targets):
+            signalled.append(True)  # SIGTERM arrives while the iteration runs
+            return {"loss_a": self.w.sum(), "loss_b": (self.w ** 2).sum()}
+
+    model = Model()
+    s = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        scaler=torch.amp.GradScaler("cpu", enabled=False))
+    job = SimpleNamespace(ctx=Context(), cfg=SimpleNamespace(SOLVER=SimpleNamespace(CLIP_GRAD_NORM=0)))
+    losses, stop = train_step(job, s, [], [], lambda: bool(signalled))
+    assert stop and losses == {"loss": 4.0, "loss_a": 2.0, "loss_b": 2.0}
+    assert train_step(job, s, [], [], lambda: False)[1] is False

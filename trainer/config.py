@@ -18,7 +18,7 @@ from trainer.atomic_write import write_atomic
 from trainer.config_checks import finite_float, int_text, validate
 from trainer.config_detectron import Translation, is_detectron, translate
 from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, user_path
 from trainer.redaction import REDACTED, is_secret_key, redact_urls, remember
 
 log = logging.getLogger(__name__)
@@ -316,6 +316,8 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
     if translation is not None and "OUTPUT_DIR" not in opts[0::2]:  # Detectron's path names the final datasets
         cfg["OUTPUT_DIR"] = translation.values["OUTPUT_DIR"] = translation.output_dir(cfg.TRAIN.DATASETS)
     cfg.TRACKING.SYSTEM_METRICS = cfg.TRACKING.SYSTEM_METRICS.lower()  # `True`, as YAML reads it in a file
+    if cfg.OUTPUT_DIR.startswith("~"):  # as DATA_DIR and every path option: not a folder named ~ here
+        cfg["OUTPUT_DIR"] = str(user_path(cfg.OUTPUT_DIR, "OUTPUT_DIR"))
     _remember_secrets(cfg)
     validate(cfg)
     return cfg, translation

@@ -164,6 +164,8 @@ def validate(cfg) -> None:
         (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
         (1 <= cfg.LOG_PERIOD <= MAX_ITERS, f"LOG_PERIOD must be 1 to {MAX_ITERS:,}, got {cfg.LOG_PERIOD}"),
         (cfg.OUTPUT_DIR.strip() != "", "OUTPUT_DIR must name a folder, got an empty value"),
+        (not re.match(r"[A-Za-z][\w+.-]*://", cfg.OUTPUT_DIR), f"OUTPUT_DIR must be a folder on this machine, not a URL "
+         f"({cfg.OUTPUT_DIR.split('://')[0]}://...): checkpoints reach the tracking server's artifact store from there"),
         (cfg.OUTPUT_DIR.isprintable(), f"OUTPUT_DIR must be printable (no newline or control character), got {cfg.OUTPUT_DIR!r}"),
         (cfg.DATA_DIR.isprintable(), f"DATA_DIR must be printable (no newline or control character), got {cfg.DATA_DIR!r}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
@@ -211,6 +213,12 @@ _OR_DEFAULT = ("FG_IOU", "BG_IOU", "NMS_THRESH", "SCORE_THRESH")  # -1 = torchvi
 # Sizes past these allocate more than any machine has (an allocator traceback, or the OOM killer).
 _CEILINGS = {"BACKBONE_WIDTH": 8, "NUM_CLASSES": 100_000, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384,
              "BOX_POOL_SIZE": 64, "MASK_POOL_SIZE": 64, "KEYPOINT_POOL_SIZE": 64, "DETECTIONS_PER_IMAGE": 100_000}
+MAX_BOX_HEAD_WEIGHTS = 1_000_000_000  # 4 GB of float32 in one layer; Detectron's is 12.8 M (256 x 7² x 1024)
+
+
+def _box_head_weights(m) -> int:
+    """Each size within its ceiling, together they made a layer of a trillion weights (helper-47)."""
+    return m.FPN_CHANNELS * m.BOX_POOL_SIZE ** 2 * m.REPRESENTATION_SIZE
 
 
 def _architecture_checks(m) -> list:
@@ -232,6 +240,8 @@ def _architecture_checks(m) -> list:
         (m.BG_IOU <= (m.FG_IOU if m.FG_IOU != -1 else 0.5),  # torchvision's foreground IoU is 0.5 for every type
          f"MODEL.BG_IOU {m.BG_IOU} must not exceed MODEL.FG_IOU ({m.FG_IOU if m.FG_IOU != -1 else 0.5})"),
         *((m[k] <= high, f"MODEL.{k} must be at most {high:,}, got {m[k]:,}") for k, high in _CEILINGS.items()),
+        (_box_head_weights(m) <= MAX_BOX_HEAD_WEIGHTS, "MODEL.FPN_CHANNELS x BOX_POOL_SIZE² x REPRESENTATION_SIZE (the box "
+         f"head's first layer) must be at most {MAX_BOX_HEAD_WEIGHTS:,} weights, got {_box_head_weights(m):,}"),
         (m.TOPK_CANDIDATES == -1 or m.TOPK_CANDIDATES > 0,
          f"MODEL.TOPK_CANDIDATES must be -1 (torchvision's) or > 0, got {m.TOPK_CANDIDATES}"),
     ]

@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -83,7 +84,7 @@ def train_model(job: Job) -> AlreadyFinished | None:
     try:
         with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
             for cur_iter in range(start_iter, cfg.SOLVER.MAX_ITER):
-                losses, stop = run_iteration(job, s, cur_iter, guard.requested)
+                losses, stop = run_iteration(job, s, cur_iter, lambda: guard.requested)
                 check_finite(losses, cur_iter)
                 evaluating = eval_due(cfg, cur_iter)
                 if evaluating or is_snapshot_iter(cfg, cur_iter, start_iter, snapshot_period):
@@ -172,8 +173,9 @@ def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Conte
 
 # ---- the loop ----
 
-def run_iteration(job: Job, s: LoopState, cur_iter: int, stop_requested: bool) -> tuple[dict, bool]:
-    """One step; (the losses averaged over ranks, whether any rank was asked to stop)."""
+def run_iteration(job: Job, s: LoopState, cur_iter: int, stop_requested: Callable[[], bool] = lambda: False
+                  ) -> tuple[dict, bool]:
+    """One step; (the losses averaged over ranks, whether any rank was asked to stop during it)."""
     s.stats.iter_tic()
     data_start = time.perf_counter()
     images, targets = s.batches.next()
@@ -189,7 +191,7 @@ def run_iteration(job: Job, s: LoopState, cur_iter: int, stop_requested: bool) -
     return losses, stop
 
 
-def train_step(job: Job, s: LoopState, images, targets, stop_requested: bool) -> tuple[dict[str, float], bool]:
+def train_step(job: Job, s: LoopState, images, targets, stop_requested: Callable[[], bool]) -> tuple[dict[str, float], bool]:
     with torch.autocast(job.ctx.device.type, enabled=s.scaler.is_enabled()):
         loss_dict = s.model(images, targets)
     total = sum(loss_dict.values())
@@ -201,8 +203,9 @@ def train_step(job: Job, s: LoopState, images, targets, stop_requested: bool) ->
     s.scaler.step(s.optimizer)
     s.scaler.update()
     # One host sync and one collective per iteration: every loss term and the stop flag in a single
-    # vector (the flag's mean over ranks is > 0 when any rank got a signal).
-    flag = torch.tensor(float(stop_requested), device=total.device, dtype=total.dtype)
+    # vector (the flag's mean over ranks is > 0 when any rank got a signal). The flag is read now, not
+    # as the iteration began: a signal during it stops the job after it, not after the next one.
+    flag = torch.tensor(float(stop_requested()), device=total.device, dtype=total.dtype)
     values = torch.stack([total.detach(), *(v.detach() for v in loss_dict.values()), flag]).float()
     *values, stop = all_mean(job.ctx, values).cpu().tolist()
     return dict(zip(["loss", *loss_dict], values)), stop > 0

@@ -75,8 +75,8 @@ class _OnSignal:
         if threading.current_thread() is threading.main_thread():
             _Watch.start(self.grace_s)
             for sig in STOP_SIGNALS:
-                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-                    continue  # nohup: the job is to outlive its terminal
+                if sig in (signal.SIGHUP, signal.SIGINT) and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup: the job is to outlive its terminal; `cmd &` in a script: Ctrl-C is the script's
                 self._previous[sig] = signal.signal(sig, self._handle)
             _Watch.active += 1
         return self

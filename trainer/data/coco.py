@@ -27,6 +27,9 @@ from trainer.data.workers import forking, init_worker
 from trainer.errors import UserError, user_path
 
 log = logging.getLogger(__name__)
+# Pixels: a box narrower is empty. A width of 1e-6 at x=62 is none in float32, where torchvision's
+# model asserts x2 > x1 (after any resize): a training failure at iteration 0, not a dropped box.
+MIN_BOX_SIDE = 0.01
 # torchvision 0.29 deprecates its decoders for TorchCodec, which this project does not use.
 warnings.filterwarnings("ignore", "The image decoding and encoding", DeprecationWarning, "torchvision")
 
@@ -150,7 +153,7 @@ class CocoDetection(Dataset):
             if self.train:  # as torchvision's references: no crowd, no empty box, no image without a box
                 dropped["crowd"] += sum(bool(a.get("iscrowd", 0)) for a in anns)
                 keep = [i for i, a in enumerate(anns) if not a.get("iscrowd", 0)]
-                good = [i for i in keep if boxes[i][2] > boxes[i][0] and boxes[i][3] > boxes[i][1]]
+                good = [i for i in keep if min(boxes[i][2] - boxes[i][0], boxes[i][3] - boxes[i][1]) >= MIN_BOX_SIDE]
                 dropped["degenerate"] += len(keep) - len(good)
                 anns, boxes = [anns[i] for i in good], [boxes[i] for i in good]
                 if not anns:

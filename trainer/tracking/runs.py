@@ -66,9 +66,10 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     if chosen.startswith(("http://", "https://")):  # a token in the query: hidden also where a library
         for _, value in parse_qsl(urlsplit(chosen).query):  # prints the path without the scheme (`url: /?t=...`)
             remember(value)
-    if chosen.startswith("sqlite:") and (not chosen.startswith("sqlite:///") or not sqlite_path(chosen).name):
-        raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone is in "
-                        "memory and keeps nothing past the job); give a file, e.g. sqlite:///mlflow.db")
+    in_memory = chosen.startswith("sqlite:///") and str(sqlite_path(chosen)) == ":memory:"
+    if chosen.startswith("sqlite:") and (not chosen.startswith("sqlite:///") or not sqlite_path(chosen).name or in_memory):
+        raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone, or :memory:, is "
+                        "in memory and keeps nothing past the job); give a file, e.g. sqlite:///mlflow.db")
     return chosen
 
 
