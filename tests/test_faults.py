@@ -264,6 +264,33 @@ def test_a_job_started_with_sigint_ignored_keeps_it_ignored(tmp_path, data_dir, 
     assert "SIGINT" not in job.stderr and job.iters()[-1] == MAX_ITER - 1
 
 
+def test_a_job_killed_during_a_periodic_evaluation_evaluates_that_checkpoint_first_when_it_resumes(tmp_path, data_dir,
+                                                                                                    jobs):
+    """A stop during a periodic evaluation (a COCO evaluation outlasts the 25 s grace period) resumed
+    after the checkpoint being evaluated: its scores and its model were lost for good, with no word
+    (helper-47's red team). The resumed job evaluates it first, into the run, linked to its model."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "cut-short",
+                                           "TEST.DATASETS": "('synth_shapes_val',)", "TEST.EVAL_PERIOD": 5})
+    client = MlflowClient(uri)
+    first = jobs(args, tmp_path, name="first")
+    def uploaded() -> bool:  # on the server, tagged complete: its evaluation is under way
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()]) if re.search(
+            r"wrote checkpoint \S*model_iter4\.pth", first.stderr) else []
+        return bool(runs) and sha_tag("model_iter4.pth") in runs[0].data.tags
+
+    wait_until(uploaded, first, "model_iter4 uploaded")
+    first.kill_group()
+    run_id = only_run(client, "cut-short").info.run_id
+    lacked = 4 not in [m.step for m in client.get_metric_history(run_id, "bbox/AP")]
+    second = jobs(args, tmp_path, name="second")
+    assert second.wait(240) == 0, second.stderr[-3000:]
+    assert ("the run lacks the evaluation of model_iter4.pth" in second.stderr) == lacked
+    assert sorted(m.step for m in client.get_metric_history(run_id, "bbox/AP")) == [4, 9]
+    models = {m.name for m in client.search_logged_models([only_run(client, "cut-short").info.experiment_id])}
+    assert {"model_iter4", "model_final"} <= models, models  # linked to the checkpoint the run holds
+
+
 def test_slurms_time_limit_warning_stops_the_job_for_its_requeue(tmp_path, data_dir, jobs):
     """`sbatch --signal=USR1@120`: SIGUSR1 (or SIGUSR2) before the time limit, for the job to save
     and be requeued. Its default action killed the trainer mid-iteration and left the run RUNNING."""

@@ -30,7 +30,8 @@ from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, redacted, write_config
 from trainer.data import build_train_loader
 from trainer.data.prefetch import Prefetcher
-from trainer.distributed import Context, all_mean, gather_object
+from trainer.distributed import Context, all_mean, broadcast_object, gather_object
+from trainer.errors import first_line
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
@@ -83,6 +84,7 @@ def train_model(job: Job) -> AlreadyFinished | None:
     cur_iter = start_iter
     try:
         with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
+            evaluate_if_cut_short(job, s, start_iter)
             for cur_iter in range(start_iter, cfg.SOLVER.MAX_ITER):
                 losses, stop = run_iteration(job, s, cur_iter, lambda: guard.requested)
                 check_finite(losses, cur_iter)
@@ -270,6 +272,23 @@ def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:
         s.writer.wait()
     step = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
     evaluate(job.cfg, s.model, job.ctx, job.output_dir, job.tracker, step=step, checkpoint=checkpoint_name(cur_iter))
+
+
+def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:
+    """A job stopped during a periodic evaluation (a grace period shorter than a COCO evaluation)
+    resumes after the checkpoint it was evaluating, whose scores and model the run lacks for good:
+    that evaluation comes first. As the uninterrupted job did, from the same state."""
+    last, due = start_iter - 1, False
+    if last < 0 or not eval_due(job.cfg, last):
+        return
+    if job.ctx.is_main:
+        try:
+            due = job.tracker.evaluation_due(checkpoint_name(last), dataset_inputs(job.cfg, training=False))
+        except Exception as e:  # a test set gone, a server failing the search: training goes on
+            log.warning("cannot tell whether the run has the evaluation of %s: %s", checkpoint_name(last), first_line(e))
+    if broadcast_object(job.ctx, due):  # every rank evaluates, or none
+        log.info("the run lacks the evaluation of %s (the job stopped during it): evaluating it first", checkpoint_name(last))
+        evaluate_checkpoint(job, s, last)
 
 
 def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loop: bool, deadline: float) -> None:

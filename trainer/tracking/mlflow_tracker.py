@@ -285,7 +285,7 @@ class MlflowTracker(Tracker):
         final, linked = checkpoint == FINAL, []  # model_final's: evaluated again by the job's next start, into its model
 
         def link():
-            on_server = checkpoint in self._uploaded or self._attached or (final and FINAL in self._run.checkpoints)
+            on_server = checkpoint in self._uploaded or self._attached or checkpoint in self._run.checkpoints  # a rerun's
             if not on_server:  # its upload failed: no model to link
                 log.warning("%s is not on the server: its evaluation is %s", checkpoint,
                             "left to the job's next start" if final else "logged without a model")
