@@ -28,6 +28,9 @@ TMP_RE = re.compile(r"^\.model_(iter\d+|final)\.pth\.tmp")
 # A job that is to get SIGHUP starts with its default action: the tests themselves may run under
 # nohup, whose ignored SIGHUP every child inherits (and the trainer then keeps ignoring, as it should).
 HUP_DEFAULT = ("env", "--default-signal=HUP")
+# A test that sends SIGINT as a terminal's Ctrl-C would: a pytest-xdist worker starts its children with
+# SIGINT ignored, which the trainer keeps ignored (as `cmd &` in a script), so the launcher restores it.
+INT_DEFAULT = ("env", "--default-signal=INT")
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

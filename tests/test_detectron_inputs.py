@@ -346,19 +346,19 @@ def test_config_without_config_a_directory_dev_zero_or_a_binary_file(tmp_path, c
         assert words in error_line(*run_cli(["config", *args], capsys)), args
 
 
-LEAKS = [
-    pytest.param(edit(FASTER, "WEIGHTS: ''", f"WEIGHTS: http://user:{SECRET}@127.0.0.1:1/R-50.pkl"), id="TRAIN.WEIGHTS"),
-    pytest.param(edit(FASTER, "OUTPUT_DIR: .", f"OUTPUT_DIR: s3://user:{SECRET}@bucket/out"), id="OUTPUT_DIR"),
+LEAKS = [  # (the file, the exit status: an OUTPUT_DIR that is a URL is refused, FAULTS row 211)
+    pytest.param(edit(FASTER, "WEIGHTS: ''", f"WEIGHTS: http://user:{SECRET}@127.0.0.1:1/R-50.pkl"), 0, id="TRAIN.WEIGHTS"),
+    pytest.param(edit(FASTER, "OUTPUT_DIR: .", f"OUTPUT_DIR: s3://user:{SECRET}@bucket/out"), 2, id="OUTPUT_DIR"),
 ]
 
 
-@pytest.mark.parametrize("text", LEAKS)
-def test_config_never_prints_a_password_from_the_file(tmp_path, text):
+@pytest.mark.parametrize("text, code", LEAKS)
+def test_config_never_prints_a_password_from_the_file(tmp_path, text, code):
     path = tmp_path / "detectron.yaml"
     path.write_text(text)
     result = subprocess.run([sys.executable, "-m", "trainer", "config", "--config", str(path)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == code, result.stderr[-2000:]
     assert SECRET not in result.stdout + result.stderr
 
 

@@ -26,8 +26,8 @@ from mlflow import MlflowClient
 
 from tests.conftest import run_trainer
 from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file are fixtures
-    assert_gone, assert_same_weights, flip_bytes, HUP_DEFAULT, Job, job_args, jobs, logged_iters, MAX_ITER, _no_run_id_file,
-    only_run, reference, sha_tag, steps, temp_files, wait_until)
+    assert_gone, assert_same_weights, flip_bytes, HUP_DEFAULT, INT_DEFAULT, Job, job_args, jobs, logged_iters, MAX_ITER,
+    _no_run_id_file, only_run, reference, sha_tag, steps, temp_files, wait_until)
 from tests.servers import FaultProxy
 from trainer.checkpoint.files import iteration_of, local_checkpoints
 from trainer.hashing import sha256_of
@@ -122,7 +122,7 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
             assert run.data.tags[sha_tag(path.name)] == sha256_of(path)
 
     # 2. Resumed in the same run; Ctrl-C reaches the trainer and its workers alike.
-    second = jobs(args, tmp_path, name="second")
+    second = jobs(args, tmp_path, name="second", launcher=INT_DEFAULT)
     wait_until(lambda: second.iters(), second, "its first iteration")
     children = second.children()
     second.signal_group(signal.SIGINT)

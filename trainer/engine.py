@@ -281,7 +281,7 @@ def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:
     last, due = start_iter - 1, False
     if last < 0 or not eval_due(job.cfg, last):
         return
-    if job.ctx.is_main:
+    if job.ctx.is_main and checkpoint_name(last) in job.tracker.run.checkpoints:  # else no model to link it to
         try:
             due = job.tracker.evaluation_due(checkpoint_name(last), dataset_inputs(job.cfg, training=False))
         except Exception as e:  # a test set gone, a server failing the search: training goes on
