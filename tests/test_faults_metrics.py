@@ -4,8 +4,10 @@ first, so the run's curves have every iteration once. Against a real `mlflow ser
 FaultProxy; the file's reader is tried with what nobody would write."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -291,6 +293,33 @@ def test_an_addition_never_goes_through_a_link_put_in_the_files_place(tmp_path):
     kept.spill(queue, 39, "model_iter39.pth")
     assert elsewhere.read_text() == "a user's file\n"
     assert not (tmp_path / UNSENT_METRICS).is_symlink() and _on_disk(tmp_path) == list(range(40))
+
+
+def test_a_disk_full_in_the_middle_of_an_addition_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """Half a line written, then ENOSPC (and the rewrite fails too): the half is cut off again, so the
+    next addition does not follow it and the file stays readable."""
+    point = [("loss", 0.5, 1000 + step, step) for step in range(30)]
+    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:10])
+    kept.spill(queue, 9, "model_iter9.pth")
+    before = (tmp_path / UNSENT_METRICS).read_bytes()
+    real = os.write
+
+    def full(fd, data):
+        real(fd, bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def cannot(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full)
+        m.setattr("trainer.tracking.unsent.write_atomic", cannot)
+        queue.points = point[:20]
+        kept.spill(queue, 19, "model_iter19.pth")
+    assert (tmp_path / UNSENT_METRICS).read_bytes() == before
+    queue.points = point
+    kept.spill(queue, 29, "model_iter29.pth")
+    assert _sent_by_next_start(tmp_path, server_has=-1) == list(range(30))
 
 
 def test_an_append_past_the_size_limit_writes_the_file_anew_with_what_is_queued(tmp_path, monkeypatch):

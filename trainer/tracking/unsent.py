@@ -74,33 +74,34 @@ class UnsentMetrics:
     def _append(self, puts: list) -> bool:
         """One line of `puts`' points at the end of this run's file; False where the file must be
         written anew (gone, about to pass MAX_BYTES, or the append failed)."""
-        line = (json.dumps(_points(puts)) + "\n").encode()
+        line, size = memoryview((json.dumps(_points(puts)) + "\n").encode()), None
         try:  # never through a link put in its place: the file is written anew instead
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         except OSError:
             return False
-        with open(fd, "ab") as f:
+        try:  # unbuffered: nothing of a failed write is left to go out at close
             size = os.fstat(fd).st_size
             if size + len(line) > MAX_BYTES:
                 return False
-            try:
-                f.write(line)
-                f.flush()
-            except OSError:  # a disk full in the middle: the next addition must not follow half a line
+            while line:
+                line = line[os.write(fd, line):]
+        except OSError:  # a disk full in the middle: the next addition must not follow half a line
+            if size is not None:
                 with contextlib.suppress(OSError):
-                    f.truncate(size)
-                return False
+                    os.ftruncate(fd, size)
+            return False
+        finally:
+            os.close(fd)
         return True
 
     def keep(self, points: list, stopping: bool = True) -> list[str]:
         """Write the points the run never got (the newest, up to MAX_BYTES), or remove a file it took
         when none are left. What the run lacks, for the job's last line: [] or one description."""
-        self._in_file = set()
         if not points:
             if self.taken:
                 with contextlib.suppress(OSError):  # one it cannot remove is sent again, and kept once
                     self.path.unlink(missing_ok=True)
-                    self.taken = False
+                    self.taken, self._in_file = False, set()
             return []
         lacking, which = f"the metrics of {describe(points)}", ""
         data = _file(self.run_id, points)
@@ -144,7 +145,7 @@ class UnsentMetrics:
         if b"\n" in data and not data.endswith(b"\n"):  # what follows is added after the last whole line
             with contextlib.suppress(OSError):
                 os.truncate(self.path, data.rindex(b"\n") + 1)
-        points = [(key, float(value), ts, step) for line in points for key, value, ts, step in line]
+        points = list(dict.fromkeys((key, float(value), ts, step) for line in points for key, value, ts, step in line))
         self._in_file = {(step, ts) for _, _, ts, step in points}
         return points
 
