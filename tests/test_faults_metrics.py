@@ -183,6 +183,35 @@ def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_ne
     assert sorted(got[:10]) == sorted(left)  # the same points: same values and timestamps
 
 
+
+def test_scores_logged_late_hold_their_checkpoint_until_they_are_sent():
+    """An evaluation's scores of iteration 9, put by the uploader thread once training has queued
+    iterations 10-20 (its link to a model given up on): wait_sent(9) said they were sent while they
+    sat behind 15-20 in the queue, so checkpoint 9 could be tagged complete without them."""
+    taken, server = threading.Event(), threading.Event()
+    got = []
+
+    def send(points):
+        taken.set()
+        server.wait(30)
+        got.extend(points)
+
+    sender = MetricSender(send, interval=60)
+    for step in range(10, 15):
+        sender.put({"loss": 1.0}, step)
+    sender.wait_sent(14, timeout=0.01)  # nudged: 10-14 go out as one batch, held by the server
+    assert taken.wait(10)
+    for step in range(15, 21):
+        sender.put({"loss": 1.0}, step)
+    sender.put_late({"bbox/AP": 0.5}, 9)
+    assert not sender.wait_sent(9, timeout=0.2)
+    server.set()
+    assert sender.wait_sent(9, timeout=10)
+    assert sender.close(10)
+    assert [p[3] for p in got] == [*range(10, 15), 9, *range(15, 21)]
+    assert ("bbox/AP", 0.5, 9) == (got[5][0], got[5][1], got[5][3])
+
+
 class Queue:
     """Stands in for the MetricSender: its queue (what resend() puts first, what leftover() reads) and
     whether its last batch failed."""

@@ -12,6 +12,7 @@ its `dropped` fallback, if it has one, on the closing thread.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -66,6 +67,20 @@ class MetricSender:
             self.dropped += 1
         self._pending.append((step, int(time.time() * 1000), metrics))
 
+    def put_late(self, metrics: dict, step: int) -> None:
+        """Another thread's point for a step the training thread has passed (an evaluation's scores
+        logged after training went on): queued in step order, which wait_sent() relies on."""
+        with self._taking:  # not while the sender takes a batch: its peek and pop must see one queue
+            at = bisect.bisect_right(self._pending, step, key=lambda queued: queued[0])
+            point = (step, int(time.time() * 1000), metrics)
+            try:
+                self._pending.insert(at, point)
+            except IndexError:  # full: the oldest point makes room, as put() would drop it
+                self._pending.popleft()
+                self.dropped += 1
+                self._pending.insert(max(0, at - 1), point)
+        self._nudge.set()
+
     def wait_sent(self, step: float, timeout: float) -> bool:
         """Block until every point put for iterations <= `step` has been sent; False on timeout.
 
@@ -110,8 +125,9 @@ class MetricSender:
         if len(groups) > room:
             self.dropped += len(groups) - room
             groups = groups[len(groups) - room:]
-        for step, ts, metrics in reversed(groups):
-            self._pending.appendleft((step, ts, metrics))
+        with self._taking:
+            for step, ts, metrics in reversed(groups):
+                self._pending.appendleft((step, ts, metrics))
         self._nudge.set()
 
     def queued(self) -> list:

@@ -295,7 +295,7 @@ class MlflowTracker(Tracker):
             self._best = update_best(self.client, experiment_id, self._run.run_id, self._best_metric) or self._best
 
         def unlinked():  # also when the link is given up on (an outage to the end): kept for the job's next start
-            return None if final or linked else linked.append(self._sender.put(metrics, step))
+            return None if final or linked else linked.append(self._sender.put_late(metrics, step))
 
         self._uploader.submit(f"log the evaluation of {checkpoint}", link, dropped=unlinked)
 
