@@ -225,6 +225,7 @@ def _architecture_checks(m) -> list:
     """Detectron's architecture keys (models/backbones.py builds them)."""
     one_of = {"FEATURES": ("fpn", "c4"), "BACKBONE_NORM": ("", "GN"), "FPN_NORM": ("", "GN"),
               "HEAD_NORM": ("", "GN"), "BOX_HEAD": ("2fc", "4conv1fc")}
+    box_head = _box_head_weights(m)
     return [
         *((m[k] in v, f"MODEL.{k} must be one of {', '.join(map(repr, v))}; got {m[k]!r}") for k, v in one_of.items()),
         *((m[k] > 0, f"MODEL.{k} must be > 0, got {m[k]}") for k in ("BOX_POOL_SIZE", "MASK_POOL_SIZE",
@@ -240,8 +241,8 @@ def _architecture_checks(m) -> list:
         (m.BG_IOU <= (m.FG_IOU if m.FG_IOU != -1 else 0.5),  # torchvision's foreground IoU is 0.5 for every type
          f"MODEL.BG_IOU {m.BG_IOU} must not exceed MODEL.FG_IOU ({m.FG_IOU if m.FG_IOU != -1 else 0.5})"),
         *((m[k] <= high, f"MODEL.{k} must be at most {high:,}, got {m[k]:,}") for k, high in _CEILINGS.items()),
-        (_box_head_weights(m) <= MAX_BOX_HEAD_WEIGHTS, "MODEL.FPN_CHANNELS x BOX_POOL_SIZE² x REPRESENTATION_SIZE (the box "
-         f"head's first layer) must be at most {MAX_BOX_HEAD_WEIGHTS:,} weights, got {_box_head_weights(m):,}"),
+        (box_head <= MAX_BOX_HEAD_WEIGHTS, "MODEL.FPN_CHANNELS x BOX_POOL_SIZE² x REPRESENTATION_SIZE (the box "
+         f"head's first layer) must be at most {MAX_BOX_HEAD_WEIGHTS:,} weights, got {box_head:,}"),
         (m.TOPK_CANDIDATES == -1 or m.TOPK_CANDIDATES > 0,
          f"MODEL.TOPK_CANDIDATES must be -1 (torchvision's) or > 0, got {m.TOPK_CANDIDATES}"),
     ]

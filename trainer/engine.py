@@ -281,13 +281,14 @@ def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:
     last, due = start_iter - 1, False
     if last < 0 or not eval_due(job.cfg, last):
         return
-    if job.ctx.is_main and checkpoint_name(last) in job.tracker.run.checkpoints:  # else no model to link it to
+    name = checkpoint_name(last)
+    if job.ctx.is_main and name in job.tracker.run.checkpoints:  # else no model to link it to
         try:
-            due = job.tracker.evaluation_due(checkpoint_name(last), dataset_inputs(job.cfg, training=False))
+            due = job.tracker.evaluation_due(name, dataset_inputs(job.cfg, training=False))
         except Exception as e:  # a test set gone, a server failing the search: training goes on
-            log.warning("cannot tell whether the run has the evaluation of %s: %s", checkpoint_name(last), first_line(e))
+            log.warning("cannot tell whether the run has the evaluation of %s: %s", name, first_line(e))
     if broadcast_object(job.ctx, due):  # every rank evaluates, or none
-        log.info("the run lacks the evaluation of %s (the job stopped during it): evaluating it first", checkpoint_name(last))
+        log.info("the run lacks the evaluation of %s (the job stopped during it): evaluating it first", name)
         evaluate_checkpoint(job, s, last)
 
 
