@@ -467,11 +467,13 @@ def test_sigkill_mid_upload_then_corrupt_checkpoints_then_resume_through_a_slow_
     for path in rotten:
         assert f"{path.name}: corrupt (record" in err or f"{path.name}: not a complete checkpoint" in err
     assert f"resuming from {out / f'model_iter{held}.pth'} at iteration {held + 1}" in err
+    assert f"uploading model_iter{held}.pth, which run" in err  # the half-uploaded one goes up whole (row 216)
     run = only_run(client, exp)
     assert run.info.status == "FINISHED"
     assert steps(client, run.info.run_id) == list(range(MAX_ITER))
     assert run.data.tags["tracktron.ckpt.latest"] == "model_final.pth"
     assert run.data.tags[sha_tag("model_final.pth")] == sha256_of(out / "model_final.pth")
+    assert run.data.tags[sha_tag(f"model_iter{held}.pth")] == sha256_of(out / f"model_iter{held}.pth")
     for name in ("model_iter5.pth", "model_iter8.pth"):  # uploaded unless a newer one superseded it first
         if sha_tag(name) in run.data.tags:
             assert run.data.tags[sha_tag(name)] == sha256_of(out / name)

@@ -16,9 +16,10 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import run_trainer
-from tests.faultkit import jobs, job_args, only_run, steps, wait_until  # noqa: F401 - jobs is a fixture
+from tests.faultkit import jobs, job_args, only_run, sha_tag, steps, wait_until  # noqa: F401 - jobs is a fixture
 from tests.servers import FaultProxy
 from trainer.checkpoint.files import UNSENT_METRICS
+from trainer.hashing import sha256_of
 from trainer.tracking.unsent import UnsentMetrics
 from trainer.tracking.background import MetricSender
 from trainer.tracking.base import RunInfo
@@ -54,12 +55,14 @@ def test_a_job_stopped_while_the_server_is_down_leaves_no_hole_in_its_curves(tmp
     assert not (out / UNSENT_METRICS).exists()
 
 
-def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole(tmp_path, data_dir, mlflow_server, jobs):
+def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole_and_uploads_its_checkpoint(
+        tmp_path, data_dir, mlflow_server, jobs):
     """SIGKILL (a lost node, the OOM killer) during an outage: nothing runs at the stop, so the points
     since the outage began were only in memory, and the next start resumed after the newest local
     checkpoint with those iterations missing for good (it said so, row 160). Now each checkpoint
     written once the sender has found the server down keeps what the server lacks of its iterations
-    beside it."""
+    beside it. The checkpoint it resumes from, which the server never got, goes up as well: before,
+    only later ones did, so a job lost on this machine before the next upload went back further."""
     exp, out = f"unsent-kill-{uuid.uuid4().hex[:6]}", tmp_path / "output"
 
     def checkpoints() -> list[int]:
@@ -82,13 +85,18 @@ def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole(tmp_path, 
         newest = kept_through()
         for later in [n for n in checkpoints() if n > newest]:  # written between the look and the kill: as if
             (out / f"model_iter{later}.pth").unlink()         # the kill had come first
+        resumed = f"model_iter{newest}.pth"
+        sha256 = sha256_of(out / resumed)  # the job's own pruning may remove it later
         proxy.set_mode("pass")
         again = run_trainer(args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"at iteration {newest + 1}" in again.stderr and "that an earlier start could not send" in again.stderr
     assert "has no metrics for iterations" not in again.stderr
+    assert f"uploading {resumed}, which run" in again.stderr
     client = MlflowClient(mlflow_server.url)
-    assert steps(client, only_run(client, exp).info.run_id) == list(range(200))  # every iteration, once
+    run = only_run(client, exp)
+    assert steps(client, run.info.run_id) == list(range(200))  # every iteration, once
+    assert run.data.tags[sha_tag(resumed)] == sha256  # complete on the server: resumable from there
     assert not (out / UNSENT_METRICS).exists()
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.checkpoint.files import FINAL, iteration_of, remove_stale_temps, set_aside
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.distributed import broadcast_object
 from trainer.errors import UserError
+from trainer.hashing import sha256_of
 from trainer.job import Job
 from trainer.preflight import Prepared, check_local, check_same_categories, prepare
 
@@ -23,6 +25,7 @@ class StartPoint:
     state: dict | None = None  # the checkpoint to restore, if any
     source: str = "scratch"
     final: bool = False  # model_final exists: nothing to do
+    upload: tuple[Path, str] | None = None  # a local checkpoint (path, sha256) that the job's run lacks
 
 
 @dataclass
@@ -48,6 +51,9 @@ def create_model(job: Job) -> CreatedModel:
     if start.state is not None:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
         warn_of_missing_metrics(job.tracker.run, start.iteration)
+    if start.upload and job.ctx.is_main:  # once the checks passed: a job that stops here uploads nothing
+        log.info("uploading %s, which run %s lacks (its upload was cut short)", start.upload[0].name, job.tracker.run.run_id)
+        job.tracker.log_checkpoint(*start.upload)
     return CreatedModel(start, prepared)
 
 
@@ -108,8 +114,10 @@ def find_start_point(job: Job) -> StartPoint:
         if not (job.output_dir / "json_stats.log").exists():
             job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
-    if local:
-        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]))
+    if local:  # one the run lacks goes up: a job that dies on this machine can resume from it on another
+        missing = bool(run.run_id) and local[0].name not in run.checkpoints
+        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]),
+                          upload=(local[0], sha256_of(local[0])) if missing else None)
     if unreachable:  # a run is never trained over from iteration 0 while its checkpoints may come back
         raise UserError(f"run {run.run_id} has checkpoints ({', '.join(unreachable[:3])}) that could not be "
                         "downloaded (the warnings above say why): run the job again once the tracking server "
