@@ -291,6 +291,37 @@ def test_a_job_killed_during_a_periodic_evaluation_evaluates_that_checkpoint_fir
     assert {"model_iter4", "model_final"} <= models, models  # linked to the checkpoint the run holds
 
 
+
+def test_a_periodic_evaluation_cut_short_with_its_checkpoints_upload_is_evaluated_once_the_resume_uploads_it(
+        tmp_path, data_dir, mlflow_server, s3_server, jobs):
+    """The job is killed while it evaluates model_iter4, whose upload the proxy holds: the server
+    never got the checkpoint, so the resumed job had no model to link the scores to and went on
+    without them. Now the resume uploads the checkpoint (row 216), then evaluates it first, linked."""
+    exp, out = f"cut-upload-{uuid.uuid4().hex[:6]}", tmp_path / "output"
+    client = MlflowClient(mlflow_server.url)
+    with FaultProxy(mlflow_server.url) as proxy:
+        proxy.hold(rb"PUT /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter4\.pth ", after=1 << 20)
+        args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                               "TEST.DATASETS": "('synth_shapes_val',)", "TEST.EVAL_PERIOD": 5})
+        first = jobs(args, tmp_path, env=s3_server.env, name="first")
+        wait_until(proxy.held.is_set, first, "the upload of model_iter4", timeout=300)
+        first.kill_group()
+        for later in [p for p in local_checkpoints(out) if iteration_of(p.name) > 4]:
+            later.unlink()  # written between the hold and the kill: as if the kill had come first
+        run_id = only_run(client, exp).info.run_id
+        assert sha_tag("model_iter4.pth") not in client.get_run(run_id).data.tags
+        second = jobs(args, tmp_path, env=s3_server.env, name="second")  # the proxy held one request only
+        assert second.wait(300) == 0, second.stderr[-3000:]
+    err = second.stderr
+    assert "uploading model_iter4.pth, which run" in err
+    assert "the run lacks the evaluation of model_iter4.pth" in err
+    run = client.get_run(run_id)
+    assert run.data.tags[sha_tag("model_iter4.pth")] == sha256_of(out / "model_iter4.pth")
+    assert sorted(m.step for m in client.get_metric_history(run_id, "bbox/AP")) == [4, 9]
+    models = {m.name for m in client.search_logged_models([run.info.experiment_id])}
+    assert {"model_iter4", "model_final"} <= models, models
+
+
 def test_slurms_time_limit_warning_stops_the_job_for_its_requeue(tmp_path, data_dir, jobs):
     """`sbatch --signal=USR1@120`: SIGUSR1 (or SIGUSR2) before the time limit, for the job to save
     and be requeued. Its default action killed the trainer mid-iteration and left the run RUNNING."""

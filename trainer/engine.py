@@ -282,7 +282,8 @@ def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:
     if last < 0 or not eval_due(job.cfg, last):
         return
     name = checkpoint_name(last)
-    if job.ctx.is_main and name in job.tracker.run.checkpoints:  # else no model to link it to
+    held = name in job.tracker.run.checkpoints or name in job.tracker.uploading()  # resume.py uploads one it lacks
+    if job.ctx.is_main and held:  # else no model to link the scores to
         try:
             due = job.tracker.evaluation_due(name, dataset_inputs(job.cfg, training=False))
         except Exception as e:  # a test set gone, a server failing the search: training goes on
