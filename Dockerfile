@@ -2,13 +2,16 @@
 # tracktron on a GPU host: the official PyTorch CUDA runtime image plus this package.
 #
 #   docker build -t tracktron .
-#   docker run --rm --gpus all --shm-size=8g \
+#   docker run --rm --gpus all --shm-size=8g --stop-timeout 60 \
 #     -v "$PWD/datasets:/data" -v "$PWD/output:/output" \
 #     -e MLFLOW_TRACKING_URI=http://mlflow.example:5000 -e MLFLOW_EXPERIMENT_NAME=demo \
 #     tracktron                                   # = tracktron train --config configs/demo.yaml ...
 #   docker run --rm --gpus all tracktron train --config configs/demo.yaml SOLVER.MAX_ITER 200
 #   docker run --rm --gpus all --entrypoint torchrun tracktron --standalone --nproc-per-node=8 \
 #     -m trainer train --config configs/demo.yaml DATA_DIR /data OUTPUT_DIR /output/demo
+#
+# --stop-timeout 60: `docker stop` kills after 10 s by default, before the trainer has saved its
+# checkpoint (TRAIN.PREEMPT_GRACE_S, 25 s) on SIGTERM.
 #
 # The base image's torch/torchvision (2.14.1 + CUDA 13.0, the pair the project is tested with)
 # are kept: pip installs the package's other requirements under a constraint that pins them.

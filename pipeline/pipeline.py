@@ -14,8 +14,10 @@ Every step is a container component running the image built from the repository'
 
 The train step hands its MLflow run id to the next steps through an output parameter: tracktron
 writes the id into the file named by TRACKTRON_RUN_ID_FILE (rank 0, right after it has found or
-created the run, also when there is nothing left to train). A preempted train pod is retried and
-the trainer resumes the same run from the tracking server (TRAIN.AUTO_RESUME).
+created the run, also when there is nothing left to train). A failed train step is retried and
+the trainer resumes the same run from its newest checkpoint on the tracking server
+(TRAIN.AUTO_RESUME); a preempted pod is killed with KFP's launcher, before a SIGTERM checkpoint
+(pipeline/README.md).
 
 Compiled with `trainjob=True` (`--trainjob`), the pipeline has a `train_backend` parameter: `pod`
 trains as above, `trainjob` on `num_nodes` nodes as a Kubeflow Trainer v2 TrainJob made from
@@ -71,8 +73,8 @@ printf '%s' "$data_dir" > "$out"
 # `opts` goes to the trainer's --opts as one word, which it splits as a shell would (quotes honoured,
 # nothing run) after the step's own DATA_DIR and OUTPUT_DIR; a flag there is refused, not taken as
 # one of the trainer's options. One GPU: tracktron itself; several:
-# torchrun on this pod. exec, so that SIGTERM reaches the trainer (it checkpoints, exits 143 and
-# the retried pod resumes).
+# torchrun on this pod. exec: no shell in between (KFP's launcher above it exits on SIGTERM, so a
+# preempted pod keeps only its periodic checkpoints: pipeline/README.md).
 TRAIN_SH = r"""
 set -euo pipefail
 config="$1" opts="$2" data_dir="$3" experiment="$4" gpus="$5" run_id_file="$6"

@@ -87,7 +87,7 @@ def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
     assert Path(project.env_config_path).resolve() == ROOT / "python_env.yaml"
 
     main = project.get_entry_point("main")
-    assert main.parameters["config"].type == "path"
+    assert main.parameters["config"].type == "string"
     assert main.parameters["config"].default == "configs/demo.yaml"
     assert (ROOT / main.parameters["config"].default).is_file()
     assert main.parameters["opts"].type == "string" and main.parameters["opts"].default == ""
@@ -102,6 +102,21 @@ def test_mlproject_parses_with_mlflow_and_has_the_entry_points():
     assert set(synth.parameters) == {"out", "num_images"}
     assert synth.parameters["num_images"].type == "int"
     assert re.search(r"data synth --out \{out\} --num-images \{num_images\}", synth.command)
+
+
+
+@pytest.mark.parametrize("entry", ["main", "eval"])
+def test_mlflow_run_of_the_project_from_another_folder_takes_the_projects_config(tmp_path, monkeypatch, entry):
+    """`mlflow run <git URL or folder>` runs from the caller's folder: a `path` parameter was looked
+    up there, so the default configs/demo.yaml failed (helper-49's review), or a file of that name
+    in the caller's folder went in instead of the project's."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text("the caller's own file\n")
+    monkeypatch.chdir(tmp_path)
+    params = {"weights": "runs:/0123/checkpoints/model_final.pth"} if entry == "eval" else {}
+    command = _load_project(ROOT).get_entry_point(entry).compute_command(params, storage_dir=str(tmp_path))
+    assert "--config configs/demo.yaml " in command  # read in the project's folder, where MLflow runs it
+    assert str(tmp_path) not in command
 
 
 def _run_entry(tmp_path, directory: Path, opts: str, program: str) -> list[str]:

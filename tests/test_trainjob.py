@@ -154,6 +154,21 @@ def test_nodes_gpus_volumes_and_user():
     assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == int(uid) and ctx["fsGroup"] == int(uid)
 
 
+
+def test_no_istio_sidecar_joins_the_training_pods():
+    """In a Kubeflow profile namespace Istio injects a sidecar that breaks torchrun's rendezvous
+    between the pods (kubeflow/trainer#2794; the PyTorchJob docs ask for the opt-out): both
+    manifests opt out, by label and by annotation."""
+    (patch,) = _manifest()["spec"]["runtimePatches"]
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pytorchjob = yaml.safe_load((ROOT / "pipeline" / "pytorchjob.yaml").read_text())
+    templates = [rjob["template"]["spec"]["template"],
+                 *(r["template"] for r in pytorchjob["spec"]["pytorchReplicaSpecs"].values())]
+    for meta in (t["metadata"] for t in templates):
+        assert meta["labels"]["sidecar.istio.io/inject"] == "false"
+        assert meta["annotations"]["sidecar.istio.io/inject"] == "false"
+
+
 def test_tracking_settings_come_from_the_secret_and_no_secret_is_in_the_file():
     from trainer.redaction import is_secret_key
 
