@@ -160,6 +160,35 @@ def test_a_single_put_through_the_proxy_stores_the_file_byte_for_byte_empty_or_n
         assert Path(got).read_bytes() == data
 
 
+
+@pytest.mark.parametrize("route", ["one put", "in parts", "a local store"])
+def test_a_file_changed_since_its_sha256_was_taken_is_not_uploaded(route, tmp_path, mlflow_server, monkeypatch):
+    """A checkpoint replaced between its write and its upload (by hand, another process, a resume's
+    file swapped: helper-48's red team) went up and was tagged with the sha256 of the bytes it no
+    longer held. The bytes the upload reads are checked first, on each of its routes."""
+    client = MlflowClient(mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(f"changed-{uuid.uuid4().hex[:6]}")).info.run_id
+    if route == "a local store":
+        repo = repository(str(tmp_path / "store"), f"sqlite:///{tmp_path / 'mlflow.db'}")
+        stored = lambda: sorted(p.name for p in (tmp_path / "store" / "checkpoints").glob("*"))  # noqa: E731
+    else:
+        repo = run_repository(client, mlflow_server.url, run_id)
+        stored = lambda: sorted(f.path.rsplit("/", 1)[1] for f in client.list_artifacts(run_id, "checkpoints"))  # noqa: E731
+    if route == "in parts":
+        monkeypatch.setenv("MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE", str(MB))
+        monkeypatch.setenv("MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE", str(5 * MB))
+    written, path = os.urandom(6 * MB), tmp_path / "model_iter14.pth"
+    path.write_bytes(written)
+    sha256 = sha256_of(path)
+    path.write_bytes(os.urandom(6 * MB))  # the same size, other bytes
+    with pytest.raises(ValueError, match=r"model_iter14\.pth changed since it was written .*not uploaded"):
+        upload(repo, path, "checkpoints", sha256)
+    assert "model_iter14.pth" not in stored()
+    path.write_bytes(written)  # the bytes it was written with go up
+    upload(repo, path, "checkpoints", sha256)
+    assert stored() == ["model_iter14.pth"]
+
+
 def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_it_in_proportion_to_its_size(
         tmp_path, mlflow_server, monkeypatch):
     """The server sends the first byte of a download only once it has fetched the whole file from its

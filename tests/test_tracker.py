@@ -116,6 +116,23 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
     assert alone.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
 
 
+
+def test_a_checkpoint_whose_file_changed_before_its_upload_is_never_tagged_complete(tmp_path, mlflow_server, caplog):
+    """Its tags would say: resumable, with these bytes. A resume elsewhere then found the bytes
+    on the server did not match and fell back to an older checkpoint (helper-48's red team)."""
+    tracker = new_tracker(tmp_path, mlflow_server.url)
+    run_id = tracker.run.run_id
+    path = tmp_path / "model_iter4.pth"
+    path.write_bytes(os.urandom(100_000))
+    written = sha256_of(path)
+    path.write_bytes(os.urandom(100_000))  # replaced while its upload waited
+    tracker.log_checkpoint(path, written)
+    assert tracker.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
+    assert sha_tag("model_iter4.pth") not in MlflowClient(mlflow_server.url).get_run(run_id).data.tags
+    assert stored_checkpoints(mlflow_server.url, run_id) == set()
+    assert "model_iter4.pth changed since it was written" in caplog.text
+
+
 def test_a_rejected_request_is_final_and_a_server_that_is_down_is_waited_for(tmp_path, s3_server):
     server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/tracker", env=s3_server.env)
     (tmp_path / "server").mkdir()

@@ -232,7 +232,7 @@ class MlflowTracker(Tracker):
             # first (not after the file): a job killed during the upload keeps them as well.
             if not self._sender.wait_sent(iteration, timeout=60.0):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
-            upload_file(self._artifacts(), path, "checkpoints")  # multipart and timeouts by size: transfers.py
+            upload_file(self._artifacts(), path, "checkpoints", sha256)  # its bytes checked; parts, timeouts: transfers.py
             # The tags say "complete": set only after the bytes are on the artifact store.
             self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                            RunTag(LATEST_TAG, path.name)])

@@ -61,32 +61,54 @@ def idle_timeout(silent_bytes: int) -> float:
     return MLFLOW_HTTP_REQUEST_TIMEOUT.get() + silent_bytes / STORE_FLOOR_BPS
 
 
-def upload(repo, path: Path, artifact_path: str) -> None:
-    """`path` into the run's `artifact_path` folder."""
+def upload(repo, path: Path, artifact_path: str, sha256: str | None = None) -> None:
+    """`path` into the run's `artifact_path` folder. With `sha256` (taken as the file was written),
+    the bytes about to be sent are checked against it first: a file changed since is never sent
+    for a checkpoint that its tags would then call complete."""
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     if not isinstance(repo, HttpArtifactRepository):
+        with open(path, "rb") as f:
+            _check(sha256, f, path)
         repo.log_artifact(str(path), artifact_path)
         return
     should = getattr(repo, "_should_multipart_upload", None)  # MLflow's own choice: server support, size
     if should is not None and should(str(path)):
         with contextlib.suppress(_Unsupported):
-            _put_parts(repo, path, artifact_path)
+            _put_parts(repo, path, artifact_path, sha256)
             return
-    _put_whole(repo, path, artifact_path)
+    _put_whole(repo, path, artifact_path, sha256)
+
+
+class ChangedOnDisk(ValueError):  # a ValueError: final, never retried
+    """The file no longer holds the bytes whose sha256 was taken when it was written."""
+
+
+def _check(sha256: str | None, f, path: Path) -> None:
+    """The file open as `f` (the descriptor the upload reads) against `sha256`, mapped: no Python per block."""
+    if sha256 is None:
+        return
+    size = os.fstat(f.fileno()).st_size
+    with contextlib.ExitStack() as stack:
+        data = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else b""
+        got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise ChangedOnDisk(f"{path} changed since it was written (its sha256 is {got[:12]}..., not "
+                            f"{sha256[:12]}...): not uploaded, and not marked complete")
 
 
 class _Unsupported(Exception):
     """The server's store takes no multipart upload."""
 
 
-def _put_whole(repo, path: Path, artifact_path: str) -> None:
+def _put_whole(repo, path: Path, artifact_path: str, sha256: str | None) -> None:
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.request_utils import augmented_raise_for_status
     from mlflow.utils.rest_utils import http_request
 
     endpoint = posixpath.join("/", artifact_path, path.name)
     with open(path, "rb") as f:
+        _check(sha256, f, path)
         size = os.fstat(f.fileno()).st_size
         # The file mapped and handed over as one buffer, sent by one sendall without the GIL; a file
         # object goes out in urllib3's 16 kB reads, a Python loop turn each, taken from training.
@@ -103,25 +125,27 @@ def _put_whole(repo, path: Path, artifact_path: str) -> None:
     augmented_raise_for_status(resp)
 
 
-def _put_parts(repo, path: Path, artifact_path: str) -> None:
+def _put_parts(repo, path: Path, artifact_path: str, sha256: str | None) -> None:
     from mlflow.environment_variables import MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE
 
-    chunk, size = MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE.get(), path.stat().st_size
-    create = _create(repo, path, max(1, -(-size // chunk)), artifact_path)
-    pool = ThreadPoolExecutor(PART_WORKERS, thread_name_prefix="upload-part")
-    try:
-        with open(path, "rb") as f:  # one descriptor, read with pread: a file pruned meanwhile still reads
+    chunk = MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE.get()
+    with open(path, "rb") as f:  # one descriptor, read with pread: a file pruned meanwhile still reads
+        _check(sha256, f, path)
+        size = os.fstat(f.fileno()).st_size
+        create = _create(repo, path, max(1, -(-size // chunk)), artifact_path)
+        pool = ThreadPoolExecutor(PART_WORKERS, thread_name_prefix="upload-part")
+        try:
             futures = [pool.submit(_put_part, f.fileno(), c, i * chunk, min(chunk, size - i * chunk))
                        for i, c in enumerate(create.credentials)]
             parts = [future.result() for future in futures]
-        repo.complete_multipart_upload(str(path), create.upload_id, parts, artifact_path)
-    except BaseException:
-        pool.shutdown(cancel_futures=True)
-        with contextlib.suppress(Exception):  # the store drops the parts sent (else they linger, billed)
-            repo.abort_multipart_upload(str(path), create.upload_id, artifact_path)
-        raise
-    finally:
-        pool.shutdown()
+            repo.complete_multipart_upload(str(path), create.upload_id, parts, artifact_path)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            with contextlib.suppress(Exception):  # the store drops the parts sent (else they linger, billed)
+                repo.abort_multipart_upload(str(path), create.upload_id, artifact_path)
+            raise
+        finally:
+            pool.shutdown()
 
 
 def _create(repo, path: Path, parts: int, artifact_path: str):
