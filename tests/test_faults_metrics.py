@@ -55,14 +55,17 @@ def test_a_job_stopped_while_the_server_is_down_leaves_no_hole_in_its_curves(tmp
     assert not (out / UNSENT_METRICS).exists()
 
 
+@pytest.mark.parametrize("outage", ["error", "hang"])
 def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole_and_uploads_its_checkpoint(
-        tmp_path, data_dir, mlflow_server, jobs):
+        outage, tmp_path, data_dir, mlflow_server, jobs):
     """SIGKILL (a lost node, the OOM killer) during an outage: nothing runs at the stop, so the points
     since the outage began were only in memory, and the next start resumed after the newest local
     checkpoint with those iterations missing for good (it said so, row 160). Now each checkpoint
     written once the sender has found the server down keeps what the server lacks of its iterations
     beside it. The checkpoint it resumes from, which the server never got, goes up as well: before,
-    only later ones did, so a job lost on this machine before the next upload went back further."""
+    only later ones did, so a job lost on this machine before the next upload went back further.
+    A server that hangs (accepts, never answers) is down as well once a batch has waited
+    STALLED_S: no send ever failed, so no checkpoint kept anything (helper-48's red team)."""
     exp, out = f"unsent-kill-{uuid.uuid4().hex[:6]}", tmp_path / "output"
 
     def checkpoints() -> list[int]:
@@ -74,12 +77,13 @@ def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole_and_upload
         except (OSError, ValueError, KeyError):
             return -1
 
+    max_iter = 200 if outage == "error" else 800  # a hang is found STALLED_S into a batch: still training then
     with FaultProxy(mlflow_server.url) as proxy:
         args = job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
-                                               "SOLVER.MAX_ITER": 200, "TRAIN.SNAPSHOT_ITERS": 20})
+                                               "SOLVER.MAX_ITER": max_iter, "TRAIN.SNAPSHOT_ITERS": 20})
         job = jobs(args, tmp_path)
         wait_until(lambda: 1 in job.iters(), job, "iteration 1")
-        proxy.set_mode("error")  # the sender finds out at its next batch (every 5 s)
+        proxy.set_mode(outage)  # the sender finds out at its next batch (every 5 s), or STALLED_S into it
         wait_until(lambda: checkpoints() and kept_through() == checkpoints()[-1], job, "a checkpoint's metrics kept")
         job.kill_group()
         newest = kept_through()
@@ -95,7 +99,7 @@ def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole_and_upload
     assert f"uploading {resumed}, which run" in again.stderr
     client = MlflowClient(mlflow_server.url)
     run = only_run(client, exp)
-    assert steps(client, run.info.run_id) == list(range(200))  # every iteration, once
+    assert steps(client, run.info.run_id) == list(range(max_iter))  # every iteration, once
     assert run.data.tags[sha_tag(resumed)] == sha256  # complete on the server: resumable from there
     assert not (out / UNSENT_METRICS).exists()
 

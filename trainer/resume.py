@@ -52,7 +52,7 @@ def create_model(job: Job) -> CreatedModel:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
         warn_of_missing_metrics(job.tracker.run, start.iteration)
     if start.upload and job.ctx.is_main:  # once the checks passed: a job that stops here uploads nothing
-        log.info("uploading %s, which run %s lacks (its upload was cut short)", start.upload[0].name, job.tracker.run.run_id)
+        log.info("uploading %s, which run %s lacks", start.upload[0].name, job.tracker.run.run_id)
         job.tracker.log_checkpoint(*start.upload)
     return CreatedModel(start, prepared)
 

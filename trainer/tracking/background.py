@@ -24,6 +24,7 @@ from trainer.errors import first_line
 log = logging.getLogger(__name__)
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+STALLED_S = 10.0  # a batch unanswered this long: the server counts as down (one that hangs never fails)
 
 
 class Backoff:
@@ -57,9 +58,16 @@ class MetricSender:
         self._deadline = float("inf")
         self.dropped = 0
         self.failures = 0
-        self.failing = False  # the last send failed: the server is down (or refusing) now
+        self._failed = False  # the last send failed: the server is down (or refusing) now
+        self._sending_since: float | None = None  # when the batch in flight went out
         self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
         self._thread.start()
+
+    @property
+    def failing(self) -> bool:
+        """The last send failed, or the one in flight has waited STALLED_S for its answer."""
+        since = self._sending_since
+        return self._failed or (since is not None and time.monotonic() - since > STALLED_S)
 
     def put(self, metrics: dict, step: int) -> None:
         """Training thread: one append, no conversion, no lock."""
@@ -177,15 +185,9 @@ class MetricSender:
                 self._nudge.clear()
                 continue
             try:
-                self._send(batch)
-                self._last_send = time.monotonic()
-                batch = []
-                self._inflight_from = None
-                self.failing = False
-                backoff.reset()
+                self._timed_send(batch)
             except Exception as e:  # a server that is down is retried
                 self.failures += 1
-                self.failing = True
                 delay = backoff.failed()
                 if time.monotonic() + delay > self._deadline:
                     log.warning("metrics: giving up on %d points: %s", len(batch), first_line(e))
@@ -194,11 +196,27 @@ class MetricSender:
                 (log.warning if self.failures == 1 or backoff.delay == backoff.first * 2 else log.debug)(
                     "metrics: send failed (%s), retrying in %.1fs", first_line(e, 200), delay)
                 time.sleep(delay)
+                continue
+            self._last_send = time.monotonic()
+            batch, self._inflight_from = [], None
+            backoff.reset()
+
+    def _timed_send(self, points: list) -> None:
+        """One request; while it waits, `failing` turns true after STALLED_S."""
+        self._sending_since = time.monotonic()
+        try:
+            self._send(points)
+        except Exception:
+            self._failed = True  # before the clock is cleared: `failing` never drops in between
+            raise
+        finally:
+            self._sending_since = None
+        self._failed = False
 
     def _send_beat(self) -> None:
         self._last_send = time.monotonic()
         try:
-            self._send([])
+            self._timed_send([])
         except Exception as e:  # the next batch retries; a missed beat only makes a watcher wait
             log.debug("metrics: heartbeat not sent: %s", first_line(e))
 
@@ -250,12 +268,13 @@ class Uploader:
             left = len(self._jobs) + (self._busy is not None)
             self._abandoned = self._thread.is_alive()
             stuck = [self._busy] if self._abandoned and self._busy is not None else []
-            self.failed += stuck + [description for description, _, _ in self._jobs]
+            late = stuck + [description for description, _, _ in self._jobs]  # those that failed are said already
+            self.failed += late
             never_run, self._jobs = list(self._jobs), collections.deque()
         for _, _, dropped in never_run:
             _fallback(dropped)
-        if self.failed:
-            log.warning("tracking: not done before the deadline: %s", ", ".join(self.failed))
+        if late:
+            log.warning("tracking: not done before the deadline: %s", ", ".join(late))
         return left == 0 and not self.failed
 
     def _take(self):
