@@ -85,14 +85,15 @@ class ChangedOnDisk(ValueError):  # a ValueError: final, never retried
 
 
 def _check(sha256: str | None, f, path: Path) -> None:
-    """The file open as `f` (the descriptor the upload reads) against `sha256`, mapped: no Python per block."""
+    """The file open as `f` (the descriptor the upload reads) against `sha256`; read, not mapped,
+    so that a file cut short meanwhile is a mismatch rather than a SIGBUS."""
     if sha256 is None:
         return
-    size = os.fstat(f.fileno()).st_size
-    with contextlib.ExitStack() as stack:
-        data = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else b""
-        got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
+    h, offset = hashlib.sha256(), 0
+    while block := os.pread(f.fileno(), 1 << 20, offset):
+        h.update(block)
+        offset += len(block)
+    if (got := h.hexdigest()) != sha256:
         raise ChangedOnDisk(f"{path} changed since it was written (its sha256 is {got[:12]}..., not "
                             f"{sha256[:12]}...): not uploaded, and not marked complete")
 
