@@ -23,7 +23,8 @@ WHAT = (
     "each transfer in a fresh Python process of its own, timed inside it around the transfer alone (imports, "
     "clients and the run's artifact repository are made first, off the clock). **raw**: boto3's `upload_file` "
     "and `download_file` (default TransferConfig: 8 MB parts, 10 threads), then `sha256_of` of the download. "
-    "**ours, proxy**: `trainer.tracking.transfers.upload` into a run of `mlflow server --artifacts-destination "
+    "**ours, proxy**: `trainer.tracking.transfers.upload` (which first checks that the file is still the one "
+    "handed over: device, inode, size, mtime, as the tracker calls it) into a run of `mlflow server --artifacts-destination "
     "s3://...` (the server signs a URL per part, the parts go to S3: MLflow's proxied multipart upload, "
     "MLflow's default 10 MB parts), and for the resume `prefetch.download_verified` (`transfers.download`: past "
     "MLflow's 500 MB threshold, as at 1 GiB, MLflow's `download_artifacts`, which fetches ranged parts through "
@@ -46,7 +47,7 @@ from mlflow import MlflowClient
 from trainer.hashing import sha256_of
 from trainer.tracking.prefetch import download_verified
 from trainer.tracking.runs import bound_http
-from trainer.tracking.transfers import run_repository, upload
+from trainer.tracking.transfers import file_identity, run_repository, upload
 bound_http()  # as the tracker sets MLflow up
 s3 = boto3.client("s3", endpoint_url=os.environ["MLFLOW_S3_ENDPOINT_URL"], region_name="us-east-1")
 client = MlflowClient(url) if url != "-" else None
@@ -57,7 +58,7 @@ t0 = time.perf_counter()
 if kind == "up_raw":
     s3.upload_file(str(path), bucket, key)
 elif kind == "up_ours":
-    upload(repo, path, "checkpoints")
+    upload(repo, path, "checkpoints", file_identity(path))  # as the tracker: still the file it was handed
 elif kind == "up_mlflow":
     client.log_artifact(run_id, str(path), "mlflow-client")
 elif kind == "down_raw":

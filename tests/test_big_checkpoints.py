@@ -31,7 +31,7 @@ from trainer.checkpoint.files import checkpoint_name
 from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
-from trainer.tracking.transfers import download, repository, run_repository, upload
+from trainer.tracking.transfers import download, file_identity, repository, run_repository, upload
 
 MB = 1024**2
 PART = 16 * MB  # the proxy's parts here (MLflow's default: 10 MB from 500 MB files on)
@@ -162,10 +162,10 @@ def test_a_single_put_through_the_proxy_stores_the_file_byte_for_byte_empty_or_n
 
 
 @pytest.mark.parametrize("route", ["one put", "in parts", "a local store"])
-def test_a_file_changed_since_its_sha256_was_taken_is_not_uploaded(route, tmp_path, mlflow_server, monkeypatch):
+def test_a_file_changed_since_it_was_handed_to_the_uploader_is_not_uploaded(route, tmp_path, mlflow_server, monkeypatch):
     """A checkpoint replaced between its write and its upload (by hand, another process, a resume's
     file swapped: helper-48's red team) went up and was tagged with the sha256 of the bytes it no
-    longer held. The bytes the upload reads are checked first, on each of its routes."""
+    longer held. The file the upload opens must still be the one handed over, on each route."""
     client = MlflowClient(mlflow_server.url)
     run_id = client.create_run(client.create_experiment(f"changed-{uuid.uuid4().hex[:6]}")).info.run_id
     if route == "a local store":
@@ -177,15 +177,27 @@ def test_a_file_changed_since_its_sha256_was_taken_is_not_uploaded(route, tmp_pa
     if route == "in parts":
         monkeypatch.setenv("MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE", str(MB))
         monkeypatch.setenv("MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE", str(5 * MB))
-    written, path = os.urandom(6 * MB), tmp_path / "model_iter14.pth"
-    path.write_bytes(written)
-    sha256 = sha256_of(path)
-    path.write_bytes(os.urandom(6 * MB))  # the same size, other bytes
-    with pytest.raises(ValueError, match=r"model_iter14\.pth changed since it was written .*not uploaded"):
-        upload(repo, path, "checkpoints", sha256)
-    assert "model_iter14.pth" not in stored()
-    path.write_bytes(written)  # the bytes it was written with go up
-    upload(repo, path, "checkpoints", sha256)
+    path, other = tmp_path / "model_iter14.pth", tmp_path / "model_iter9.pth"
+
+    def replaced():  # another checkpoint's bytes moved over it, as the red team did
+        other.write_bytes(os.urandom(6 * MB))
+        os.replace(other, path)
+
+    def rewritten():  # the same size, other bytes, in place
+        time.sleep(0.05)  # past the file system's timestamp granularity
+        path.write_bytes(os.urandom(6 * MB))
+
+    def cut_short():
+        os.truncate(path, MB)
+
+    for change in (replaced, rewritten, cut_short):
+        path.write_bytes(os.urandom(6 * MB))
+        written = file_identity(path)
+        change()
+        with pytest.raises(ValueError, match=r"model_iter14\.pth changed since it was written .*not uploaded"):
+            upload(repo, path, "checkpoints", written)
+        assert "model_iter14.pth" not in stored(), change.__name__
+    upload(repo, path, "checkpoints", file_identity(path))  # unchanged: it goes up
     assert stored() == ["model_iter14.pth"]
 
 

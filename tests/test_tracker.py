@@ -120,14 +120,17 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
 def test_a_checkpoint_whose_file_changed_before_its_upload_is_never_tagged_complete(tmp_path, mlflow_server, caplog):
     """Its tags would say: resumable, with these bytes. A resume elsewhere then found the bytes
     on the server did not match and fell back to an older checkpoint (helper-48's red team)."""
-    tracker = new_tracker(tmp_path, mlflow_server.url)
-    run_id = tracker.run.run_id
-    path = tmp_path / "model_iter4.pth"
-    path.write_bytes(os.urandom(100_000))
-    written = sha256_of(path)
-    path.write_bytes(os.urandom(100_000))  # replaced while its upload waited
-    tracker.log_checkpoint(path, written)
-    assert tracker.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
+    with FaultProxy(mlflow_server.url) as proxy:
+        tracker = new_tracker(tmp_path, proxy.url)
+        run_id = tracker.run.run_id
+        proxy.delay_requests(rb"/runs/log-batch", 3)  # the upload first waits for its iterations' metrics
+        log_steps(tracker, range(0, 5))
+        path, other = tmp_path / "model_iter4.pth", tmp_path / "other.pth"
+        path.write_bytes(os.urandom(100_000))
+        tracker.log_checkpoint(path, sha256_of(path))
+        other.write_bytes(os.urandom(100_000))
+        os.replace(other, path)  # replaced while its upload waits
+        assert tracker.finish("FINISHED", timeout=60) == ["upload checkpoint model_iter4.pth"]
     assert sha_tag("model_iter4.pth") not in MlflowClient(mlflow_server.url).get_run(run_id).data.tags
     assert stored_checkpoints(mlflow_server.url, run_id) == set()
     assert "model_iter4.pth changed since it was written" in caplog.text

@@ -15,6 +15,7 @@ from trainer.errors import UserError
 from trainer.hashing import sha256_of
 from trainer.job import Job
 from trainer.preflight import Prepared, check_local, check_same_categories, prepare
+from trainer.tracking.transfers import file_identity
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class StartPoint:
     state: dict | None = None  # the checkpoint to restore, if any
     source: str = "scratch"
     final: bool = False  # model_final exists: nothing to do
-    upload: tuple[Path, str] | None = None  # a local checkpoint (path, sha256) that the job's run lacks
+    upload: tuple[Path, str, tuple] | None = None  # a local checkpoint the run lacks: path, sha256, file_identity
 
 
 @dataclass
@@ -52,8 +53,12 @@ def create_model(job: Job) -> CreatedModel:
         log.info("resuming from %s at iteration %d", start.source, start.iteration)
         warn_of_missing_metrics(job.tracker.run, start.iteration)
     if start.upload and job.ctx.is_main:  # once the checks passed: a job that stops here uploads nothing
-        log.info("uploading %s, which run %s lacks", start.upload[0].name, job.tracker.run.run_id)
-        job.tracker.log_checkpoint(*start.upload)
+        path, sha256, hashed = start.upload
+        if file_identity(path) != hashed:  # the upload checks the file from here on (transfers.py)
+            log.warning("not uploading %s: it changed since its sha256 was taken", path)
+        else:
+            log.info("uploading %s, which run %s lacks", path.name, job.tracker.run.run_id)
+            job.tracker.log_checkpoint(path, sha256)
     return CreatedModel(start, prepared)
 
 
@@ -116,8 +121,9 @@ def find_start_point(job: Job) -> StartPoint:
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:  # one the run lacks goes up: a job that dies on this machine can resume from it on another
         missing = bool(run.run_id) and local[0].name not in run.checkpoints
+        identity = file_identity(local[0])  # taken before the hash: a file changed after it is not uploaded
         return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]),
-                          upload=(local[0], sha256_of(local[0])) if missing else None)
+                          upload=(local[0], sha256_of(local[0]), identity) if missing else None)
     if unreachable:  # a run is never trained over from iteration 0 while its checkpoints may come back
         raise UserError(f"run {run.run_id} has checkpoints ({', '.join(unreachable[:3])}) that could not be "
                         "downloaded (the warnings above say why): run the job again once the tracking server "

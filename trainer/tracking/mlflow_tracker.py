@@ -28,7 +28,7 @@ from trainer.tracking.job_run import FoundRun, find_run, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, experiment_name,
                                    logged_steps, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
-from trainer.tracking.transfers import run_repository, upload as upload_file
+from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class MlflowTracker(Tracker):
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         from mlflow.entities import RunTag
 
-        iteration = iteration_of(path.name)
+        iteration, written = iteration_of(path.name), file_identity(path)  # the file its upload must still find
         self._newest_checkpoint = max(self._newest_checkpoint, iteration)
         self._queued.add(path.name)
         if self._unsent:  # the server down: what it lacks of this checkpoint's iterations, kept beside it
@@ -232,7 +232,7 @@ class MlflowTracker(Tracker):
             # first (not after the file): a job killed during the upload keeps them as well.
             if not self._sender.wait_sent(iteration, timeout=60.0):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
-            upload_file(self._artifacts(), path, "checkpoints", sha256)  # its bytes checked; parts, timeouts: transfers.py
+            upload_file(self._artifacts(), path, "checkpoints", written)  # still that file; parts, timeouts: transfers.py
             # The tags say "complete": set only after the bytes are on the artifact store.
             self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
                                                            RunTag(LATEST_TAG, path.name)])
