@@ -63,9 +63,11 @@ def idle_timeout(silent_bytes: int) -> float:
 
 def file_identity(path: Path) -> tuple | None:
     """What a file that is still the one written shows (device, inode, size, mtime): taken as it is
-    handed to the uploader; None when there is no file."""
+    handed to the uploader; None when there is no file. Through a descriptor, as the upload's check
+    (some file systems, overlayfs among them, have given stat and fstat different devices)."""
     try:
-        return _identity(os.stat(path))
+        with open(path, "rb") as f:
+            return _identity(os.fstat(f.fileno()))
     except OSError:
         return None
 
