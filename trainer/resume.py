@@ -120,10 +120,11 @@ def find_start_point(job: Job) -> StartPoint:
             job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:  # one the run lacks goes up: a job that dies on this machine can resume from it on another
-        missing = bool(run.run_id) and local[0].name not in run.checkpoints
-        identity = file_identity(local[0])  # taken before the hash: a file changed after it is not uploaded
-        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]),
-                          upload=(local[0], sha256_of(local[0]), identity) if missing else None)
+        upload = None
+        if run.run_id and local[0].name not in run.checkpoints:
+            identity = file_identity(local[0])  # taken before the hash: a file changed after it is not uploaded
+            upload = (local[0], sha256_of(local[0]), identity)
+        return StartPoint(local[1]["iteration"] + 1, local[1], str(local[0]), upload=upload)
     if unreachable:  # a run is never trained over from iteration 0 while its checkpoints may come back
         raise UserError(f"run {run.run_id} has checkpoints ({', '.join(unreachable[:3])}) that could not be "
                         "downloaded (the warnings above say why): run the job again once the tracking server "
