@@ -24,6 +24,8 @@ from trainer.tracking.unsent import UnsentMetrics
 from trainer.tracking.background import MetricSender
 from trainer.tracking.base import RunInfo
 
+LAST = 999  # the last iteration of the job the unit tests' files belong to (SOLVER.MAX_ITER 1000)
+
 
 def test_a_job_stopped_while_the_server_is_down_leaves_no_hole_in_its_curves(tmp_path, data_dir, mlflow_server, jobs):
     """SIGTERM during an outage: the checkpoint of the current iteration is local only, the points
@@ -173,6 +175,25 @@ def test_another_runs_file_is_left_as_it_is_by_a_job_that_sends_everything(tmp_p
     assert steps(client, only_run(client, "demo").info.run_id) == [0, 1, 2, 3]
 
 
+
+def test_a_point_past_the_jobs_last_iteration_never_reaches_its_run(tmp_path, data_dir):
+    """helper-50's red team: one hand-written `loss` at step 10**6 was sent, then counted as logged,
+    so every later start of the job dropped all it logged and the run's curves ended for good. Such
+    a file is no start's of this job: it is refused (moved aside, kept) and the run keeps its steps."""
+    out, uri = tmp_path / "output", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 4})
+    assert run_trainer(args, cwd=tmp_path).returncode == 0
+    client = MlflowClient(uri)
+    run_id = only_run(client, "demo").info.run_id
+    forged = json.dumps({"run_id": run_id, "points": [["loss", 7.0, 1780000000000, 10**6]]})
+    (out / UNSENT_METRICS).write_text(forged)
+    again = run_trainer(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "a point no start of this job made: 'loss' at step 1000000" in again.stderr
+    assert steps(client, run_id) == [0, 1, 2, 3]
+    assert [p.read_text() for p in out.glob(f"earlier-*/{UNSENT_METRICS}")] == [forged]
+
+
 # ---- the sender: what it gives up on, and sends again first ----
 
 def test_the_sender_hands_back_every_point_it_gave_up_on_and_sends_them_first_next_time():
@@ -246,14 +267,14 @@ def _on_disk(tmp_path) -> list[int]:
 
 def _sent_by_next_start(tmp_path, server_has: int) -> list[int]:
     """The steps the job's next start sends, its run holding `loss` up to `server_has`."""
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue([])
     kept.resend(queue, RunInfo("r1", last_step=-1), {"loss": server_has})
     return [p[3] for p in queue.points]
 
 
 def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_once_they_are_sent(tmp_path):
     points = [("loss", 0.5, 1000, step) for step in range(12)]
-    kept = UnsentMetrics(tmp_path, "r1")
+    kept = UnsentMetrics(tmp_path, "r1", LAST)
     kept.spill(Queue(points), 7, "model_iter7.pth")
     assert json.loads((tmp_path / UNSENT_METRICS).read_text())["run_id"] == "r1"
     assert _on_disk(tmp_path) == list(range(8))  # 8-11: trained again from model_iter7
@@ -264,7 +285,7 @@ def test_a_checkpoint_during_an_outage_keeps_its_iterations_and_the_file_goes_on
     up.points = []
     kept.spill(up, 15, "model_iter15.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
-    healthy = UnsentMetrics(tmp_path, "r1")  # a job whose server never failed writes nothing, reads nothing
+    healthy = UnsentMetrics(tmp_path, "r1", LAST)  # a job whose server never failed writes nothing, reads nothing
     healthy.spill(up, 3, "model_iter3.pth")
     assert not (tmp_path / UNSENT_METRICS).exists()
 
@@ -275,7 +296,7 @@ def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_
     iterations it did not hold; and a file taken at the start lost the points above the next
     checkpoint (this start does not log those steps again) while they were still queued."""
     point = [("loss", 0.5, 1000, step) for step in range(60)]
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:20])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue(point[:20])
     kept.spill(queue, 19, "model_iter19.pth")
     queue.failing, queue.points = False, point[10:40]  # 0-9 sent, the server answers again; 10-39 queued
     kept.spill(queue, 39, "model_iter39.pth")
@@ -283,7 +304,7 @@ def test_the_file_follows_the_queue_while_it_drains_and_keeps_an_earlier_starts_
     assert _sent_by_next_start(tmp_path, server_has=9) == list(range(10, 40))
 
     (tmp_path / UNSENT_METRICS).write_text(json.dumps({"run_id": "r1", "points": [list(p) for p in point[:51]]}))
-    again, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    again, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue([])
     again.resend(queue, RunInfo("r1", last_step=-1), {})  # a start resumed from before step 50
     queue.failing, queue.points = False, queue.points[20:]  # 0-19 sent
     again.spill(queue, 19, "model_iter19.pth")
@@ -299,7 +320,7 @@ def test_a_long_outage_appends_each_checkpoints_new_points_and_a_torn_append_cos
     written stays byte for byte. A kill in the middle of an append leaves a line without its end:
     the lines before it are sent, the file is not refused."""
     point = [("loss", 0.5, 1000 + step, step) for step in range(100)]
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:10])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue(point[:10])
     kept.spill(queue, 9, "model_iter9.pth")
     written = []
     for through in (19, 29, 39):
@@ -314,7 +335,7 @@ def test_a_long_outage_appends_each_checkpoints_new_points_and_a_torn_append_cos
 
     with open(tmp_path / UNSENT_METRICS, "a") as f:
         f.write(json.dumps([list(p) for p in point[40:50]])[:-7])  # SIGKILL
-    again, queue = UnsentMetrics(tmp_path, "r1"), Queue([])
+    again, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue([])
     again.resend(queue, RunInfo("r1", last_step=-1), {})
     assert [p[3] for p in queue.points] == list(range(40)) and not list(tmp_path.glob("earlier-*"))
     queue.points = point[:60]  # the next start's own checkpoint in the outage: after the last whole line
@@ -324,7 +345,7 @@ def test_a_long_outage_appends_each_checkpoints_new_points_and_a_torn_append_cos
 
 def test_an_addition_never_goes_through_a_link_put_in_the_files_place(tmp_path):
     point = [("loss", 0.5, 1000 + step, step) for step in range(40)]
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:20])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue(point[:20])
     kept.spill(queue, 19, "model_iter19.pth")
     elsewhere = tmp_path / "elsewhere.txt"
     elsewhere.write_text("a user's file\n")
@@ -336,11 +357,58 @@ def test_an_addition_never_goes_through_a_link_put_in_the_files_place(tmp_path):
     assert not (tmp_path / UNSENT_METRICS).is_symlink() and _on_disk(tmp_path) == list(range(40))
 
 
+
+def test_a_file_read_through_a_symbolic_link_is_refused_and_what_it_points_at_is_never_touched(tmp_path, caplog):
+    """helper-50's red team: the file's torn last line was cut off in place through a link to a file
+    outside OUTPUT_DIR; a link to what never ends a read (/proc/kmsg) hung the job's start. A link is
+    never opened: it moves aside (the link itself), what it points at stays as it was."""
+    good = json.dumps({"run_id": "r1", "points": [["loss", 0.5, 1000, 3]]}) + '\n[["loss", 0.4, 10'
+    outside = tmp_path / "outside.json"
+    outside.write_text(good)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / UNSENT_METRICS).symlink_to(outside)
+    kept, sent, run = _resend(out)
+    assert sent == [] and outside.read_text() == good
+    assert "(a symbolic link): not sent; moved to" in caplog.text
+    assert [p.readlink() for p in out.glob(f"earlier-*/{UNSENT_METRICS}")] == [outside]
+
+
+@pytest.mark.parametrize("torn", [True, False], ids=["torn-last-line", "whole"])
+def test_a_file_with_another_name_is_sent_but_never_written_in_place(tmp_path, torn):
+    """A hard link (a `cp -al` or `rsync --link-dest` snapshot of OUTPUT_DIR): its points are this
+    run's and are sent, but the file is never cut or appended to in place, which would change the
+    snapshot's copy too (helper-50): it is written anew under its name."""
+    head = json.dumps({"run_id": "r1", "points": [["loss", 0.5, 1000, 3]]}) + "\n"
+    snapshot = tmp_path / "snapshot.json"
+    snapshot.write_text(head + ('[["loss", 0.4, 10' if torn else ""))
+    before = snapshot.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(snapshot, out / UNSENT_METRICS)
+    kept, queue = UnsentMetrics(out, "r1", LAST), Queue([])
+    kept.resend(queue, RunInfo("r1", last_step=-1), {})
+    assert [p[3] for p in queue.points] == [3]
+    queue.points.append(("loss", 0.4, 1010, 4))
+    kept.spill(queue, 4, "model_iter4.pth")
+    assert snapshot.read_bytes() == before
+    assert _on_disk(out) == [3, 4]
+
+
+def test_one_value_per_metric_and_step_is_sent_the_first_the_file_holds(tmp_path):
+    """Hand-edited conflicting values at one step all went to the run (helper-50): a job logs a step
+    once, so the first the file holds is its value."""
+    _kept(tmp_path, {"run_id": "r1", "points": [["loss", 5.0, 1000, 14], ["loss", 6.0, 1000, 14], ["lr", 0.1, 1000, 14],
+                                                ["loss", 5, 1001, 14], ["loss", 4.0, 1002, 15]]})
+    _, sent, _ = _resend(tmp_path)
+    assert sent == [("loss", 5.0, 1000, 14), ("lr", 0.1, 1000, 14), ("loss", 4.0, 1002, 15)]
+
+
 def test_a_disk_full_in_the_middle_of_an_addition_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     """Half a line written, then ENOSPC (and the rewrite fails too): the half is cut off again, so the
     next addition does not follow it and the file stays readable."""
     point = [("loss", 0.5, 1000 + step, step) for step in range(30)]
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:10])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue(point[:10])
     kept.spill(queue, 9, "model_iter9.pth")
     before = (tmp_path / UNSENT_METRICS).read_bytes()
     real = os.write
@@ -365,7 +433,7 @@ def test_a_disk_full_in_the_middle_of_an_addition_leaves_the_file_as_it_was(tmp_
 
 def test_an_append_past_the_size_limit_writes_the_file_anew_with_what_is_queued(tmp_path, monkeypatch):
     point = [("loss", 0.5, 1000 + step, step) for step in range(100)]
-    kept, queue = UnsentMetrics(tmp_path, "r1"), Queue(point[:30])
+    kept, queue = UnsentMetrics(tmp_path, "r1", LAST), Queue(point[:30])
     kept.spill(queue, 29, "model_iter29.pth")
     limit = len((tmp_path / UNSENT_METRICS).read_bytes()) * 3 // 2
     monkeypatch.setattr("trainer.tracking.unsent.MAX_BYTES", limit)
@@ -383,7 +451,7 @@ def _kept(tmp_path, body):
 
 
 def _resend(tmp_path, run_id="r1", logged=None):
-    kept, sender, run = UnsentMetrics(tmp_path, run_id), Queue(), RunInfo(run_id, last_step=1)
+    kept, sender, run = UnsentMetrics(tmp_path, run_id, LAST), Queue(), RunInfo(run_id, last_step=1)
     kept.resend(sender, run, logged or {})
     return kept, sender.points, run
 
@@ -398,7 +466,11 @@ def _resend(tmp_path, run_id="r1", logged=None):
     {"run_id": "r1", "points": [["loss\n", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["x" * 251, 0.5, 1, 2]]},
     {"run_id": "r1", "points": [["", 0.5, 1, 2]]}, {"run_id": "r1", "points": [["loss", 0.5, 1, 2], ["lr", 1, 1]]},
     '{"run_id": "r1", "points": ' + "[" * 200_000,  # deeper than the parser's recursion
-], ids=lambda body: repr(body)[:40])
+    # steps and times no start of this job made (helper-50): a run's `loss` at step 10**6 made every later
+    # start drop all it logged as "logged already", and the run's curves ended there for good
+    {"run_id": "r1", "points": [["loss", 0.5, 1000, 3], ["loss", 7.0, 1780000000000, LAST + 1]]},
+    {"run_id": "r1", "points": [["lr", 1.0, 1000, 2**63 - 1]]}, {"run_id": "r1", "points": [["lr", 1.0, 2**63 - 1, 3]]},
+], ids=lambda body: repr(body)[:70])
 def test_a_damaged_file_sends_nothing_fails_nothing_and_moves_aside(tmp_path, caplog, body):
     """A point MLflow would refuse must never reach the sender: the server's refusal of the first
     batch would hold back every metric after it, and every checkpoint's completion with them. A
@@ -446,11 +518,11 @@ def test_what_cannot_be_kept_is_said_lost_and_a_long_outage_keeps_the_newest(tmp
     """The end-of-job line promises that a rerun sends what the run lacks: not for metrics that
     could not be written (here OUTPUT_DIR's place is a file). Past MAX_BYTES, the newest points."""
     (tmp_path / "file").write_text("")
-    assert UnsentMetrics(tmp_path / "file", "r1").keep([("loss", 0.5, 1000, 5)]) == [
+    assert UnsentMetrics(tmp_path / "file", "r1", LAST).keep([("loss", 0.5, 1000, 5)]) == [
         f"the metrics of iteration 5 (lost: they could not be kept in {tmp_path / 'file' / UNSENT_METRICS})"]
     monkeypatch.setattr("trainer.tracking.unsent.MAX_BYTES", 2000)
     points = [("loss", 0.5, 1000 + s, s) for s in range(200)]
-    said = UnsentMetrics(tmp_path, "r1").keep(points)
+    said = UnsentMetrics(tmp_path, "r1", LAST).keep(points)
     kept = json.loads((tmp_path / UNSENT_METRICS).read_text())["points"]
     assert len((tmp_path / UNSENT_METRICS).read_text()) <= 2000
     assert [p[3] for p in kept] == list(range(200 - len(kept), 200))
@@ -462,7 +534,7 @@ def test_what_cannot_be_kept_is_said_lost_and_a_long_outage_keeps_the_newest(tmp
 def test_unicode_metric_names_are_kept_and_sent(tmp_path):
     """MLflow takes any word character: an evaluation of a test set named `größe_val` logs
     `größe_val/bbox/AP`. An ASCII-only check refused the whole file, losing every point (red team)."""
-    UnsentMetrics(tmp_path, "r1").keep([("loss", 0.5, 1000, 5), ("größe_val/bbox/AP", 0.3, 1000, 5)])
+    UnsentMetrics(tmp_path, "r1", LAST).keep([("loss", 0.5, 1000, 5), ("größe_val/bbox/AP", 0.3, 1000, 5)])
     _, sent, _ = _resend(tmp_path)
     assert [p[0] for p in sent] == ["loss", "größe_val/bbox/AP"]
 
@@ -470,8 +542,8 @@ def test_unicode_metric_names_are_kept_and_sent(tmp_path):
 def test_points_the_run_holds_are_not_sent_again_and_resent_steps_count_as_logged(tmp_path):
     """Node-local OUTPUT_DIRs: steps kept on one machine that the run got since from another start
     (the newest step per key says so) are not sent twice (red team); NaN survives the file."""
-    UnsentMetrics(tmp_path, "r1").keep([("loss", 1.0, 1000, 3), ("loss", float("nan"), 1000, 7),
-                                        ("bbox/AP", 0.25, 1000, 3), ("bbox/AP", 0.5, 1000, 9)])
+    UnsentMetrics(tmp_path, "r1", LAST).keep([("loss", 1.0, 1000, 3), ("loss", float("nan"), 1000, 7),
+                                              ("bbox/AP", 0.25, 1000, 3), ("bbox/AP", 0.5, 1000, 9)])
     kept, sent, run = _resend(tmp_path, logged={"loss": 4, "bbox/AP": 2})
     assert [(p[0], p[3]) for p in sent] == [("loss", 7), ("bbox/AP", 3), ("bbox/AP", 9)]
     assert sent[0][1] != sent[0][1]  # NaN

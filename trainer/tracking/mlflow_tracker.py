@@ -147,7 +147,7 @@ class MlflowTracker(Tracker):
                                 checkpoints_from(self._tags), opened.experiment_id, MODEL_TAG in self._tags,
                                 opened.last_step)
             self._sender = MetricSender(self._send_metrics, interval=METRICS_INTERVAL_S, beat=True)
-            self._unsent = UnsentMetrics(self._output_dir, run_id)
+            self._unsent = UnsentMetrics(self._output_dir, run_id, cfg.SOLVER.MAX_ITER - 1)
             self._unsent.resend(self._sender, self._run, logged_steps(opened.run))  # before anything else
             self._log_params(cfg, set(opened.run.data.params))
         except BaseException as e:

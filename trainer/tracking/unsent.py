@@ -14,6 +14,8 @@ import logging
 import os
 import posixpath
 import re
+import stat
+import time
 from pathlib import Path
 
 from trainer.atomic_write import write_atomic
@@ -24,14 +26,15 @@ log = logging.getLogger(__name__)
 
 KEY = re.compile(r"[\w\-. /:]{1,250}")  # MLflow's rule for a metric's name, with its path rule (valid_point)
 MAX_BYTES = 256 * 2**20  # what the sender holds at most (200,000 iterations of ~12 metrics) is ~150 MB
+CLOCK_SKEW_MS = 24 * 3600 * 1000  # a point's time may be ahead of this host's clock by as much (another host's)
 
 
 class UnsentMetrics:
     """OUTPUT_DIR/unsent_metrics.json of one run: taken at the start, rewritten at the end. A file
     it refuses (another run's, damaged) is never sent or rewritten: it moves to `earlier-<time>/`."""
 
-    def __init__(self, output_dir: Path, run_id: str):
-        self.path, self.run_id = Path(output_dir) / UNSENT_METRICS, run_id
+    def __init__(self, output_dir: Path, run_id: str, last_iter: int):
+        self.path, self.run_id, self.last_iter = Path(output_dir) / UNSENT_METRICS, run_id, last_iter
         self.taken = False  # the file is this run's: removed once nothing in it is left to send
         self.blocked = False  # a refused file that could not be moved aside holds the name
         self.resent_through = -1  # the newest step resent from an earlier start's file
@@ -76,13 +79,14 @@ class UnsentMetrics:
         written anew (gone, about to pass MAX_BYTES, or the append failed)."""
         line, size = memoryview((json.dumps(_points(puts)) + "\n").encode()), None
         try:  # never through a link put in its place: the file is written anew instead
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return False
         try:  # unbuffered: nothing of a failed write is left to go out at close
-            size = os.fstat(fd).st_size
-            if size + len(line) > MAX_BYTES:
+            st = os.fstat(fd)
+            if not _own(st) or st.st_size + len(line) > MAX_BYTES:
                 return False
+            size = st.st_size
             while line:
                 line = line[os.write(fd, line):]
         except OSError:  # a disk full in the middle: the next addition must not follow half a line
@@ -124,11 +128,9 @@ class UnsentMetrics:
 
     def _take(self) -> list:
         try:
-            if not self.path.is_file():
+            data = _read(self.path)
+            if data is None:
                 return []
-            if self.path.stat().st_size > MAX_BYTES:
-                raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
-            data = self.path.read_bytes()
             head, *appended = _lines(data.decode("utf-8"))
             kept = json.loads(head)
             owner, points = kept["run_id"], kept["points"]
@@ -139,13 +141,20 @@ class UnsentMetrics:
             points = [points, *map(json.loads, appended)]
             if not all(isinstance(line, list) and all(map(valid_point, line)) for line in points):
                 raise ValueError("a point is no (key, value, timestamp, step) that MLflow takes")
+            points = [tuple(p) for line in points for p in line]
+            if beyond := [p for p in points if p[3] > self.last_iter or p[2] > time.time() * 1000 + CLOCK_SKEW_MS]:
+                raise ValueError(f"a point no start of this job made: {beyond[0][0]!r} at step {beyond[0][3]}, "
+                                 f"time {beyond[0][2]} ms (its last iteration is {self.last_iter})")
         except Exception as e:  # not ours, or damaged (too deep, too large): never sent, never fatal
             return self._refuse(f"is not a list of metric points ({first_line(e)})")
         self.taken = True
-        if b"\n" in data and not data.endswith(b"\n"):  # what follows is added after the last whole line
-            with contextlib.suppress(OSError):
-                os.truncate(self.path, data.rindex(b"\n") + 1)
-        points = list(dict.fromkeys((key, float(value), ts, step) for line in points for key, value, ts, step in line))
+        if b"\n" in data and not data.endswith(b"\n"):  # what follows is added after the last whole line;
+            with contextlib.suppress(OSError):  # written anew, not cut in place: a hard link's other name keeps it
+                write_atomic(self.path, data[:data.rindex(b"\n") + 1])
+        first: dict = {}  # one value per key and step, the first written: a job logs a step once
+        for key, value, ts, step in points:
+            first.setdefault((key, step), (key, float(value), ts, step))
+        points = list(first.values())
         self._in_file = {(step, ts) for _, _, ts, step in points}
         return points
 
@@ -158,6 +167,30 @@ class UnsentMetrics:
             self.blocked = True
             log.warning("%s %s: not sent (%s)", self.path, why, first_line(e))
         return []
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes, or None when there is none. Never through a link (whose target may be
+    anyone's, or block, as /proc/kmsg does), never from what is no regular file, or one that is
+    another name of a file too (a hard link: a snapshot's copy is read, never written in place)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError("a symbolic link" if os.path.islink(path) else first_line(e)) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
+        return f.read(MAX_BYTES + 1)
+
+
+def _own(st: os.stat_result) -> bool:
+    """A regular file with no other name: one that may be written in place."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 def valid_point(p) -> bool:
