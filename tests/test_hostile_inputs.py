@@ -149,10 +149,15 @@ def test_another_jobs_checkpoint_is_refused_before_the_run_and_by_dry_run(here, 
 
 def test_files_named_like_checkpoints_never_push_out_the_jobs_own(here, data_dir):
     """Copies cut short under later names (model_iter100..102) counted as the newest: every new
-    checkpoint was deleted as soon as it was written, and a kill would have had nothing to resume."""
+    checkpoint was deleted as soon as it was written, and a kill would have had nothing to resume.
+    Names no checkpoint of a job has (a leading zero, a full-width digit, a newline after `.pth`)
+    read as the job's own iterations took their place in pruning, which deleted the job's newest
+    checkpoint (helper-51): they are not checkpoints at all."""
     out = here / "output"
     out.mkdir()
-    junk = {out / f"model_iter{i}.pth": os.urandom(3000) for i in (100, 101, 102)}
+    names = [f"model_iter{i}.pth" for i in (100, 101, 102)] + [
+        "model_iter02.pth", "model_iter002.pth", "model_iter\uff12.pth", "model_iter2.pth\n", "model_iter1.pth\n"]
+    junk = {out / name: os.urandom(3000) for name in names}
     for path, data in junk.items():
         path.write_bytes(data)
     result = train(here, "TRACKING.ENABLED", "false", "TRAIN.CHECKPOINTS_KEEP", "2", data_dir=data_dir)

@@ -16,7 +16,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FINAL = "model_final.pth"
-_ITER_RE = re.compile(r"^model_iter(\d+)\.pth$")
+# The names checkpoint_name() makes, and no other: ASCII digits without a leading zero, nothing after
+# `.pth` (not even a newline). `model_iter08.pth` or `model_iter８.pth` read as 8 took the place of the
+# job's own model_iter8.pth in pruning, which then deleted it.
+_ITER_RE = re.compile(r"model_iter(0|[1-9][0-9]*)\.pth")
 
 
 def checkpoint_name(iteration: int | None) -> str:
@@ -28,15 +31,15 @@ def iteration_of(name: str) -> float:
     """Sort key: model_final is newer than every model_iter."""
     if name == FINAL:
         return float("inf")
-    m = _ITER_RE.match(name)
+    m = _ITER_RE.fullmatch(name)
     return int(m.group(1)) if m else -1
 
 
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
-_TMP_RE = re.compile(r"^\.model_(?:iter\d+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>\d+)$"
-                     r"|^\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>\d+)\.\w+$")  # or a download's folder
+_TMP_RE = re.compile(r"\.model_(?:iter[0-9]+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>[0-9]+)"
+                     r"|\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>[0-9]+)\.[A-Za-z0-9_]+")  # or a download's folder
 STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
 
 
@@ -80,7 +83,7 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
         return []
     removed = []
     for path in output_dir.iterdir():
-        m = _TMP_RE.match(path.name)
+        m = _TMP_RE.fullmatch(path.name)
         if not m:
             continue
         host, pid = m.group("host") or m.group("dhost"), m.group("pid") or m.group("dpid")
