@@ -661,6 +661,24 @@ def test_a_resume_into_a_run_that_lacks_iterations_says_so(tmp_path, data_dir, j
     assert steps(MlflowClient(uri), run.info.run_id) == list(range(stopped_at + 1, 40))
 
 
+
+def test_a_tracked_resume_from_checkpoints_copied_without_their_log_ends_0(tmp_path, data_dir):
+    """Checkpoints copied to a new folder without json_stats.log, resumed tracked: the first
+    checkpoint, before the first log line, queued the upload of a log that was not there, and the job
+    trained to the end and exited 1 (`did not get: upload json_stats.log`; helper-51)."""
+    keys = {"SOLVER.MAX_ITER": 9, "LOG_PERIOD": 20}
+    assert run_trainer(job_args(tmp_path / "a", data_dir, **keys, **{"TRACKING.ENABLED": "false"}),
+                       cwd=tmp_path).returncode == 0
+    (tmp_path / "b" / "output").mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / "output" / "model_iter2.pth", tmp_path / "b" / "output")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    resumed = run_trainer(job_args(tmp_path / "b", data_dir, **keys, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run = only_run(MlflowClient(uri), "demo")
+    assert all(sha_tag(name) in run.data.tags for name in ("model_iter2.pth", "model_iter5.pth", "model_final.pth"))
+    assert "json_stats.log" in {a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)}
+
+
 def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp_path, data_dir):
     """A job whose metrics never reached its run (every log-batch failed; trained untracked, here)
     and that is then started again: nothing to train, exit 0, and not a word of the empty curve.

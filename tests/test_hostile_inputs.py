@@ -167,6 +167,28 @@ def test_files_named_like_checkpoints_never_push_out_the_jobs_own(here, data_dir
     assert kept == ["model_final.pth", "model_iter1.pth", "model_iter2.pth"]  # the newest 2 + final
 
 
+
+@pytest.mark.parametrize("name", ["json_stats.log", "model", "model/detector", "eval", "eval/synth_shapes_val"])
+def test_a_link_the_job_would_write_through_is_refused_before_anything_is_written(here, name):
+    """helper-51's red team: an `OUTPUT_DIR/json_stats.log` link (a `cp -as` copy of another job's
+    folder) had the job append to the file it points at; a `model` link had it overwrite another
+    job's model, an `eval` one write detections there. Links the job replaces by name (config.yaml,
+    a checkpoint) stay allowed."""
+    elsewhere = here / "elsewhere"
+    (elsewhere / "detector").mkdir(parents=True)
+    (elsewhere / "detector" / "weights.pt").write_bytes(b"another job's")
+    (elsewhere / "json_stats.log").write_text('{"iter": 0}\n')
+    before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
+    link = here / "output" / name
+    link.parent.mkdir(parents=True)
+    link.symlink_to(elsewhere / "json_stats.log" if name == "json_stats.log" else elsewhere)
+    for dry_run in (True, False):
+        assert_exit_2(train(here, dry_run=dry_run), f"{name} there is a link to {link.readlink()}, which the job would "
+                                                    "write through; move it away")
+    assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before
+    assert not (here / "mlflow.db").exists()
+
+
 # ---- tracking stores --------------------------------------------------------------------------------
 
 def test_a_sqlite_file_that_is_no_mlflow_store_is_never_written(here, data_dir):

@@ -258,10 +258,11 @@ class CheckpointPublisher:
         last = self.job.cfg.SOLVER.MAX_ITER - 1  # model_final holds it: no model_iter of this job is newer
         prune(self.job.output_dir, self.job.cfg.TRAIN.CHECKPOINTS_KEEP, min(iteration_of(path.name), last),
               spare=self.job.tracker.uploading())  # an evaluated one whose upload an outage holds
-        now = time.monotonic()
-        if path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S:
+        now, stats = time.monotonic(), self.job.output_dir / "json_stats.log"
+        due = path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S
+        if due and stats.exists():  # none yet: a resume from copied checkpoints, before its first log line
             self.last_stats_upload = now
-            self.job.tracker.log_artifact(self.job.output_dir / "json_stats.log")
+            self.job.tracker.log_artifact(stats)
 
 
 def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:

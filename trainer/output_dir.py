@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from trainer.checkpoint.files import not_files
+from trainer.checkpoint.files import links_written_through, not_files
 from trainer.errors import UserError, first_line, user_path
 
 _NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
@@ -46,6 +46,9 @@ def check_output_dir(path: Path) -> None:
     if odd := not_files(path):
         raise UserError(f"cannot use OUTPUT_DIR {path}: {odd[0].name} there is not a regular file "
                         f"(a folder, a pipe, a device or a broken link); move it away")
+    if linked := links_written_through(path):
+        raise UserError(f"cannot use OUTPUT_DIR {path}: {linked[0].relative_to(path)} there is a link to "
+                        f"{os.readlink(linked[0])}, which the job would write through; move it away")
 
 
 def make_writable(path: Path, name: str) -> None:

@@ -76,6 +76,20 @@ def not_files(output_dir: Path) -> list[Path]:
                   if (iteration_of(p.name) >= 0 or p.name in JOB_FILES) and not p.is_file())
 
 
+# What the job writes into rather than replaces: a log it appends to, folders it writes files in.
+WRITTEN_THROUGH = ("json_stats.log", "model", "model/detector", "eval")
+
+
+def links_written_through(output_dir: Path) -> list[Path]:
+    """Symbolic links where the job writes through what is there (WRITTEN_THROUGH and eval's
+    folders): through one it would append to a file outside OUTPUT_DIR or overwrite another job's
+    model. The job's other files are replaced by name, a link with them (a `cp -as` copy)."""
+    paths = [output_dir / name for name in WRITTEN_THROUGH]
+    if paths[-1].is_dir() and not paths[-1].is_symlink():
+        paths += sorted(paths[-1].iterdir())
+    return [p for p in paths if p.is_symlink()]
+
+
 def remove_stale_temps(output_dir: Path) -> list[Path]:
     """Delete temporary checkpoint files (and download folders) left by killed jobs: this host's
     whose process is gone, another host's (or an unnamed one's) after a day."""
