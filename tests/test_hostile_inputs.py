@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 from PIL import Image
+import torch
 
 from tests.conftest import DEMO
 from tests.test_bad_input import assert_exit_2, run_cli
@@ -187,6 +189,75 @@ def test_a_link_the_job_would_write_through_is_refused_before_anything_is_writte
                                                     "write through; move it away")
     assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before
     assert not (here / "mlflow.db").exists()
+
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir) -> Path:
+    """An untracked job's OUTPUT_DIR: model_iter0-2 and model_final of 4 iterations."""
+    tmp = tmp_path_factory.mktemp("trained")
+    result = train(tmp, "TRACKING.ENABLED", "false", "DETERMINISTIC", "true", data_dir=data_dir)
+    assert result.code is None, result.stderr
+    return tmp / "output"
+
+
+def _hand_built(here: Path, trained: Path, change, name: str = "model_iter2.pth") -> Path:
+    """OUTPUT_DIR with the job's model_iter1.pth and a changed copy of its model_iter2.pth as `name`."""
+    out = here / "output"
+    out.mkdir()
+    shutil.copy(trained / "model_iter1.pth", out)
+    state = torch.load(trained / "model_iter2.pth", weights_only=True)
+    change(state)
+    torch.save(state, out / name)
+    return out
+
+
+UNRESTORABLE = {
+    "no optimizer": lambda s: s.pop("optimizer"),
+    "no rng": lambda s: s.pop("rng"),
+    "weights a tensor": lambda s: s.update(model=torch.zeros(3)),
+    "no weights": lambda s: s.update(model={}),
+    "a tensor of another shape": lambda s: s["model"].update({next(iter(s["model"])): torch.zeros(1)}),
+    "no parameter groups": lambda s: s["optimizer"].update(param_groups=[]),
+    "scheduler a string": lambda s: s.update(scheduler="x"),
+    "rng of another kind": lambda s: s.update(rng=[{"python": 1}]),
+}
+
+
+@pytest.mark.parametrize("change", UNRESTORABLE.values(), ids=UNRESTORABLE.keys())
+def test_a_checkpoint_the_engine_cannot_restore_is_skipped_for_the_one_before_it(here, data_dir, trained, change):
+    """helper-51's red team: checkpoints built by hand that load() accepts (a dict with `model` and
+    `iteration`) were a traceback after the run was reopened (KeyError: 'optimizer', size mismatch,
+    ...), tracked ones uploaded first as the checkpoint the run lacked, and every rerun failed the
+    same way. The engine's restore is tried before: such a file is skipped, as a corrupt one is."""
+    _hand_built(here, trained, change)
+    result = train(here, "TRACKING.ENABLED", "false", "DETERMINISTIC", "true", data_dir=data_dir, dry_run=True)
+    assert result.code is None, result.stderr
+    assert "model_iter2.pth: it does not restore into this job's network and optimizer" in result.stderr
+    assert "newest checkpoint model_iter1.pth: resumes at iteration 2" in result.stdout
+
+
+def test_a_job_resumes_bit_identically_from_the_checkpoint_before_one_it_cannot_restore(here, data_dir, trained):
+    out = _hand_built(here, trained, UNRESTORABLE["no optimizer"])
+    result = train(here, "TRACKING.ENABLED", "false", "DETERMINISTIC", "true", data_dir=data_dir)
+    assert result.code is None, result.stderr
+    final, reference = (torch.load(p / "model_final.pth", weights_only=True)["model"] for p in (out, trained))
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("name, iteration, message", [
+    ("model_iter2.pth", 2.0, "holds iteration 2.0, not the 2 its name says"),  # a float: `seed must be integer`
+    ("model_iter2.pth", torch.tensor(2), "holds iteration tensor(2), not the 2 its name says"),
+    ("model_iter15.pth", 15, "holds iteration 15, past this job's last (3, SOLVER.MAX_ITER 4)"),  # trained to 16 of 4
+])
+def test_a_checkpoint_whose_iteration_is_no_iteration_of_the_job_is_refused(here, data_dir, trained, name, iteration,
+                                                                            message):
+    out = _hand_built(here, trained, lambda s: s.update(iteration=iteration), name)
+    before = (out / name).read_bytes()
+    for dry_run in (True, False):
+        assert_exit_2(train(here, "TRACKING.ENABLED", "false", "DETERMINISTIC", "true", data_dir=data_dir,
+                            dry_run=dry_run), message)
+    assert (out / name).read_bytes() == before
 
 
 # ---- tracking stores --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
     OutputLock(Path(cfg.OUTPUT_DIR)).check()
     prepared = prepare(cfg)  # what a job's start checks
     dataset, model = prepared.dataset, prepared.model
-    local = check_local(cfg) if cfg.TRAIN.AUTO_RESUME else None  # another job's: UserError
+    local = check_local(cfg, prepared) if cfg.TRAIN.AUTO_RESUME else None  # another job's: UserError
     tracking, found = _tracking(cfg, resume_run_id, new_run)  # a job may continue from its run's checkpoints alone
     if local is None and not found:  # as the job's start: only a start from iteration 0 reads them
         load_initial_weights(cfg, prepared)

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from trainer.checkpoint.files import FINAL, iteration_of
-from trainer.checkpoint.state import newest_valid
+from trainer.checkpoint.state import CheckpointError, newest_valid, restore_rng
 from trainer.config import Config
 from trainer.job_identity import job_keys
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.data import build_train_dataset, check_test_datasets
 from trainer.data.checks import category_difference, same_categories
 from trainer.data.coco import check_batch_size
@@ -26,6 +26,7 @@ from trainer.distributed import check_devices
 from trainer.inference import categories_of, category_key_of
 from trainer.lineage import initial_weights
 from trainer.models import build_model, load_weights, unread_keys
+from trainer.solver import build_lr_scheduler, build_optimizer
 from trainer.tracking.model_uris import check_source
 
 log = logging.getLogger(__name__)
@@ -85,17 +86,56 @@ def load_initial_weights(cfg: Config, prepared: Prepared) -> None:
 
 
 def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, dict] | None:
-    """The newest checkpoint in OUTPUT_DIR that loads (corrupt ones are skipped with a warning);
-    UserError when it is another job's. Kept in `prepared`, so the engine does not load it again."""
-    local = newest_valid(Path(cfg.OUTPUT_DIR))
-    if local:
-        check_same_job(cfg, *local)
-        check_named_iteration(cfg, *local)
-        if prepared is not None and local[0].name != FINAL:  # a finished job needs no data
-            check_same_categories(*local, prepared.dataset)
+    """The newest checkpoint in OUTPUT_DIR that loads and that the engine can restore into the
+    network built here (others are skipped with a warning); UserError when it is another job's.
+    Kept in `prepared`, so the engine does not load it again."""
+    def usable(path: Path, state: dict) -> None:
+        check_same_job(cfg, path, state)
+        check_named_iteration(cfg, path, state)
+        if prepared is not None:
+            if path.name != FINAL:  # a finished job needs no data
+                check_same_categories(path, state, prepared.dataset)
+            check_restores(cfg, path, state, prepared.model)
+
+    local = newest_valid(Path(cfg.OUTPUT_DIR), usable)
     if prepared is not None:
         prepared.local, prepared.local_checked = local, True
     return local
+
+
+def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> None:
+    """The engine's restore of `state`, tried before the run is made: a checkpoint that passes load()
+    yet lacks the optimizer, holds weights of other shapes or an RNG state of another kind (one
+    built by hand) was a traceback after the run was reopened, its valid predecessor never tried.
+    Nothing changes: the weights are compared, not loaded (a job that starts from iteration 0 after
+    all keeps its initialisation), the optimizer is a new one, the CPU's RNGs are put back."""
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()  # CPU's: no CUDA context made here
+    try:
+        weights, own = state["model"], model.state_dict()
+        if not isinstance(weights, dict) or weights.keys() != own.keys():
+            raise ValueError("the weights are not those of this network (other names)")
+        if other := [k for k, v in own.items() if not isinstance(weights[k], torch.Tensor) or weights[k].shape != v.shape]:
+            raise ValueError(f"{other[0]} is no tensor of shape {tuple(own[other[0]].shape)}")
+        if path.name == FINAL:  # a finished job restores nothing else
+            return
+        optimizer = build_optimizer(cfg, model)
+        optimizer.load_state_dict(state["optimizer"])
+        if any(t.shape != p.shape for p, held in optimizer.state.items() for t in held.values() if t.dim()):
+            raise ValueError("the optimizer's momentum is not of its parameters' shapes")
+        build_lr_scheduler(cfg, optimizer).load_state_dict(state["scheduler"])
+        if not (isinstance(state["rng"], list) and state["rng"]):
+            raise ValueError("no random states")
+        for rng in state["rng"]:
+            if not isinstance(rng.get("cuda"), list):
+                raise ValueError("no CUDA random states")
+            restore_rng({**rng, "cuda": []})
+    except Exception as e:
+        raise CheckpointError(f"{path}: it does not restore into this job's network and optimizer "
+                              f"({type(e).__name__}: {first_line(e)})") from None
+    finally:
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
 
 
 def check_same_job(cfg: Config, path: Path, state: dict) -> None:
@@ -111,10 +151,15 @@ def check_named_iteration(cfg: Config, path: Path, state: dict) -> None:
     """A checkpoint holds the iteration its name says (model_final: the job's last). One copied over
     another (model_iter2.pth as model_final.pth) would pass for a finished job, or resume the wrong
     iterations, and a rerun would upload and log it as the job's model."""
-    named = cfg.SOLVER.MAX_ITER - 1 if path.name == FINAL else iteration_of(path.name)
-    if state.get("iteration") != named:
-        raise UserError(f"{path} holds iteration {state.get('iteration')}, not the {named} its name says (a file "
+    named, last = iteration_of(path.name), cfg.SOLVER.MAX_ITER - 1
+    named = last if path.name == FINAL else named
+    held = state.get("iteration")
+    if type(held) is not int or held != named:  # 5.0 == 5 and tensor(5) == 5, yet neither is an iteration
+        raise UserError(f"{path} holds iteration {held!r}, not the {named} its name says (a file "
                         "copied or renamed): move it out of OUTPUT_DIR")
+    if named > last:
+        raise UserError(f"{path} holds iteration {named}, past this job's last ({last}, SOLVER.MAX_ITER "
+                        f"{cfg.SOLVER.MAX_ITER}): not this job's checkpoint; move it out of OUTPUT_DIR")
 
 
 def check_same_categories(path, state: dict, dataset) -> None:

@@ -14,7 +14,7 @@ from trainer.distributed import broadcast_object
 from trainer.errors import UserError
 from trainer.hashing import sha256_of
 from trainer.job import Job
-from trainer.preflight import Prepared, check_local, check_same_categories, prepare
+from trainer.preflight import Prepared, check_local, check_restores, check_same_categories, prepare
 from trainer.tracking.transfers import file_identity
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,12 @@ def find_start_point(job: Job) -> StartPoint:
             if name == FINAL:  # finished elsewhere: model_final comes back to OUTPUT_DIR, where Detectron leaves it
                 return StartPoint(final=True, source=f"run {run.run_id}, downloaded to {path}")
             state = load(path, sha256_checked=True)  # fetch_checkpoint compared it with the tag
+            if job.prepared is not None:  # other categories are the user's to fix (UserError); the rest is skipped
+                check_same_categories(f"run {run.run_id}'s {name}", state, job.prepared.dataset)
+                check_restores(job.cfg, path, state, job.prepared.model)
         except CheckpointError as e:  # tampered with or not ours: never loaded, the one before is tried
             log.warning("skipping %s", e)
             continue
-        if job.prepared is not None:
-            check_same_categories(f"run {run.run_id}'s {name}", state, job.prepared.dataset)
         if not (job.output_dir / "json_stats.log").exists():
             job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")

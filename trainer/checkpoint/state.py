@@ -19,6 +19,7 @@ import os
 import random
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -167,11 +168,15 @@ def load(path: Path, sha256_checked: bool = False) -> dict:
     return state
 
 
-def newest_valid(output_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; partial or corrupt files are skipped with a warning."""
+def newest_valid(output_dir: Path, check: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads (and passes `check`); partial or corrupt files, and those
+    `check` finds unusable (CheckpointError), are skipped with a warning."""
     for path in local_checkpoints(output_dir):
         try:
-            return path, load(path)
+            state = load(path)
+            if check is not None:
+                check(path, state)
+            return path, state
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint %s", e)
     return None
