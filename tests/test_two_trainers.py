@@ -261,3 +261,107 @@ def test_a_run_made_twice_by_a_retried_create_leaves_only_the_trainers_own(tmp_p
     assert client.get_run(lost.info.run_id).info.lifecycle_stage == "deleted"
     for kept in (mine, other_job, other_trainer):  # another job's run, another trainer's: not copies of this one
         assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"
+
+
+# ---- the OUTPUT_DIR lock (helper-52's red team) ----
+
+def test_a_lock_file_with_another_name_is_neither_written_nor_locked(tmp_path):
+    """`.lock` a hard link: of a running job's folder copied with `cp -al` (its trainer's lock then
+    refused the copy's job as "in use" by that trainer), or of a file outside OUTPUT_DIR (which was
+    truncated and overwritten with the trainer's host and pid). That name is dropped for a new file."""
+    from trainer.output_lock import OutputLock
+
+    running = OutputLock(tmp_path / "running").acquire()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file\n")
+    try:
+        held = (tmp_path / "running" / ".lock").read_text()
+        for outside in (tmp_path / "running" / ".lock", precious):
+            copy = tmp_path / f"copy-of-{outside.stem or 'lock'}"
+            copy.mkdir()
+            os.link(outside, copy / ".lock")
+            lock = OutputLock(copy).acquire()
+            assert (copy / ".lock").read_text() == f"host {os.uname().nodename}, pid {os.getpid()}\n"
+            assert os.stat(copy / ".lock").st_nlink == 1
+            lock.release()
+        assert (tmp_path / "running" / ".lock").read_text() == held and precious.read_text() == "a user's file\n"
+    finally:
+        running.release()
+
+
+def test_a_dry_run_checking_the_folder_as_a_trainer_starts_does_not_refuse_it(tmp_path):
+    """A --dry-run's check holds shared locks for an instant: a trainer that started then was refused,
+    `in use by another trainer`, naming the pid a stale `.lock` held (helper-52: 1250 of 2000 starts)."""
+    import threading
+
+    from trainer.output_lock import OutputLock
+
+    out, done = tmp_path / "out", threading.Event()
+    out.mkdir()
+
+    def checking():
+        while not done.is_set():
+            try:
+                OutputLock(out).check()
+            except Exception:  # the trainer holds it: what a dry run then says
+                pass
+
+    checker = threading.Thread(target=checking)
+    checker.start()
+    try:
+        for _ in range(100):
+            OutputLock(out).acquire().release()
+    finally:
+        done.set()
+        checker.join()
+
+
+def test_a_lock_knows_when_its_folder_is_no_longer_at_its_path(tmp_path):
+    """The lock is on the folder the path led to at the start; a link on the path changed (or the
+    folder renamed) while the job trains lets a second trainer into the new folder the path leads to."""
+    from trainer.output_lock import OutputLock
+
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "cur").symlink_to("r1")
+    first = OutputLock(tmp_path / "cur").acquire()
+    (tmp_path / "r1" / ".lock").unlink()  # deleted by hand: the folder's own lock still holds
+    assert first.still_here()
+    (tmp_path / "next").symlink_to("r2")
+    os.replace(tmp_path / "next", tmp_path / "cur")
+    assert not first.still_here()
+    second = OutputLock(tmp_path / "cur").acquire()
+    assert second.still_here()
+    os.rename(tmp_path / "r2", tmp_path / "r2.old")
+    (tmp_path / "r2").mkdir()
+    assert not second.still_here()
+    first.release()
+    second.release()
+
+
+def test_a_job_whose_output_dir_is_moved_while_it_trains_stops_before_writing_into_the_new_one(tmp_path, data_dir):
+    """helper-52's red team: OUTPUT_DIR a link, pointed at another folder while the job trained; a
+    second job started there took the free lock, and both wrote checkpoints into it: one's
+    model_final overwrote the other's. The job checks at each checkpoint that the path still leads to
+    the folder it locked, and stops in one line before writing elsewhere."""
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "cur").symlink_to("r1")
+    args = demo_overrides(tmp_path, data_dir, **{"OUTPUT_DIR": tmp_path / "cur", "SOLVER.MAX_ITER": 400,
+                                                 "TRACKING.ENABLED": "false"})
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 240
+        while not (tmp_path / "r1" / "model_iter2.pth").exists():
+            assert job.poll() is None and time.monotonic() < end
+            time.sleep(0.05)
+        (tmp_path / "next").symlink_to("r2")
+        os.replace(tmp_path / "next", tmp_path / "cur")
+        _, stderr = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 2, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        f"error: OUTPUT_DIR {tmp_path / 'cur'} is no longer the folder this job locked")
+    assert not list((tmp_path / "r2").glob("model_*.pth"))
+    assert (tmp_path / "r1" / "model_iter2.pth").exists()

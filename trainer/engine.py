@@ -31,7 +31,7 @@ from trainer.config import Config, redacted, write_config
 from trainer.data import build_train_loader
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
-from trainer.errors import first_line
+from trainer.errors import UserError, first_line
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
@@ -240,6 +240,10 @@ def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
     rngs = gather_object(job.ctx, capture_rng())  # every rank takes part; rank 0 gets them all
     if s.writer is None:
         return
+    if not job.in_its_folder():  # another trainer may work there now: never two jobs' files in one folder
+        raise UserError(f"OUTPUT_DIR {job.output_dir} is no longer the folder this job locked (it was moved, or a "
+                        f"link on its path was changed, while the job trained): its checkpoints up to here are in "
+                        f"the folder it locked, {checkpoint_name(cur_iter)} was not written")
     it = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
     s.writer.submit(training_state(job.cfg, s, it, rngs), job.output_dir / checkpoint_name(cur_iter))
 

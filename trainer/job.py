@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from trainer.config import Config
 from trainer.distributed import Context
@@ -19,3 +20,4 @@ class Job:
     tracker: Tracker
     output_dir: Path
     prepared: Prepared | None = None  # the dataset and network the CLI checked the job with
+    in_its_folder: Callable[[], bool] = lambda: True  # OUTPUT_DIR is still the folder rank 0 locked

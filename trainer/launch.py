@@ -58,7 +58,7 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
-            _train(cfg, tracker, ctx, prepared)
+            _train(cfg, tracker, ctx, prepared, lock)
     except StopRequested as e:
         _stopped(tracker, e)
     finally:
@@ -180,12 +180,15 @@ def _write_run_id(run_id: str) -> None:
         write_atomic(Path(target), run_id)
 
 
-def _train(cfg, tracker, ctx, prepared) -> None:
+def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
     from trainer.engine import NonFiniteLoss, train_model
     from trainer.job import Job
 
+    job = Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared)
+    if lock is not None:
+        job.in_its_folder = lock.still_here
     try:
-        done = train_model(Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared))
+        done = train_model(job)
     except (Preempted, StopRequested) as e:
         _stopped(tracker, e)
     except NonFiniteLoss as e:

@@ -10,6 +10,7 @@ import fcntl
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -25,6 +26,7 @@ class OutputLock:
         self.path = self.dir / LOCK_NAME
         self._fd: int | None = None
         self._dir_fd: int | None = None
+        self._folder: tuple | None = None  # (device, inode) of the folder locked
         self._made: list[Path] = []  # the folders acquire() made, OUTPUT_DIR first, then its new parents
 
     def acquire(self) -> OutputLock:
@@ -42,12 +44,17 @@ class OutputLock:
                 if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
                     raise self._not_ours() from None
                 raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device put there
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or a device put there
                 os.close(fd)
                 self._close_folder()
                 raise self._not_ours()
+            if st.st_nlink > 1:  # another name of a file elsewhere (a `cp -al` copy of a folder): never written
+                os.close(fd)  # nor locked, which would lock out that folder's trainer; this name goes, a new file comes
+                os.unlink(self.path)
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_soon(fd, fcntl.LOCK_EX)
             except BlockingIOError:
                 os.close(fd)
                 self._close_folder()
@@ -58,6 +65,7 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
         self._fd = fd
+        self._folder = _identity(os.fstat(self._dir_fd) if self._dir_fd is not None else os.stat(self.dir))
         return self
 
     def check(self) -> None:
@@ -73,7 +81,7 @@ class OutputLock:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise self._not_ours()
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            _flock_soon(fd, fcntl.LOCK_SH)
         except BlockingIOError:
             raise self._in_use() from None
         finally:
@@ -87,7 +95,7 @@ class OutputLock:
         except OSError:
             return None
         try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            _flock_soon(fd, mode)
         except BlockingIOError:
             os.close(fd)
             raise self._in_use() from None
@@ -117,6 +125,15 @@ class OutputLock:
         return UserError(f"OUTPUT_DIR {self.dir} is in use by another trainer ({holder or 'another process'}): "
                          "wait for it to end, or give this job another OUTPUT_DIR")
 
+    def still_here(self) -> bool:
+        """Whether the path still leads to the folder this lock holds: not when the folder was moved or
+        renamed, or a link on its path now leads elsewhere (where a second trainer may work). A `.lock`
+        deleted by hand changes nothing: the folder's own lock still keeps others out."""
+        try:
+            return self._folder is not None and _identity(os.stat(self.dir)) == self._folder
+        except OSError:
+            return False
+
     def _is_current(self, fd: int) -> bool:
         try:
             return os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -141,3 +158,22 @@ class OutputLock:
         os.close(self._fd)  # closing the descriptors drops the locks
         self._fd = None
         self._close_folder()
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino
+
+
+def _flock_soon(fd: int, mode: int, within_s: float = 1.0) -> None:
+    """flock without waiting on a holder, tried again for a moment: a --dry-run's check holds a
+    shared lock for an instant, which must not refuse a trainer starting then (helper-52). A
+    trainer's lock is held for its life: BlockingIOError once `within_s` has passed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
