@@ -120,7 +120,8 @@ def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> No
             return
         optimizer = build_optimizer(cfg, model)
         optimizer.load_state_dict(state["optimizer"])
-        if any(t.shape != p.shape for p, held in optimizer.state.items() for t in held.values() if t.dim()):
+        if any(t.shape != p.shape for p, held in optimizer.state.items() for t in held.values()
+               if isinstance(t, torch.Tensor) and t.dim()):
             raise ValueError("the optimizer's momentum is not of its parameters' shapes")
         build_lr_scheduler(cfg, optimizer).load_state_dict(state["scheduler"])
         if not (isinstance(state["rng"], list) and state["rng"]):

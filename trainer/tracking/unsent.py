@@ -170,9 +170,9 @@ class UnsentMetrics:
 
 
 def _read(path: Path) -> bytes | None:
-    """The file's bytes, or None when there is none. Never through a link (whose target may be
-    anyone's, or block, as /proc/kmsg does), never from what is no regular file, or one that is
-    another name of a file too (a hard link: a snapshot's copy is read, never written in place)."""
+    """The file's bytes, or None when there is none. Never through a symbolic link (its target may
+    be anyone's, or block a read, as /proc/kmsg does), never from what is no regular file. A hard
+    link is read: a snapshot's copy of the folder holds the job's own points (only never written)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
