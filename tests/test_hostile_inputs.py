@@ -221,6 +221,8 @@ UNRESTORABLE = {
     "no parameter groups": lambda s: s["optimizer"].update(param_groups=[]),
     "scheduler a string": lambda s: s.update(scheduler="x"),
     "rng of another kind": lambda s: s.update(rng=[{"python": 1}]),
+    "the scheduler's iteration a word": lambda s: s["scheduler"].update(last_epoch="x"),  # helper-53
+    "an lr that is a word": lambda s: s["optimizer"]["param_groups"][0].update(lr="x"),
 }
 
 
@@ -243,6 +245,19 @@ def test_a_job_resumes_bit_identically_from_the_checkpoint_before_one_it_cannot_
     assert result.code is None, result.stderr
     final, reference = (torch.load(p / "model_final.pth", weights_only=True)["model"] for p in (out, trained))
     assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+
+def test_a_folder_whose_checkpoints_all_fail_to_restore_stops_before_writing_over_them(here, data_dir, trained):
+    """Skipped with none left to resume from, the job started from iteration 0 and wrote its own
+    model_iter2.pth over the one it could not restore (helper-53): one line, exit 2, the file kept."""
+    out = _hand_built(here, trained, UNRESTORABLE["no rng"])
+    (out / "model_iter1.pth").unlink()
+    before = (out / "model_iter2.pth").read_bytes()
+    for dry_run in (True, False):
+        assert_exit_2(train(here, "TRACKING.ENABLED", "false", "DETERMINISTIC", "true", data_dir=data_dir,
+                            dry_run=dry_run), "no checkpoint in OUTPUT_DIR does: move them out of it, or --no-resume")
+    assert (out / "model_iter2.pth").read_bytes() == before
 
 
 @pytest.mark.parametrize("name, iteration, message", [

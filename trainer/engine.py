@@ -237,13 +237,16 @@ def training_state(cfg: Config, s: LoopState, cur_iter: int, rngs: list) -> dict
 
 def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
     """model_iter{cur_iter}.pth, or model_final.pth when cur_iter is None (rank 0 writes)."""
-    rngs = gather_object(job.ctx, capture_rng())  # every rank takes part; rank 0 gets them all
-    if s.writer is None:
-        return
-    if not job.in_its_folder():  # another trainer may work there now: never two jobs' files in one folder
+    # Rank 0 holds the folder's lock; every rank stops alike if it was moved (another trainer may work
+    # where the path leads now: never two jobs' files in one folder).
+    moved = broadcast_object(job.ctx, not job.in_its_folder() if job.ctx.is_main else None)
+    if moved:
         raise UserError(f"OUTPUT_DIR {job.output_dir} is no longer the folder this job locked (it was moved, or a "
                         f"link on its path was changed, while the job trained): its checkpoints up to here are in "
                         f"the folder it locked, {checkpoint_name(cur_iter)} was not written")
+    rngs = gather_object(job.ctx, capture_rng())  # every rank takes part; rank 0 gets them all
+    if s.writer is None:
+        return
     it = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
     s.writer.submit(training_state(job.cfg, s, it, rngs), job.output_dir / checkpoint_name(cur_iter))
 

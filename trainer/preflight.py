@@ -88,19 +88,32 @@ def load_initial_weights(cfg: Config, prepared: Prepared) -> None:
 def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, dict] | None:
     """The newest checkpoint in OUTPUT_DIR that loads and that the engine can restore into the
     network built here (others are skipped with a warning); UserError when it is another job's.
-    Kept in `prepared`, so the engine does not load it again."""
+    Kept in `prepared`, so the engine does not load it again. When none restores but one loads, the
+    job stops in one line: a start from iteration 0 would write over it (helper-53)."""
+    unrestorable = []
+
     def usable(path: Path, state: dict) -> None:
         check_same_job(cfg, path, state)
         check_named_iteration(cfg, path, state)
         if prepared is not None:
             if path.name != FINAL:  # a finished job needs no data
                 check_same_categories(path, state, prepared.dataset)
-            check_restores(cfg, path, state, prepared.model)
+            try:
+                check_restores(cfg, path, state, prepared.model)
+            except CheckpointError as e:
+                unrestorable.append(e)
+                raise
 
     local = newest_valid(Path(cfg.OUTPUT_DIR), usable)
+    if local is None and unrestorable:
+        raise UserError(f"{unrestorable[0]}; no checkpoint in OUTPUT_DIR does: move them out of it, or --no-resume "
+                        "to start this job over (they move to earlier-<time>/)")
     if prepared is not None:
         prepared.local, prepared.local_checked = local, True
     return local
+
+
+_NUMBERS = ("lr", "momentum", "weight_decay", "dampening")  # what SGD's step computes with
 
 
 def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> None:
@@ -120,10 +133,15 @@ def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> No
             return
         optimizer = build_optimizer(cfg, model)
         optimizer.load_state_dict(state["optimizer"])
+        if not all(type(g[k]) in (int, float) for g in optimizer.param_groups for k in _NUMBERS):
+            raise ValueError(f"the optimizer's {'/'.join(_NUMBERS)} are not all numbers")
         if any(t.shape != p.shape for p, held in optimizer.state.items() for t in held.values()
                if isinstance(t, torch.Tensor) and t.dim()):
             raise ValueError("the optimizer's momentum is not of its parameters' shapes")
-        build_lr_scheduler(cfg, optimizer).load_state_dict(state["scheduler"])
+        scheduler = build_lr_scheduler(cfg, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        if type(scheduler.last_epoch) is not int:
+            raise ValueError("the scheduler's iteration is not a number")
         if not (isinstance(state["rng"], list) and state["rng"]):
             raise ValueError("no random states")
         for rng in state["rng"]:
