@@ -51,6 +51,8 @@ class OutputLock:
                 raise self._not_ours()
             if st.st_nlink > 1:  # another name of a file elsewhere (a `cp -al` copy of a folder): never written
                 os.close(fd)  # nor locked, which would lock out that folder's trainer; this name goes, a new file comes
+                if self._dir_fd is None:  # no folder lock (NFS): a trainer of this folder may hold that name
+                    raise UserError(f"{self.path} is another name of a file elsewhere (a hard link); move it away")
                 os.unlink(self.path)
                 continue
             try:
