@@ -170,8 +170,8 @@ def check_named_iteration(cfg: Config, path: Path, state: dict) -> None:
     """A checkpoint holds the iteration its name says (model_final: the job's last). One copied over
     another (model_iter2.pth as model_final.pth) would pass for a finished job, or resume the wrong
     iterations, and a rerun would upload and log it as the job's model."""
-    named, last = iteration_of(path.name), cfg.SOLVER.MAX_ITER - 1
-    named = last if path.name == FINAL else named
+    last = cfg.SOLVER.MAX_ITER - 1
+    named = last if path.name == FINAL else iteration_of(path.name)
     held = state.get("iteration")
     if type(held) is not int or held != named:  # 5.0 == 5 and tensor(5) == 5, yet neither is an iteration
         raise UserError(f"{path} holds iteration {held!r}, not the {named} its name says (a file "

@@ -84,9 +84,9 @@ def links_written_through(output_dir: Path) -> list[Path]:
     """Symbolic links where the job writes through what is there (WRITTEN_THROUGH and eval's
     folders): through one it would append to a file outside OUTPUT_DIR or overwrite another job's
     model. The job's other files are replaced by name, a link with them (a `cp -as` copy)."""
-    paths = [output_dir / name for name in WRITTEN_THROUGH]
-    if paths[-1].is_dir() and not paths[-1].is_symlink():
-        paths += sorted(paths[-1].iterdir())
+    paths, evals = [output_dir / name for name in WRITTEN_THROUGH], output_dir / "eval"
+    if evals.is_dir() and not evals.is_symlink():
+        paths += sorted(evals.iterdir())
     return [p for p in paths if p.is_symlink()]
 
 
