@@ -93,6 +93,26 @@ def test_a_fine_tune_whose_parent_is_gone_resumes_every_rank_from_its_run_on_ano
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed ranks ended elsewhere than the uninterrupted job"
 
 
+def test_a_job_refused_at_its_folder_lock_says_why_on_every_rank(tmp_path, data_dir):
+    """helper-52's red team: under torchrun, rank 0 refused (OUTPUT_DIR in use by another trainer),
+    torchrun's agent stopped rank 1 with SIGTERM, and rank 1 said "the job resumes from its last
+    checkpoint", where nothing had started. A stop before training began says so."""
+    from trainer.output_lock import OutputLock
+
+    out = tmp_path / "output"
+    out.mkdir()
+    lock = OutputLock(out).acquire()  # another trainer of this folder
+    try:
+        refused = torchrun(demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"}),
+                           tmp_path)
+    finally:
+        lock.release()
+    assert refused.returncode != 0
+    assert f"error: OUTPUT_DIR {out} is in use by another trainer" in refused.stderr, refused.stderr[-3000:]
+    assert "resumes from its last checkpoint" not in refused.stderr, refused.stderr[-3000:]
+    assert not list(out.glob("*.pth"))
+
+
 def test_weights_on_the_first_nodes_disk_alone_train_every_node(tmp_path, data_dir):
     """Two torchrun nodes, TRAIN.WEIGHTS a file on the first one's disk only (a path relative to its
     working folder): the second node's rank loaded the file itself and failed once training started

@@ -59,8 +59,8 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
             _train(cfg, tracker, ctx, prepared, lock)
-    except StopRequested as e:
-        _stopped(tracker, e)
+    except StopRequested as e:  # before the loop began: there is nothing of this start to resume
+        _stopped(tracker, e, before_training=True, world_size=world_size)
     finally:
         if monitor is not None:
             monitor.finish()
@@ -225,10 +225,16 @@ class Stopped(SystemExit):
     can abort the process: "terminate called without an active exception", seen in CI)."""
 
 
-def _stopped(tracker, e: Preempted | StopRequested):
+def _stopped(tracker, e: Preempted | StopRequested, before_training: bool = False, world_size: int = 1):
     """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
     missing = tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
     if missing:  # the server down at the stop: where the metrics the run lacks are kept, too
         log.warning("the tracking server did not get: %s", ", ".join(missing))
-    log.warning("%s; the job resumes from its last checkpoint", e)
+    if not before_training:
+        log.warning("%s; the job resumes from its last checkpoint", e)
+    elif world_size > 1:  # torchrun's agent stops every rank once one fails: that one's error is the cause
+        log.warning("%s before training began (torchrun stops every process of a job when one of them fails: "
+                    "its error above says why)", e)
+    else:
+        log.warning("%s before training began", e)
     raise Stopped(128 + e.signum)
