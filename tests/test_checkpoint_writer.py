@@ -114,3 +114,29 @@ def test_pruning_keeps_the_newest_up_to_the_one_written_and_spares_pending_uploa
     assert sorted(p.name for p in removed) == ["model_iter2.pth", "model_iter8.pth"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model_iter5.pth", "model_iter11.pth",
                                                                   "model_final.pth", "model_iter900.pth"])
+
+
+def test_a_checkpoint_this_user_may_not_read_is_named_so_and_the_one_before_is_used(tmp_path, monkeypatch, caplog):
+    """helper-51: a mode-000 model_iter (as a user other than root) was skipped as "not a complete
+    checkpoint archive", which sends the user looking for a torn write. Root reads any mode here, so
+    the open is refused the way the kernel refuses it."""
+    import zipfile
+
+    from trainer.checkpoint import state as state_module
+
+    older, newer = tmp_path / checkpoint_name(1), tmp_path / checkpoint_name(3)
+    save_atomic(training_like_state(1), older)
+    save_atomic(training_like_state(3), newer)
+    real = zipfile.ZipFile
+
+    def refused(path, *args, **kwargs):
+        if str(path) == str(newer):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(state_module.zipfile, "ZipFile", refused)
+    with caplog.at_level("WARNING"):
+        path, state = state_module.newest_valid(tmp_path)
+    assert path == older and state["iteration"] == 1
+    assert f"{newer}: cannot be read (Permission denied)" in caplog.text
+    assert "not a complete checkpoint archive" not in caplog.text

@@ -145,6 +145,8 @@ def verify_archive(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
+    except PermissionError as e:  # a complete file that this user may not read
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint archive ({e})") from None
     if bad is not None:
