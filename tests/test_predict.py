@@ -119,6 +119,17 @@ def test_predict_writes_a_drawing_and_the_detections_of_each_image(tmp_path, mod
         assert line == f"{source}: {len(found['scores'])} detections ({above} above 0.5) -> {out / name}.png"
 
 
+def test_an_image_whose_name_fills_the_systems_limit_gets_its_results(tmp_path, model_dir, images, categories):
+    """A 250-byte stem (`<stem>.json` is 255 bytes, the most a name may have): the temporary file
+    beside it, `.<stem>.json.tmp.<host>.<pid>`, was too long, and predict ended in a traceback."""
+    stem = "é" * 125  # two bytes each: the cut to fit the temporary name lands inside a character
+    source = Path(shutil.copy(images["png"], tmp_path / f"{stem}.png"))
+    result = predict_cli("--weights", model_dir, "--out", tmp_path / "out", source, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    check_outputs(tmp_path / "out", stem, source, categories)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{stem}.json", f"{stem}.png"]
+
+
 def test_the_threshold_changes_the_drawing_only(tmp_path, model_dir, images):
     source = images["png"]
     runs = {t: predict_cli("--weights", model_dir, "--score-threshold", t, "--out", tmp_path / t, source, cwd=tmp_path)

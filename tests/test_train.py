@@ -344,13 +344,18 @@ def test_the_sha256_of_a_saved_checkpoint_is_that_of_its_bytes(tmp_path):
 
 
 def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_path):
-    from trainer.checkpoint.files import _HOST
+    """Checkpoints' and the job's other files' temporary files (helper-51: `.json_stats.log.tmp.<pid>`
+    left by a SIGKILL mid-rewrite stayed for good) and download folders."""
+    from trainer.atomic_write import HOST
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    gone = [tmp_path / f".model_iter5.pth.tmp.{_HOST}.{dead.pid}", tmp_path / f".download.{_HOST}.{dead.pid}.x1y2"]
-    kept = [tmp_path / f".model_iter8.pth.tmp.{_HOST}.{os.getpid()}", tmp_path / f".download.{_HOST}.{os.getpid()}.z3",
-            tmp_path / ".download.otherhost.1.q4", tmp_path / "model_iter2.pth"]
+    gone = [tmp_path / f".model_iter5.pth.tmp.{HOST}.{dead.pid}", tmp_path / f".download.{HOST}.{dead.pid}.x1y2",
+            *(tmp_path / f".{name}.tmp.{HOST}.{dead.pid}" for name in ("json_stats.log", "config.yaml",
+                                                                        "unsent_metrics.json", "model.txt"))]
+    kept = [tmp_path / f".model_iter8.pth.tmp.{HOST}.{os.getpid()}", tmp_path / f".download.{HOST}.{os.getpid()}.z3",
+            tmp_path / f".json_stats.log.tmp.{HOST}.{os.getpid()}", tmp_path / ".json_stats.log.tmp.1",
+            tmp_path / ".download.otherhost.1.q4", tmp_path / "model_iter2.pth", tmp_path / f".notes.txt.tmp.{HOST}.1"]
     for path in gone + kept:
         if path.name.startswith(".download"):
             path.mkdir()

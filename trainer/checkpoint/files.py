@@ -8,10 +8,11 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
+
+from trainer.atomic_write import HOST
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +38,20 @@ def iteration_of(name: str) -> float:
 
 
 
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
-_TMP_RE = re.compile(r"\.model_(?:iter[0-9]+|final)\.pth\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>[0-9]+)"
-                     r"|\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>[0-9]+)\.[A-Za-z0-9_]+")  # or a download's folder
+UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
+JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
+# Temporary files of write_atomic and save_atomic (`.<name>.tmp.<host>.<pid>`; before the host was
+# in the name, `.<name>.tmp.<pid>`), and a download's folder.
+_TMP_RE = re.compile(r"\.(?:model_(?:iter[0-9]+|final)\.pth|" + "|".join(map(re.escape, JOB_FILES)) + r")"
+                     r"\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>[0-9]+)"
+                     r"|\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>[0-9]+)\.[A-Za-z0-9_]+", re.ASCII)
 STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
-
-
-def temp_name(path: Path) -> Path:
-    """`.model_iter5.pth.tmp.<host>.<pid>`: whose it is, so a later job knows when it is stale."""
-    return path.with_name(f".{path.name}.tmp.{_HOST}.{os.getpid()}")
 
 
 def download_folder(output_dir: Path) -> Path:
     """A hidden folder for a checkpoint being downloaded: named like no checkpoint, and whose."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".download.{_HOST}.{os.getpid()}.", dir=output_dir))
+    return Path(tempfile.mkdtemp(prefix=f".download.{HOST}.{os.getpid()}.", dir=output_dir))
 
 
 def local_checkpoints(output_dir: Path) -> list[Path]:
@@ -61,10 +61,6 @@ def local_checkpoints(output_dir: Path) -> list[Path]:
         return []
     found = [p for p in output_dir.iterdir() if iteration_of(p.name) >= 0 and p.is_file()]
     return sorted(found, key=lambda p: iteration_of(p.name), reverse=True)
-
-
-UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
-JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 
 
 def not_files(output_dir: Path) -> list[Path]:
@@ -91,8 +87,8 @@ def links_written_through(output_dir: Path) -> list[Path]:
 
 
 def remove_stale_temps(output_dir: Path) -> list[Path]:
-    """Delete temporary checkpoint files (and download folders) left by killed jobs: this host's
-    whose process is gone, another host's (or an unnamed one's) after a day."""
+    """Delete the temporary files (checkpoints, the job's other files) and download folders left by
+    killed jobs: this host's whose process is gone, another host's (or an unnamed one's) after a day."""
     if not output_dir.is_dir():
         return []
     removed = []
@@ -102,7 +98,7 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
             continue
         host, pid = m.group("host") or m.group("dhost"), m.group("pid") or m.group("dpid")
         try:
-            if host == _HOST:
+            if host == HOST:
                 if _pid_alive(int(pid)):
                     continue
             elif time.time() - path.stat().st_mtime < STALE_FOREIGN_TMP_S:
@@ -115,7 +111,7 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
         except OSError:
             continue
     if removed:
-        log.info("removed %d partial checkpoint file(s) left by a killed job: %s", len(removed),
+        log.info("removed %d partial file(s) left by a killed job: %s", len(removed),
                  ", ".join(p.name for p in removed))
     return removed
 

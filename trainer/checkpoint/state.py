@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from trainer import torch_load
-from trainer.atomic_write import WriteError
-from trainer.checkpoint.files import local_checkpoints, temp_name
+from trainer.atomic_write import WriteError, temp_name
+from trainer.checkpoint.files import local_checkpoints
 from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
