@@ -119,15 +119,18 @@ def test_predict_writes_a_drawing_and_the_detections_of_each_image(tmp_path, mod
         assert line == f"{source}: {len(found['scores'])} detections ({above} above 0.5) -> {out / name}.png"
 
 
-def test_an_image_whose_name_fills_the_systems_limit_gets_its_results(tmp_path, model_dir, images, categories):
-    """A 250-byte stem (`<stem>.json` is 255 bytes, the most a name may have): the temporary file
-    beside it, `.<stem>.json.tmp.<host>.<pid>`, was too long, and predict ended in a traceback."""
-    stem = "é" * 125  # two bytes each: the cut to fit the temporary name lands inside a character
-    source = Path(shutil.copy(images["png"], tmp_path / f"{stem}.png"))
-    result = predict_cli("--weights", model_dir, "--out", tmp_path / "out", source, cwd=tmp_path)
+def test_images_whose_names_fill_the_systems_limit_get_their_results(tmp_path, model_dir, images, categories):
+    """A 242-byte stem: the temporary file beside `<stem>.json`, `.<stem>.json.tmp.<host>.<pid>`, was
+    too long, and predict ended in a traceback. A 255-byte file name (the most there is): so was
+    `<stem>.json` itself. Results go under the stem, cut where a `-<n>` and `.json` still fit."""
+    long, longest = "é" * 121, "b" * 251  # é is two bytes: a cut to fit the temporary name lands inside one
+    sources = [Path(shutil.copy(images["png"], tmp_path / f"{stem}.png")) for stem in (long, longest)]
+    result = predict_cli("--weights", model_dir, "--out", tmp_path / "out", *sources, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    check_outputs(tmp_path / "out", stem, source, categories)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{stem}.json", f"{stem}.png"]
+    names = [long, "b" * 243]
+    for source, name in zip(sources, names):
+        check_outputs(tmp_path / "out", name, source, categories)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{n}.{e}" for n in names for e in ("json", "png"))
 
 
 def test_the_threshold_changes_the_drawing_only(tmp_path, model_dir, images):

@@ -135,6 +135,9 @@ def _real(path: Path) -> Path:
         return path.absolute()
 
 
+_LONGEST_STEM = 255 - len(".json") - len("-999999")  # bytes: <stem>-<n>.json fits a file name
+
+
 def output_names(images: list[str], out: Path) -> list[str]:
     """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
     Windows folders would write a.png and A.png to one file), and never a file of the user's: an
@@ -145,6 +148,8 @@ def output_names(images: list[str], out: Path) -> list[str]:
     taken, names = set(), []
     for image in images:
         stem = Path(image).stem or "image"
+        while len(os.fsencode(stem)) > _LONGEST_STEM:  # a name of 255 bytes has no room for `.json`
+            stem = stem[:-1]
         name, n = stem, 2
         while name.casefold() in taken or not _free(out, name, inputs, image):
             name, n = f"{stem}-{n}", n + 1
