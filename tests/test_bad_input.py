@@ -136,6 +136,8 @@ CONFIG_CASES = [
      "MODEL.FPN_CHANNELS x BOX_POOL_SIZE² x REPRESENTATION_SIZE (the box head's first layer) must be at most "
      "1,000,000,000 weights, got 274,877,906,944"),
     # trained into ./s3:/bkt/out, then failed to log the model at every rerun; the password printed (helper-47)
+    # `OUTPUT_DIR '~'` (quoted, so the shell leaves it): YAML's null; the line said only "an empty value" (helper-52)
+    ("output-dir-tilde", ["OUTPUT_DIR", "~"], "OUTPUT_DIR must name a folder, got an empty value (YAML reads a bare `~`"),
     ("output-dir-url", ["OUTPUT_DIR", "s3://bkt/out"], "OUTPUT_DIR must be a folder on this machine, not a URL (s3://...)"),
     ("output-dir-url-password", ["OUTPUT_DIR", "https://bob:S3CRETPW@host/out"], "not a URL (https://...)"),
     ("detections-0", ["MODEL.DETECTIONS_PER_IMAGE", "0"], "MODEL.DETECTIONS_PER_IMAGE must be > 0"),

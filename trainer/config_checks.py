@@ -163,7 +163,8 @@ def validate(cfg) -> None:
         (0 <= cfg.RNG_SEED < 2**32, f"RNG_SEED must be in [0, 2**32), got {cfg.RNG_SEED}"),
         (cfg.NUM_GPUS >= 1, f"NUM_GPUS must be >= 1, got {cfg.NUM_GPUS}"),
         (1 <= cfg.LOG_PERIOD <= MAX_ITERS, f"LOG_PERIOD must be 1 to {MAX_ITERS:,}, got {cfg.LOG_PERIOD}"),
-        (cfg.OUTPUT_DIR.strip() != "", "OUTPUT_DIR must name a folder, got an empty value"),
+        (cfg.OUTPUT_DIR.strip() != "", "OUTPUT_DIR must name a folder, got an empty value (YAML reads a bare `~` or "
+         "`null` as none: write the path, e.g. ~/runs/demo)"),
         (not re.match(r"[A-Za-z][\w+.-]*://", cfg.OUTPUT_DIR), f"OUTPUT_DIR must be a folder on this machine, not a URL "
          f"({cfg.OUTPUT_DIR.split('://')[0]}://...): checkpoints reach the tracking server's artifact store from there"),
         (cfg.OUTPUT_DIR.isprintable(), f"OUTPUT_DIR must be printable (no newline or control character), got {cfg.OUTPUT_DIR!r}"),
