@@ -113,6 +113,36 @@ def test_a_job_refused_at_its_folder_lock_says_why_on_every_rank(tmp_path, data_
     assert not list(out.glob("*.pth"))
 
 
+def test_a_torchrun_job_whose_output_dir_is_moved_stops_every_rank_in_one_line(tmp_path, data_dir):
+    """Row 223 under torchrun: OUTPUT_DIR a link re-pointed while the job trains. Rank 0 alone holds
+    the lock and checks it; its answer is broadcast, so every rank stops at the same checkpoint in
+    one line (rank 1 died in the next collective with a gloo traceback before), nothing written
+    into the new folder."""
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "cur").symlink_to("r1")
+    args = demo_overrides(tmp_path, data_dir, **{"OUTPUT_DIR": tmp_path / "cur", "SOLVER.MAX_ITER": 400,
+                                                 "TRACKING.ENABLED": "false"})
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "--no-python")
+    job = Job(args, tmp_path, env={"OMP_NUM_THREADS": "1"}, launcher=launcher)
+    try:
+        wait_until(lambda: (tmp_path / "r1" / "model_iter2.pth").exists(), job, "its third checkpoint")
+        (tmp_path / "next").symlink_to("r2")
+        os.replace(tmp_path / "next", tmp_path / "cur")
+        code = job.wait(240)
+    finally:
+        if job.proc.poll() is None:
+            kill_tree(job.pid)  # torchrun's workers: sessions of their own
+    assert code != 0
+    line = f"error: OUTPUT_DIR {tmp_path / 'cur'} is no longer the folder this job locked"
+    assert job.stderr.count(line) == 2, job.stderr[-3000:]  # each rank, in one line
+    assert "/trainer/" not in job.stderr, job.stderr[-3000:]  # no traceback of ours
+    assert "exitcode  : 2 " in job.stderr and "exitcode  : 1 " not in job.stderr, job.stderr[-2000:]
+    assert not list((tmp_path / "r2").iterdir())
+    assert (tmp_path / "r1" / "model_iter2.pth").exists()
+
+
 def test_weights_on_the_first_nodes_disk_alone_train_every_node(tmp_path, data_dir):
     """Two torchrun nodes, TRAIN.WEIGHTS a file on the first one's disk only (a path relative to its
     working folder): the second node's rank loaded the file itself and failed once training started
