@@ -7,7 +7,8 @@ Every step is a container component running the image built from the repository'
 (ENTRYPOINT tracktron; the components set their own command). The cluster provides:
 
 - a PersistentVolumeClaim with the datasets, mounted at /data (parameter `data_pvc`);
-- a Secret with the tracking settings (parameter `mlflow_secret`): MLFLOW_TRACKING_URI (required),
+- a Secret with the tracking settings (parameter `mlflow_secret`, mounted as a volume, never put in
+  the pods' environment: SECRET_MOUNT): MLFLOW_TRACKING_URI (required),
   and, when the server needs them, MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD /
   MLFLOW_TRACKING_TOKEN, and for an S3 artifact store AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
   MLFLOW_S3_ENDPOINT_URL (all optional keys).
@@ -48,8 +49,23 @@ REQUIRED_SECRET_KEYS = {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"}
 OPTIONAL_SECRET_KEYS = {k: k for k in (
     "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")}
+# The steps read the Secret from a volume, never from the pod's environment: KFP's driver puts every
+# parameter into the pod's command (its executor input), where Kubernetes replaces `$(NAME)` with
+# the container's environment, so a parameter `$(MLFLOW_TRACKING_PASSWORD)` would carry the password.
+SECRET_MOUNT = "/var/run/secrets/tracktron-mlflow"
 
 # ---- the step scripts (bash -c SCRIPT NAME ARG...; arguments are never spliced into code) ----
+
+# Runs its arguments as a command with the tracking settings exported from the Secret's files.
+_SECRET_KEYS = " ".join({**REQUIRED_SECRET_KEYS, **OPTIONAL_SECRET_KEYS})
+WITH_TRACKING_SH = f"""
+set -euo pipefail
+for key in {_SECRET_KEYS}; do
+  if [ -f "{SECRET_MOUNT}/$key" ]; then export "$key=$(cat "{SECRET_MOUNT}/$key")"; fi
+done
+[ -n "${{MLFLOW_TRACKING_URI:-}}" ] || {{ echo "error: the Secret has no MLFLOW_TRACKING_URI" >&2; exit 2; }}
+exec "$@"
+"""
 
 PREPARE_SH = r"""
 set -euo pipefail
@@ -93,12 +109,13 @@ echo "error: train_backend must be pod or trainjob, got '$1'" >&2
 exit 2
 """
 
-# `--weights runs:/<id>/...`: tracktron eval logs the metrics (bbox/AP, ...) into that run.
+# `--weights runs:/<id>/...`: tracktron eval logs the metrics (bbox/AP, ...) into that run, with the
+# run's own config and opts (the model they build, the test settings, DATA_DIR or a catalog among them).
 EVAL_SH = r"""
 set -euo pipefail
-config="$1" data_dir="$2" run_id="$3" artifact="$4"
+config="$1" opts="$2" data_dir="$3" run_id="$4" artifact="$5"
 [ -n "$run_id" ] || { echo "error: the train step gave no MLflow run id" >&2; exit 2; }
-exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" \
+exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" --opts "$opts" -- \
   DATA_DIR "$data_dir" OUTPUT_DIR /output/eval
 """
 
@@ -153,6 +170,11 @@ Path(out).write_text(str(version.version))
 """
 
 
+def with_tracking(*command: str) -> list[str]:
+    """A step's command, run with the tracking settings of the Secret's volume in its environment."""
+    return ["bash", "-c", WITH_TRACKING_SH, "tracking", *command]
+
+
 def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str = "32Gi",
           trainjob: bool = False, launcher_image: str = LAUNCHER_IMAGE):
     """The pipeline function for `image` and the train step's resources.
@@ -175,26 +197,24 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
     def train(config: str, opts: str, data_dir: str, experiment: str, gpus: int,
               run_id: dsl.OutputPath(str)):
         """tracktron train; outputs the MLflow run id of the job."""
-        return dsl.ContainerSpec(image=image, command=["bash", "-c", TRAIN_SH, "train"],
+        return dsl.ContainerSpec(image=image, command=with_tracking("bash", "-c", TRAIN_SH, "train"),
                                  args=[config, opts, data_dir, experiment, gpus, run_id])
 
     @dsl.container_component
-    def evaluate(config: str, data_dir: str, run_id: str, weights_artifact: str):
+    def evaluate(config: str, opts: str, data_dir: str, run_id: str, weights_artifact: str):
         """tracktron eval of the run's final weights; metrics are logged to that run."""
-        return dsl.ContainerSpec(image=image, command=["bash", "-c", EVAL_SH, "evaluate"],
-                                 args=[config, data_dir, run_id, weights_artifact])
+        return dsl.ContainerSpec(image=image, command=with_tracking("bash", "-c", EVAL_SH, "evaluate"),
+                                 args=[config, opts, data_dir, run_id, weights_artifact])
 
     @dsl.container_component
     def register_model(run_id: str, model_name: str, metric: str, min_score: float, alias: str,
                        model_version: dsl.OutputPath(str)):
         """Register runs:/<run_id>/model in the MLflow Model Registry (gated on `metric`)."""
-        return dsl.ContainerSpec(image=image, command=["python3", "-c", REGISTER_PY],
+        return dsl.ContainerSpec(image=image, command=with_tracking("python3", "-c", REGISTER_PY),
                                  args=[run_id, model_name, metric, min_score, alias, model_version])
 
-    def tracking_env(task, secret):
-        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=REQUIRED_SECRET_KEYS)
-        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=OPTIONAL_SECRET_KEYS,
-                                     optional=True)
+    def tracking_secret(task, secret):
+        kubernetes.use_secret_as_volume(task, secret_name=secret, mount_path=SECRET_MOUNT)
         return task
 
     def on_gpu(task, gpus, cpu: str, memory: str):
@@ -219,7 +239,7 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
         trn.set_display_name("train").set_caching_options(False)
         trn.set_retry(num_retries=3, backoff_duration="60s", backoff_factor=2.0)
         on_gpu(trn, gpus, cpu, memory)
-        tracking_env(trn, p["mlflow_secret"])
+        tracking_secret(trn, p["mlflow_secret"])
         kubernetes.mount_pvc(trn, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
         kubernetes.empty_dir_mount(trn, volume_name="output", mount_path=OUTPUT_MOUNT)
         return trn.outputs["run_id"]
@@ -253,12 +273,12 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
 
         run_id = train_step(p, prep.outputs["prepared_dir"])
 
-        ev = evaluate(config=p["config"], data_dir=prep.outputs["prepared_dir"], run_id=run_id,
+        ev = evaluate(config=p["config"], opts=p["opts"], data_dir=prep.outputs["prepared_dir"], run_id=run_id,
                       weights_artifact=p["weights_artifact"])
         ev.set_display_name("evaluate").set_caching_options(False)
         ev.set_retry(num_retries=2)
         on_gpu(ev, 1, "4", "16Gi")
-        tracking_env(ev, p["mlflow_secret"])
+        tracking_secret(ev, p["mlflow_secret"])
         kubernetes.mount_pvc(ev, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
         kubernetes.empty_dir_mount(ev, volume_name="output", mount_path=OUTPUT_MOUNT)
 
@@ -266,7 +286,7 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
                              min_score=p["min_score"], alias=p["alias"])
         reg.set_display_name("register model").set_caching_options(False).after(ev)
         reg.set_cpu_request("500m").set_memory_request("1Gi")
-        tracking_env(reg, p["mlflow_secret"])
+        tracking_secret(reg, p["mlflow_secret"])
 
     if not trainjob:  # the decorator builds the graph: build only the one asked for
         @dsl.pipeline(name="tracktron", description="prepare data -> train -> evaluate -> register, "
@@ -335,11 +355,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.gpus < 1:
         parser.error(f"--gpus must be 1 or more, got {args.gpus}")
+    if not args.image.strip() or any(c.isspace() for c in args.image):  # the pods would fail to start, at run time
+        parser.error(f"--image must name an image (REGISTRY/NAME:TAG, no spaces), got {args.image!r}")
     try:
         compile_pipeline(args.out, args.image, args.gpus, args.train_cpu, args.train_memory, args.trainjob,
                          args.launcher_image)
     except ValueError as e:  # KFP's own checks of resources (`--train-memory lots`)
         parser.error(str(e).splitlines()[0])
+    except OSError as e:  # --out in a folder that is not there, or not writable
+        parser.error(f"cannot write --out {args.out}: {e.strerror or e}")
     per = " per node" if args.trainjob else ""
     print(f"wrote {args.out} (image {args.image}, {args.gpus} GPU(s){per} for training)")
     return 0

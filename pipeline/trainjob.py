@@ -65,15 +65,15 @@ def launch_trainjob(template: str, job_id: str, num_nodes: int, config: str, opt
     # opts goes to --opts whole, as in the single-pod step: the trainer splits it (quotes honoured)
     # after DATA_DIR and OUTPUT_DIR, and refuses a flag among them. Kubernetes replaces $(VAR) in a
     # container's args with its environment (the Secret's password among it): the user's words
-    # are escaped ($$ is one $), so they reach the trainer as typed and never expand.
+    # are escaped ($$ is one $), so they never expand.
     words = [w.replace("$", "$$") for w in ("--config", config, "--opts", opts, "--", "DATA_DIR", data_dir)]
     trainer["args"] = head + words + ["OUTPUT_DIR", "/output/train"]
     env = [e for e in trainer["env"] if e["name"] not in ("MLFLOW_EXPERIMENT_NAME", "TRACKTRON_RUN_ID_FILE")]
     for e in env:
         if "secretKeyRef" in e.get("valueFrom", {}):
             e["valueFrom"]["secretKeyRef"]["name"] = mlflow_secret
-    if experiment:
-        env.append({"name": "MLFLOW_EXPERIMENT_NAME", "value": experiment})
+    if experiment:  # an env value is expanded too, from the entries before it (the Secret's among them)
+        env.append({"name": "MLFLOW_EXPERIMENT_NAME", "value": experiment.replace("$", "$$")})
     trainer["env"] = env + [{"name": "TRACKTRON_RUN_ID_FILE", "value": str(id_file)}]
     for patch in job["spec"].get("runtimePatches", []):
         for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:

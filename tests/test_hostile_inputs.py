@@ -82,6 +82,9 @@ def test_a_config_file_nested_hundreds_deep_or_not_a_file_is_one_line(here):
     assert_exit_2(run_cli(["train", "--config", str(deep)]), "deep.yaml: nested too deeply")
     os.mkfifo(here / "pipe.yaml")  # reading it would wait forever
     assert_exit_2(run_cli(["train", "--config", str(here / "pipe.yaml")]), "pipe.yaml is not a regular file")
+    # `mlflow run . -P config=`: the line named `.`, which nobody typed (helper-54)
+    for command in (["train"], ["eval", "--weights", "x.pth"], ["config"]):
+        assert_exit_2(run_cli([*command, "--config", ""]), "--config is empty: name a YAML config file")
 
 
 def test_string_keys_keep_the_word_as_typed():
@@ -576,3 +579,20 @@ def test_a_registered_model_with_no_model_logged_is_said_to_be_ignored(here, dat
     (line,) = [x for x in result.stderr.splitlines() if "REGISTERED_MODEL" in x]
     assert line.endswith("TRACKING.REGISTERED_MODEL 'mine' is ignored: TRACKING.LOG_MODEL is false, so no model is "
                          "logged to register")
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "is a folder: name the file the job's run id is written to"),
+    ("under-a-file", "cannot be made: {file} is no folder"),
+])
+def test_a_run_id_file_that_cannot_be_written_is_refused_before_the_run(here, data_dir, monkeypatch, where, message):
+    """helper-54: TRACKTRON_RUN_ID_FILE (a pipeline's output parameter) naming a folder was found
+    once the run was made: a traceback, and the run left RUNNING."""
+    (here / "folder").mkdir()
+    (here / "file").write_text("x")
+    target = here / "folder" if where == "folder" else here / "file" / "run_id"
+    monkeypatch.setenv("TRACKTRON_RUN_ID_FILE", str(target))
+    for dry_run in (True, False):
+        assert_exit_2(train(here, data_dir=data_dir, dry_run=dry_run),
+                      f"TRACKTRON_RUN_ID_FILE {target} {message.format(file=here / 'file')}")
+    assert not (here / "mlflow.db").exists() and not (here / "output").exists()

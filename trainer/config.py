@@ -293,6 +293,8 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
     """(the config, and for a Detectron file how its keys were translated, else None)."""
     cfg, translation = defaults(), None
     if path is not None:
+        if not str(path).strip():  # Path("") is ".", which no user typed
+            raise ConfigError("--config is empty: name a YAML config file (see configs/)")
         try:
             data = read_yaml(Path(path))
             if is_detectron(data):

@@ -52,7 +52,12 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             if run.run_id:
                 where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
                 log.info("MLflow run %s: %s", run.run_id, where)
-                _write_run_id(run.run_id)
+                try:
+                    _write_run_id(run.run_id)
+                except OSError as e:  # denied, or made a folder since the check: the run must not stay RUNNING
+                    tracker.finish("FAILED", f"cannot write TRACKTRON_RUN_ID_FILE: {first_line(e)}")
+                    raise UserError(f"cannot write TRACKTRON_RUN_ID_FILE {os.environ['TRACKTRON_RUN_ID_FILE']}: "
+                                    f"{e.strerror or first_line(e)}") from None
             on_hard_exit(lambda reason: tracker.last_words("KILLED", reason))  # stuck past the grace period
             ctx = _join(distributed, tracker, cfg, prepared)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
@@ -75,6 +80,7 @@ def _check_inputs(cfg, config_file: str) -> None:
     check_output_dir(Path(cfg.OUTPUT_DIR))
     check_config_file_kept(config_file, Path(cfg.OUTPUT_DIR))
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TRAIN.IMS_PER_BATCH + cfg.TEST.IMS_PER_BATCH)  # both loaders live
+    _check_run_id_file()
 
 
 @held_while_checking()
@@ -172,6 +178,17 @@ def torchrun_environment() -> tuple[int, int]:
         raise UserError(f"torchrun environment: WORLD_SIZE > 1 needs MASTER_ADDR and a MASTER_PORT of 1 to 65535, "
                         f"got {port!r} (start the job with torchrun)")
     return rank, world_size
+
+
+def _check_run_id_file() -> None:
+    """TRACKTRON_RUN_ID_FILE is written once the run is made: a name that cannot be a file is found now."""
+    if not (target := os.environ.get("TRACKTRON_RUN_ID_FILE")):
+        return
+    path = Path(target)
+    blocker = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if path.is_dir() or (blocker is not None and blocker != path and not blocker.is_dir()):
+        what = "is a folder" if path.is_dir() else f"cannot be made: {blocker} is no folder"
+        raise UserError(f"TRACKTRON_RUN_ID_FILE {target} {what}: name the file the job's run id is written to")
 
 
 def _write_run_id(run_id: str) -> None:
