@@ -1,4 +1,4 @@
-"""Kubeflow Pipelines v2: prepare data -> train -> evaluate -> register, on the tracktron image.
+"""Kubeflow Pipelines v2: check -> prepare data -> train -> evaluate -> register, on the tracktron image.
 
     python pipeline/pipeline.py --out pipeline/tracktron_pipeline.yaml [--image REGISTRY/tracktron:TAG]
     python pipeline/pipeline.py --trainjob ...    # + train_backend: pod | trainjob (multi-node, Trainer v2)
@@ -119,8 +119,42 @@ exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" --opt
   DATA_DIR "$data_dir" OUTPUT_DIR /output/eval
 """
 
-REGISTER_PY = r"""
+# The first step: every parameter a later step would refuse, checked before a GPU is taken. The
+# config with its opts, as the trainer reads them (`tracktron config` builds the network too); the
+# register step's parameters: the name is spliced into a search filter (a quote broke it), a NaN
+# min_score would turn the gate off, and MLflow refuses a reserved alias only after registering.
+CHECK_PY = r"""
 import math
+import re
+import subprocess
+import sys
+
+config, opts, name, min_score, alias = sys.argv[1:6]
+
+
+def refuse(line):
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+if not name.strip() or not name.isprintable() or set("/:@#?'\"\\") & set(name):
+    refuse(f"model_name {name!r}: a registered model name has no / : @ # ? quote or control character")
+if alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias):
+    refuse(f"alias {alias!r}: letters, digits, _ and - only")
+if alias.lower() == "latest" or re.fullmatch(r"[vV][0-9]+", alias):
+    refuse(f"alias {alias!r} is reserved by MLflow (latest and v<number> name versions): choose another")
+try:
+    score = float(min_score)
+except ValueError:
+    score = math.nan
+if not math.isfinite(score):
+    refuse(f"min_score {min_score!r} is not a finite number")
+checked = subprocess.run(["tracktron", "config", "--config", config, "--opts", opts, "--", "DATA_DIR", "/data",
+                          "OUTPUT_DIR", "/output/train"], stdout=subprocess.DEVNULL)
+sys.exit(checked.returncode)
+"""
+
+REGISTER_PY = r"""
 import re
 import sys
 from pathlib import Path
@@ -128,24 +162,10 @@ from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
 
-run_id, name, metric, min_score, alias, out = sys.argv[1:7]
-# Checked before anything is read: the name is not spliced into a search filter (a quote there broke
-# it), and a NaN min_score would have turned the gate off.
-if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+run_id, name, metric, min_score, alias, out = sys.argv[1:7]  # checked by the first step (CHECK_PY)
+min_score = float(min_score)
+if not re.fullmatch(r"[0-9a-f]{32}", run_id):  # spliced into a search filter below
     sys.exit(f"error: run id {run_id!r} is not an MLflow run id")
-if not name.strip() or not name.isprintable() or set("/:@#?'\"\\") & set(name):
-    sys.exit(f"error: model_name {name!r}: a registered model name has no / : @ # ? quote or control character")
-if alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias):
-    sys.exit(f"error: alias {alias!r}: letters, digits, _ and - only")
-# MLflow refuses these only when setting the alias, after the version is registered.
-if alias.lower() == "latest" or re.fullmatch(r"[vV][0-9]+", alias):
-    sys.exit(f"error: alias {alias!r} is reserved by MLflow (latest and v<number> name versions): choose another")
-try:
-    min_score = float(min_score)
-except ValueError:
-    min_score = math.nan
-if not math.isfinite(min_score):
-    sys.exit(f"error: min_score {sys.argv[4]!r} is not a finite number")
 client = MlflowClient()
 run = client.get_run(run_id)
 score = run.data.metrics.get(metric)
@@ -186,6 +206,12 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
     """
     if int(gpus) < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
+
+    @dsl.container_component
+    def check_parameters(config: str, opts: str, model_name: str, min_score: float, alias: str):
+        """Every parameter a later step would refuse, before anything runs: one line, exit 2."""
+        return dsl.ContainerSpec(image=image, command=["python3", "-c", CHECK_PY],
+                                 args=[config, opts, model_name, min_score, alias])
 
     @dsl.container_component
     def prepare_data(dataset: str, data_dir: str, num_images: int, prepared_dir: dsl.OutputPath(str)):
@@ -266,8 +292,12 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
         return dsl.OneOf(pod_run, job_run)
 
     def steps(p: dict, train_step):
+        check = check_parameters(config=p["config"], opts=p["opts"], model_name=p["model_name"],
+                                 min_score=p["min_score"], alias=p["alias"])
+        check.set_display_name("check parameters").set_caching_options(False)
+        check.set_cpu_request("1").set_memory_request("2Gi")
         prep = prepare_data(dataset=p["dataset"], data_dir=DATA_MOUNT, num_images=p["num_images"])
-        prep.set_display_name("prepare data").set_caching_options(False)
+        prep.set_display_name("prepare data").set_caching_options(False).after(check)
         prep.set_cpu_request("1").set_memory_request("2Gi")
         kubernetes.mount_pvc(prep, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)
 
@@ -289,7 +319,7 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
         tracking_secret(reg, p["mlflow_secret"])
 
     if not trainjob:  # the decorator builds the graph: build only the one asked for
-        @dsl.pipeline(name="tracktron", description="prepare data -> train -> evaluate -> register, "
+        @dsl.pipeline(name="tracktron", description="check -> prepare data -> train -> evaluate -> register, "
                       "tracked in MLflow")
         def tracktron_pipeline(
             config: str = "/app/configs/demo.yaml",
@@ -308,7 +338,7 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
             steps(locals(), on_one_pod)
         return tracktron_pipeline
 
-    @dsl.pipeline(name="tracktron", description="prepare data -> train (one pod, or a multi-node Kubeflow "
+    @dsl.pipeline(name="tracktron", description="check -> prepare data -> train (one pod, or a multi-node Kubeflow "
                   "Trainer TrainJob) -> evaluate -> register, tracked in MLflow")
     def tracktron_multinode_pipeline(
         config: str = "/app/configs/demo.yaml",

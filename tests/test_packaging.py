@@ -162,11 +162,14 @@ def _compiled(tmp_path: Path, **kwargs) -> tuple[dict, dict]:
     return spec, platform
 
 
-def test_pipeline_compiles_to_four_steps_in_order(tmp_path):
+def test_pipeline_compiles_to_five_steps_in_order(tmp_path):
     spec, _ = _compiled(tmp_path)
-    assert set(spec["components"]) == {"comp-prepare-data", "comp-train", "comp-evaluate", "comp-register-model"}
+    assert set(spec["components"]) == {"comp-check-parameters", "comp-prepare-data", "comp-train", "comp-evaluate",
+                                       "comp-register-model"}
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"prepare-data", "train", "evaluate", "register-model"}
+    assert set(tasks) == {"check-parameters", "prepare-data", "train", "evaluate", "register-model"}
+    assert "dependentTasks" not in tasks["check-parameters"]  # first, before a GPU is taken
+    assert tasks["prepare-data"]["dependentTasks"] == ["check-parameters"]
     assert tasks["train"]["dependentTasks"] == ["prepare-data"]
     assert "train" in tasks["evaluate"]["dependentTasks"]
     assert {"train", "evaluate"} <= set(tasks["register-model"]["dependentTasks"])
@@ -366,12 +369,7 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     import mlflow
 
     register, out_file, uri = _register_step(tmp_path, monkeypatch)
-    # Pipeline parameters nobody checked: a quote broke the search filter it was spliced into, and a
-    # NaN min_score turned the gate off. Each is one line before anything is read or registered.
-    assert "model_name \"it's\"" in register(0.0, name="it's")
-    assert "min_score 'nan' is not a finite number" in register("nan")
-    assert "alias 'a b'" in register(0.0, alias="a b")
-    assert "is not an MLflow run id" in register(0.0, run_id="x' OR name = 'y")
+    assert "is not an MLflow run id" in register(0.0, run_id="x' OR name = 'y")  # spliced into a search filter
     assert not out_file.exists()
     assert "below 0.5" in register(0.5) and not out_file.exists()
     assert register(0.2, alias="candidate") == 0
@@ -383,17 +381,44 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     assert len(client.search_model_versions("name = 'det'")) == 1
 
 
-@pytest.mark.parametrize("alias", ["latest", "Latest", "v2", "V1"])
-def test_pipeline_register_step_refuses_a_reserved_alias_before_registering(tmp_path, monkeypatch, alias):
-    """MLflow reserves `latest` and v<number> as aliases: the step registered the version, then
-    crashed setting the alias, leaving a version without it."""
-    import mlflow
+@pytest.mark.parametrize("params, says", [
+    # a quote broke the search filter the name was spliced into (at register, after the training)
+    ({"model_name": "it's"}, "model_name \"it's\": a registered model name has no"),
+    ({"model_name": "team/detector"}, "model_name 'team/detector'"),
+    ({"min_score": "nan"}, "min_score 'nan' is not a finite number"),  # it turned the gate off
+    ({"alias": "a b"}, "alias 'a b': letters, digits, _ and - only"),
+    # MLflow reserves these: register made the version, then failed setting the alias
+    *(({"alias": a}, f"alias {a!r} is reserved by MLflow") for a in ("latest", "Latest", "v2", "V1")),
+    ({"opts": "SOLVER.MAX_ITER -3"}, "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),  # found in the train pod
+    ({"opts": "MODEL.NOPE 1"}, "unknown config key MODEL.NOPE"),
+    ({"config": "/app/configs/nope.yaml"}, "config file not found: /app/configs/nope.yaml"),
+])
+def test_the_first_step_refuses_what_a_later_step_would_before_anything_runs(tmp_path, params, says):
+    """helper-54: a typo in model_name or alias was found by the register step, after the training
+    and evaluation; bad opts in the train pod, retried 3 times. The check step runs first: one line
+    on stderr, exit 2."""
+    spec, _ = _compiled(tmp_path)
+    command = _step(spec, "exec-check-parameters")
+    assert command[:2] == ["python3", "-c"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tracktron").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m trainer "$@"\n')
+    (bin_dir / "tracktron").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    values = {"config": str(ROOT / "configs" / "demo.yaml"), "opts": "SOLVER.MAX_ITER 200 TRACKING.RUN_NAME 'a b'",
+              "model_name": "tracktron-detector", "min_score": "0.0", "alias": "best"}
 
-    register, out_file, uri = _register_step(tmp_path, monkeypatch)
-    message = register(0.0, alias=alias)
-    assert message.startswith(f"error: alias {alias!r} is reserved") and "\n" not in message
-    assert not out_file.exists()
-    assert not mlflow.MlflowClient(tracking_uri=uri).search_registered_models()
+    def check(**change):
+        args = [{**values, **change}[k] for k in ("config", "opts", "model_name", "min_score", "alias")]
+        return subprocess.run([sys.executable, "-c", command[2], *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+
+    good = check()
+    assert good.returncode == 0 and not good.stderr.strip(), good.stderr
+    bad = check(**params)
+    assert bad.returncode == 2 and says in bad.stderr.strip().splitlines()[-1], bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr  # one line, no traceback
+    assert not list(tmp_path.glob("*.db")) and not (tmp_path / "output").exists()
 
 
 # ---- PyTorchJob ----
