@@ -3,6 +3,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -397,7 +398,9 @@ def test_prefetcher_close_is_prompt():
 
 
 @pytest.mark.parametrize("counts, what", [([5, 3], "list runs short of the image"), ([150, 100], "list runs past it"),
-                                          ("0i0", "compressed runs past it"), ("0", "compressed runs short")])
+                                          ("0i0", "compressed runs past it"), ("0", "compressed runs short"),
+                                          # helper-55: read by character here, by UTF-8 byte in pycocotools (a traceback)
+                                          ("\u00e90?hn3", "a character outside COCO's alphabet")])
 def test_an_rle_mask_that_does_not_fit_its_image_is_refused_up_front(tmp_path, counts, what):
     """The RLE's size matches its image, its runs do not: pycocotools would decode it anyway (past
     the mask's end when the runs are too long), so the check counts them."""
@@ -412,6 +415,12 @@ def test_an_rle_mask_that_does_not_fit_its_image_is_refused_up_front(tmp_path, c
     good = mask_utils.encode(np.asfortranarray(np.ones((10, 20), np.uint8)))
     data["annotations"][0]["segmentation"] = {"size": [10, 20], "counts": good["counts"].decode()}
     check(ann, data, image_dir, masks=True)  # a fitting one passes
+    # helper-55: a character 128 above COCO's has the same low bits, so its runs counted right here;
+    # pycocotools reads the string's UTF-8 bytes, and its decoder ended in a traceback mid-training
+    counts = good["counts"].decode()
+    data["annotations"][0]["segmentation"]["counts"] = chr(ord(counts[0]) + 128) + counts[1:]
+    with pytest.raises(UserError, match="has an RLE mask whose counts cover no valid run of pixels"):
+        check(ann, data, image_dir, masks=True)
 
 
 def test_annotations_without_area_or_iscrowd_are_evaluated(tmp_path):
@@ -518,6 +527,39 @@ def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
         check(ann, data, image_dir, masks=True)
     data["images"][0].update(width=50_000, height=50_000)
     with pytest.raises(UserError, match="is 50000x50000; at most 20000 pixels a side"):
+        check(ann, data, image_dir)
+    # helper-55: each point within reach, the outline 860 edges of 1e6: pycocotools' count of the
+    # points it rasterises overflowed (a segfault of the process, or of a loader worker); 1,000 took 21 GB
+    data["images"][0].update(width=20, height=10)
+    data["annotations"][0]["segmentation"] = [[0, 0, 1e6, 1e6, 0, 1e6, 1e6, 0] * 215]
+    with pytest.raises(UserError, match="has polygons 860,000,000 pixels long, on an image of 10x20 "
+                                        "\\(at most 1,000,000\\)"):
+        check(ann, data, image_dir, masks=True)
+    data["annotations"][0]["segmentation"] = [[0, 0, 19, 0, 19, 9, 0, 9], [2, 2, 5, 2, 5, 5]]
+    check(ann, data, image_dir, masks=True)  # polygons an image holds pass
+
+
+@pytest.mark.parametrize("edit, says", [
+    # trained and exited 0; eval, predict and the served model then refused the model's categories.json
+    (lambda d: [c.update(id=f"c{c['id']}") for c in d["categories"]], "category id 'c7' is not an integer"),
+    (lambda d: d["categories"][0].update(name={"a": [1, 2]}), "category 7 has name {'a': [1, 2]}, not a name"),
+    (lambda d: d["categories"][0].update(name=5), "category 7 has name 5, not a name"),
+    # MODEL.NUM_CLASSES 100,001 was refused, the same number of categories from the data built it (5 GB)
+    (lambda d: d["categories"].extend({"id": 1000 + i, "name": f"k{i}"} for i in range(100_000)),
+     "lists 100,002 categories; a model takes at most 99,999"),
+], ids=["string-ids", "dict-name", "number-name", "too-many"])
+def test_categories_no_model_can_keep_are_refused_up_front(tmp_path, edit, says):
+    """helper-55's red team: what the model's categories.json cannot hold is refused with the data."""
+    from trainer.data.checks import check
+
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}],
+                                 [_ann(1, 1, [0, 0, 4, 4])])
+    data = json.loads(ann.read_text())
+    check(ann, data, image_dir)
+    edit(data)
+    for a in data["annotations"]:
+        a["category_id"] = data["categories"][0]["id"]
+    with pytest.raises(UserError, match=re.escape(says)):
         check(ann, data, image_dir)
 
 

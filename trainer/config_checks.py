@@ -212,7 +212,8 @@ _OR_DEFAULT = ("FG_IOU", "BG_IOU", "NMS_THRESH", "SCORE_THRESH")  # -1 = torchvi
 
 
 # Sizes past these allocate more than any machine has (an allocator traceback, or the OOM killer).
-_CEILINGS = {"BACKBONE_WIDTH": 8, "NUM_CLASSES": 100_000, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384,
+MAX_CLASSES = 100_000  # a classifier's last layer past it takes gigabytes (the data's categories too)
+_CEILINGS = {"BACKBONE_WIDTH": 8, "NUM_CLASSES": MAX_CLASSES, "FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16_384,
              "BOX_POOL_SIZE": 64, "MASK_POOL_SIZE": 64, "KEYPOINT_POOL_SIZE": 64, "DETECTIONS_PER_IMAGE": 100_000}
 MAX_BOX_HEAD_WEIGHTS = 1_000_000_000  # 4 GB of float32 in one layer; Detectron's is 12.8 M (256 x 7² x 1024)
 

@@ -11,6 +11,7 @@ import os
 import warnings
 from pathlib import Path
 
+from trainer.config_checks import MAX_CLASSES
 from trainer.errors import UserError, first_line
 
 # PIL warns of an image past its own threshold, which is above our MAX_PIXELS: the size is refused
@@ -19,6 +20,9 @@ warnings.filterwarnings("ignore", r"Image size \(\d+ pixels\) exceeds limit")
 MAX_IMAGE_SIDE = 20_000  # pixels
 MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
+# pixels: an annotation's polygons' outline (each edge's longer side). pycocotools rasterises 5 points
+# a pixel into an int count: 860 edges of 1e6 overflowed it (a segfault), 1,000 took 21 GB.
+MAX_OUTLINE = 1e6
 DECODED_FORMATS = ("JPEG", "MPO", "PNG", "GIF", "WEBP")  # PIL's names of what images.decode reads (MPO: a camera's JPEG)
 
 
@@ -74,11 +78,17 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
                             f"{max_pixels:,} pixels (tile larger images)")
         if sizes:
             _check_resized(path, im, *sizes)
+    if len(data["categories"]) >= MAX_CLASSES:  # with the background, the model's classes
+        raise UserError(f"{path} lists {len(data['categories']):,} categories; a model takes at most "
+                        f"{MAX_CLASSES - 1:,}")
     for c in data["categories"]:
         if not isinstance(c, dict) or "id" not in c:
             raise UserError(f"{path}: every category needs an id")
-        if not _is_id(c["id"]):
-            raise UserError(f"{path}: category id {_short(c['id'])} is not a number or a string")
+        # COCO's category ids are integers, and its names strings: the model's categories.json keeps them so
+        if not _is_int(c["id"]):
+            raise UserError(f"{path}: category id {_short(c['id'])} is not an integer")
+        if "name" in c and not isinstance(c["name"], str):
+            raise UserError(f"{path}: category {c['id']} has name {_short(c['name'])}, not a name")
         names = c.get("keypoints")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise UserError(f"{path}: category {c['id']!r} has keypoints {_short(names)}, not a list of names")
@@ -224,10 +234,13 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
     if isinstance(segm, list):
         if all(isinstance(p, list) and all(_is_number(v) for v in p) for p in segm):
             reach = max((abs(v) for p in segm for v in p), default=0)
-            if reach <= MAX_COORDINATE:  # pycocotools' rasteriser crashes the process far beyond the image
-                return
-            raise UserError(f"{what} has a polygon reaching {reach:g} pixels from the origin, on an image of "
-                            f"{image['height']}x{image['width']}")
+            if reach > MAX_COORDINATE:  # pycocotools' rasteriser crashes the process far beyond the image
+                raise UserError(f"{what} has a polygon reaching {reach:g} pixels from the origin, on an image of "
+                                f"{image['height']}x{image['width']}")
+            if (length := sum(map(_outline, segm))) > MAX_OUTLINE:
+                raise UserError(f"{what} has polygons {length:,.0f} pixels long, on an image of "
+                                f"{image['height']}x{image['width']} (at most {MAX_OUTLINE:,.0f})")
+            return
     elif isinstance(segm, dict):
         counts, size = segm.get("counts"), segm.get("size")
         counts_ok = isinstance(counts, str) or (isinstance(counts, list) and all(_is_int(v) and v >= 0 for v in counts))
@@ -244,11 +257,20 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
                     "({'counts', 'size'}) expected")
 
 
+def _outline(polygon: list) -> float:
+    """A closed polygon's length as pycocotools walks it: each edge's longer side."""
+    xs, ys = polygon[0::2], polygon[1::2][:len(polygon) // 2]
+    xs = xs[:len(ys)]
+    return sum(max(abs(x1 - x0), abs(y1 - y0)) for x0, x1, y0, y1 in zip(xs, xs[1:] + xs[:1], ys, ys[1:] + ys[:1]))
+
+
 def _rle_pixels(counts) -> int:
     """How many pixels an RLE's runs cover (-1: a malformed compressed string). pycocotools decodes
     what it is given without this check, writing past the mask's end when the runs are too long."""
     if isinstance(counts, list):
         return sum(counts)
+    if not all("0" <= ch <= "o" for ch in counts):  # 6 bits a character from '0'; pycocotools reads UTF-8 bytes
+        return -1
     runs: list[int] = []
     i = 0
     while i < len(counts):  # COCO's compressed counts: 5 bits a character, a continuation bit, deltas
