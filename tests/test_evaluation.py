@@ -246,9 +246,17 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     client.delete_run(run_id)
     late = config.load_config(ROOT / "configs" / "demo.yaml",
                               ["DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "late"), "TRACKING.URI", uri])
-    with pytest.raises(UserError, match=f"run {run_id} is deleted, so its evaluation cannot be logged into it"):
+    with pytest.raises(UserError, match=f"run {run_id} is deleted, so its evaluation cannot be logged into it: "
+                                        f"restore it \\(`mlflow runs restore --run-id {run_id}`\\)"):
         eval_command(late, f"runs:/{run_id}/checkpoints/model_final.pth")
     assert not (tmp_path / "late" / "eval").exists()
+    # Its experiment deleted: restoring the run alone left it hidden in a deleted experiment (helper-56)
+    client.restore_run(run_id)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    client.delete_experiment(experiment_id)
+    with pytest.raises(UserError, match=f"restore it \\(`mlflow experiments restore --experiment-id {experiment_id}` "
+                                        "\\(its experiment is deleted\\)\\)"):
+        eval_command(late, f"runs:/{run_id}/checkpoints/model_final.pth")
 
 
 def test_weights_of_another_model_are_refused(shapes, tmp_path):

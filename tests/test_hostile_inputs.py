@@ -11,6 +11,8 @@ import hashlib
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,13 @@ def test_a_config_file_nested_hundreds_deep_or_not_a_file_is_one_line(here):
     assert_exit_2(run_cli(["train", "--config", str(deep)]), "deep.yaml: nested too deeply")
     os.mkfifo(here / "pipe.yaml")  # reading it would wait forever
     assert_exit_2(run_cli(["train", "--config", str(here / "pipe.yaml")]), "pipe.yaml is not a regular file")
+    # `tracktron config` drew the file's name raw in its first line: an escape sequence set the title (helper-56)
+    titled = here / "ev\x1b]0;PWNED\x07X.yaml"
+    titled.write_text(DEMO.read_text())
+    out = subprocess.run([sys.executable, "-m", "trainer", "config", "--config", str(titled)], capture_output=True,
+                         text=True, timeout=300, cwd=here)
+    assert out.returncode == 0 and not set("\x1b\x07") & set(out.stdout + out.stderr), out.stderr
+    assert out.stdout.startswith(f"# {here}/ev\\x1b]0;PWNED\\x07X.yaml: a tracktron config"), out.stdout[:200]
     # `mlflow run . -P config=`: the line named `.`, which nobody typed (helper-54)
     for command in (["train"], ["eval", "--weights", "x.pth"], ["config"]):
         assert_exit_2(run_cli([*command, "--config", ""]), "--config is empty: name a YAML config file")

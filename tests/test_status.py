@@ -331,6 +331,11 @@ def _raised(fn, *args):
     ("sqlite:///", "names no database file", None),
     ("http://127.0.0.1:9/?t=SECRETVAL", "cannot read jobs from http://127.0.0.1:9/?t=***", "SECRETVAL"),
     ("mlruns", "tracking URI mlruns: MLflow's file store (a folder such as ./mlruns) takes no new runs", None),
+    # helper-56: printed whole (the `/` ended what was redacted); an empty --uri read MLFLOW_TRACKING_URI's store
+    ("http://alice:se/cret99@127.0.0.1:9", "cannot read jobs from http://***@127.0.0.1:9", "cret99"),
+    ("", "--uri needs a tracking URI (it was empty)", None),
+    # SQLAlchemy opens pct%41.db as pctA.db: status made that store (read-only command) and said no jobs
+    ("sqlite:///pct%41.db", "no tracking store at sqlite:///pct%41.db (pctA.db does not exist)", None),
 ])
 def test_status_uris_that_cannot_be_read_are_one_line(tmp_path, uri, shown, hidden):
     out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", uri], capture_output=True, text=True,
@@ -355,7 +360,9 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     dead = json.dumps({**json.loads(beat()), "pid": trainer.pid, "started": _process_start(trainer.pid)})
     trainer.kill()
     trainer.wait()
+    huge = '{"time": 1' + "0" * 400 + "}"  # helper-56: an OverflowError's traceback, every job unreadable
     for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {}),
+                       ("huge", {"tracktron.heartbeat": huge}),
                        ("ahead", {"tracktron.heartbeat": ahead}), ("sigkilled", {"tracktron.heartbeat": dead})):
         run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
         client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
@@ -364,7 +371,7 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     assert rows["live"] == "RUNNING -/? - - 0:10:00", out.stdout
     killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
     assert killed and 100 <= int(killed[1]) < 400, out.stdout
-    assert rows["none"] == "LOST -/? - - - no heartbeat", out.stdout
+    assert rows["none"] == rows["huge"] == "LOST -/? - - - no heartbeat", out.stdout
     # a beat seconds old from a process of this machine that is gone: RUNNING for 80 s (red team of 2026-12-03, third)
     assert rows["sigkilled"] == "LOST -/? - - - its trainer's process on this machine has ended", out.stdout
     # shown RUNNING with an ETA for as long as the clocks differ (red team of 2026-12-03, second)
@@ -407,3 +414,15 @@ def test_status_never_adds_mlflows_default_experiment_to_a_store(empty_store, tm
     out = _status("--uri", uri, cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith(f"error: {path} has no Default experiment (id 0)") and path.read_bytes() == before
+
+
+def test_a_store_whose_name_holds_a_percent_escape_is_the_one_mlflow_opens(empty_store, tmp_path):
+    """helper-56: `my%20store.db` names `my store.db` to SQLAlchemy, which MLflow reads; tracktron
+    looked for a file literally named so and refused it."""
+    import shutil
+
+    shutil.copyfile(empty_store, tmp_path / "my store.db")
+    MlflowClient(f"sqlite:///{tmp_path / 'my store.db'}").create_experiment("spaced")
+    out = _status("--uri", f"sqlite:///{tmp_path}/my%20store.db", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "no tracktron jobs found", out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my store.db"]

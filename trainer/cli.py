@@ -166,8 +166,12 @@ def status(experiment, uri, timeout):
     """The jobs on the tracking server: status, iteration, checkpoint, loss, ETA, UI link."""
     from trainer.status import job_rows, render
 
+    setup_logging(logging.WARNING)  # redacted and escaped like every command's lines; no INFO in a table's way
     if experiment is not None and not experiment.strip():  # an unset $EXPERIMENT in a script: not "every one"
         raise UserError("--experiment needs a name (it was empty); leave it out for every experiment")
+    if uri is not None and not uri.strip():  # an unset $URI: not silently the environment's or ./mlflow.db
+        raise UserError("--uri needs a tracking URI (it was empty); leave it out for MLFLOW_TRACKING_URI or "
+                        "sqlite:///mlflow.db")
     click.echo(render(job_rows(uri, experiment, timeout)))
 
 

@@ -8,12 +8,13 @@ from torch import nn
 from trainer.config import Config, redacted
 from trainer.config_detectron import Translation
 from trainer.models import build_model
+from trainer.redaction import printable
 
 COCO_CLASSES, COCO_KEYPOINTS = 81, 17  # what is built when the dataset would decide (80 + background)
 
 
 def explain(cfg: Config, translation: Translation | None, path: str) -> str:
-    parts = [f"# {path}: {'a Detectron config, translated' if translation else 'a tracktron config'}"]
+    parts = [f"# {printable(str(path))}: {'a Detectron config, translated' if translation else 'a tracktron config'}"]
     if translation is not None:
         parts += ["", "## Detectron key -> tracktron key", *translation.lines()]
         if translation.ignored:

@@ -22,8 +22,10 @@ SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "A
                 "CREDENTIAL")
 REDACTED = "***"
 # `:/` too: Path() collapses `//`. Not MLflow's models:/name@alias, whose `@` names an alias.
-# The userinfo ends at the authority's LAST `@`: a password may hold an unescaped `@` itself.
-_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^/?#\s]*@")
+# The userinfo ends at the authority's LAST `@`: a password may hold an unescaped `@` itself, and
+# `/`, `?` or `#` too (a token often has a `/`): where the authority has no `@`, `user:` followed by
+# anything but a port and a path (`host:8080/...`) runs to the last `@` of the word.
+_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)(?:[^/?#\s]*|[^:/?#@\s]*:(?![0-9]*(?:[/?#\s]|$))\S*)@")
 # A URL's query: presigned URLs carry their signature and credential there, APIs their token.
 _URL_QUERY = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s?#]*\?)([^\s#]+)")
 _QUERY_VALUE = re.compile(r"(^|[&;])([^&;=]*=)?[^&;]*")

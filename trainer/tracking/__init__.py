@@ -44,9 +44,19 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
         raise UserError(start_error(tracker.uri, e)) from None
     if run.info.lifecycle_stage != "active":  # MLflow refuses every write to it: said now, not after the evaluation
         tracker.finish(None)
-        raise UserError(f"run {run_id} is deleted, so its evaluation cannot be logged into it: restore it "
-                        f"(`mlflow runs restore --run-id {run_id}`) or evaluate a copy of the checkpoint file")
+        how = (f"`mlflow experiments restore --experiment-id {run.info.experiment_id}` (its experiment is deleted)"
+               if _experiment_deleted(tracker.client, run) else f"`mlflow runs restore --run-id {run_id}`")
+        raise UserError(f"run {run_id} is deleted, so its evaluation cannot be logged into it: restore it ({how}) "
+                        "or evaluate a copy of the checkpoint file")
     if not taken:
         tracker.finish(None)
         return Tracker()
     return tracker
+
+
+def _experiment_deleted(client, run) -> bool:
+    """MLflow deletes an experiment's runs with it: restoring the run alone would leave it hidden there."""
+    try:
+        return client.get_experiment(run.info.experiment_id).lifecycle_stage != "active"
+    except Exception:  # the server failing now: the run's own advice stands
+        return False

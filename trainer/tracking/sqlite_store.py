@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 from trainer.errors import UserError
 
@@ -15,8 +16,9 @@ log = logging.getLogger(__name__)
 
 
 def sqlite_path(uri: str) -> Path:
-    """The database file of a `sqlite:///...` URI."""
-    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    """The database file of a `sqlite:///...` URI, %-escapes decoded as SQLAlchemy decodes them (it
+    opens `a%41.db` as `aA.db`): the file MLflow will open, not the one written."""
+    return Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
 
 
 def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None = None) -> bool:
