@@ -138,6 +138,8 @@ CONFIG_CASES = [
     # trained into ./s3:/bkt/out, then failed to log the model at every rerun; the password printed (helper-47)
     # `OUTPUT_DIR '~'` (quoted, so the shell leaves it): YAML's null; the line said only "an empty value" (helper-52)
     ("output-dir-tilde", ["OUTPUT_DIR", "~"], "OUTPUT_DIR must name a folder, got an empty value (YAML reads a bare `~`"),
+    # generated the demo's data into the working folder (helper-55)
+    ("data-dir-empty", ["DATA_DIR", ""], "DATA_DIR must name a folder, got an empty value"),
     ("output-dir-url", ["OUTPUT_DIR", "s3://bkt/out"], "OUTPUT_DIR must be a folder on this machine, not a URL (s3://...)"),
     ("output-dir-url-password", ["OUTPUT_DIR", "https://bob:S3CRETPW@host/out"], "not a URL (https://...)"),
     ("detections-0", ["MODEL.DETECTIONS_PER_IMAGE", "0"], "MODEL.DETECTIONS_PER_IMAGE must be > 0"),

@@ -62,6 +62,11 @@ def test_synth_is_deterministic_and_atomic(tmp_path, tiny):
     (tmp_path / "junk" / "x").write_text("x")
     with pytest.raises(UserError, match="no annotations.json"):
         write_synthetic_dataset(tmp_path / "junk")
+    # a link to an empty folder: every image was drawn, then "Not a directory" (helper-55)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to("empty")
+    write_synthetic_dataset(tmp_path / "link", num_images=12, image_size=64, seed=0)
+    assert _files(tmp_path / "link") == _files(tiny) and (tmp_path / "link").is_symlink()
 
 
 def test_synth_content(tiny):
@@ -214,6 +219,15 @@ def test_bad_image_file(tmp_path):
     (image_dir / "1.png").write_bytes(b"not a png")
     with pytest.raises(UserError, match="cannot decode image"):
         CocoDetection(image_dir, ann)[0]
+    # a newline in the name split the line: through a loader worker, whose last line is passed on,
+    # the error lost the file's name (helper-55)
+    data = json.loads(ann.read_text())
+    data["images"][0]["file_name"] = "bad\nname.png"
+    ann.write_text(json.dumps(data))
+    (image_dir / "bad\nname.png").write_bytes(b"not a png")
+    with pytest.raises(UserError) as e:
+        CocoDetection(image_dir, ann)[0]
+    assert str(e.value).startswith(f"cannot decode image {image_dir}/bad\\nname.png: ") and "\n" not in str(e.value)
 
 
 def test_a_16_bit_png_is_read_on_the_same_0_to_1_scale_as_an_8_bit_one(tmp_path):

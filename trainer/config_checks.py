@@ -168,6 +168,8 @@ def validate(cfg) -> None:
         (not re.match(r"[A-Za-z][\w+.-]*://", cfg.OUTPUT_DIR), f"OUTPUT_DIR must be a folder on this machine, not a URL "
          f"({cfg.OUTPUT_DIR.split('://')[0]}://...): checkpoints reach the tracking server's artifact store from there"),
         (cfg.OUTPUT_DIR.isprintable(), f"OUTPUT_DIR must be printable (no newline or control character), got {cfg.OUTPUT_DIR!r}"),
+        (cfg.DATA_DIR.strip() != "", "DATA_DIR must name a folder, got an empty value (an unset variable? the "
+         "default is datasets)"),
         (cfg.DATA_DIR.isprintable(), f"DATA_DIR must be printable (no newline or control character), got {cfg.DATA_DIR!r}"),
         (cfg.DATA_LOADER.NUM_THREADS >= 0, f"DATA_LOADER.NUM_THREADS must be >= 0, got {cfg.DATA_LOADER.NUM_THREADS}"),
         (cfg.TEST.EVAL_PERIOD >= 0, f"TEST.EVAL_PERIOD must be >= 0, got {cfg.TEST.EVAL_PERIOD}"),

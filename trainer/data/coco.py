@@ -25,6 +25,7 @@ from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.data.workers import forking, init_worker
 from trainer.errors import UserError, user_path
+from trainer.redaction import printable
 
 log = logging.getLogger(__name__)
 # Pixels: a box narrower is empty. A width of 1e-6 at x=62 is none in float32, where torchvision's
@@ -201,12 +202,13 @@ class CocoDetection(Dataset):
 
     def _load_image(self, record: dict) -> torch.Tensor:
         path = self.image_dir / record["file_name"]
+        shown = printable(str(path))  # a newline in a name split the error, whose last line a loader worker passes on
         try:
             image = decode(read_file(path))  # 8-bit images by 255, 16-bit PNGs by 65535
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot decode image {path}: {getattr(e, 'strerror', None) or e}") from None
+            raise UserError(f"cannot decode image {shown}: {getattr(e, 'strerror', None) or e}") from None
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
-            raise UserError(f"{path} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
+            raise UserError(f"{shown} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
                             f"{record['width']}x{record['height']}")
         return image
 

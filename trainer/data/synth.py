@@ -46,6 +46,8 @@ def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128
         raise UserError(f"cannot write the synthetic dataset to {out}: it is no folder (a file, a device or a "
                         "link to nothing)")
     _check_room(out, num_images, image_size)
+    if out.is_symlink():  # a link to an empty folder: the dataset goes there (no rename replaces a link's folder)
+        out = out.resolve()
     # Build in a hidden sibling and rename: a half-written dataset never looks complete.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with stop_signals_exit() if stoppable else contextlib.nullcontext():
