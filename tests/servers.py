@@ -9,6 +9,7 @@ request (a checkpoint upload) so a test can kill the client in the middle of it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -314,3 +315,34 @@ def _close(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def drip_server():
+    """A server that answers every request with its headers begun, then one byte a second: each
+    byte restarts a client's read timeout. Yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    stop = threading.Event()
+
+    def drip(conn):
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            while not stop.wait(1.0):
+                conn.sendall(b"a")
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn = listener.accept()[0]
+            except OSError:  # the half-second timeout, or closed at the end
+                continue
+            threading.Thread(target=drip, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()

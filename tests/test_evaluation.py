@@ -493,3 +493,26 @@ def test_another_tools_checkpoint_with_its_own_categories_key_is_evaluated(shape
     torch.save({"model": build_model(cfg, 4).state_dict(), "categories": ["circle", "square", "triangle"]}, path)
     metrics = eval_command(cfg, str(path))
     assert 0.0 <= metrics["bbox/AP"] <= 1.0
+
+
+def test_eval_of_weights_on_a_server_that_answers_a_byte_at_a_time_gives_up(tmp_path, data_dir):
+    """helper-56's red team: each byte restarts a read's timeout, so `tracktron eval --weights
+    models:/...` against a dripping server said nothing for as long as it dripped (killed after 6
+    minutes). A fetch that makes no progress for four request timeouts is given up on, in one line."""
+    import subprocess
+    import time
+
+    from tests.servers import drip_server
+
+    with drip_server() as url:
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config", str(ROOT / "configs" / "demo.yaml"),
+                              "--weights", "models:/tracktron-demo@best", "TRACKING.URI", url, "DATA_DIR",
+                              str(data_dir), "OUTPUT_DIR", str(tmp_path / "out")], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300, env={**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"})
+        took = time.monotonic() - start
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"error: cannot fetch models:/tracktron-demo@best from {url}: no progress for 8 s (a server that hangs, or "
+        "answers a byte at a time)"], out.stderr[-2000:]
+    assert took < 60, f"{took:.0f}s"

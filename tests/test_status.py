@@ -151,36 +151,12 @@ def test_status_against_a_server_that_never_answers_ends_in_bounded_time(tmp_pat
 def test_status_against_a_server_that_sends_a_byte_every_second_gives_up_at_its_timeout(tmp_path):
     """Each byte restarts a read timeout, so a dripping server held `status` for as long as it kept
     dripping; --timeout bounds the whole answer."""
-    import socket
+    from tests.servers import drip_server
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.5)
-    stop = threading.Event()
-
-    def drip(conn):
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-            while not stop.wait(1.0):
-                conn.sendall(b"a")
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn = listener.accept()[0]
-            except OSError:  # the half-second timeout, or closed at the end
-                continue
-            threading.Thread(target=drip, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    try:
+    with drip_server() as url:
         start = time.monotonic()
         out = _status("--uri", url, "--timeout", "4", cwd=tmp_path)
         took = time.monotonic() - start
-    finally:
-        stop.set()
-        listener.close()
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1] == f"error: cannot read jobs from {url}: no complete answer within 4s"
     assert took < 20, f"{took:.0f}s"

@@ -5,15 +5,19 @@ line. Finding or opening the job's run is job_run.py's, which builds on these.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging
 import os
 import re
+import time
+from concurrent.futures import wait
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import iteration_of
 from trainer.config import Config
+from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
@@ -216,10 +220,15 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     quiet = logging.getLogger("mlflow.store.artifact.artifact_repo")  # "No artifacts found": said below, once
     level = quiet.level
     quiet.setLevel(logging.WARNING)
-    try:
+    def fetch():
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
             path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
-            expected = _complete_sha256(where, uri, path)
+            return path, _complete_sha256(where, uri, path)
+
+    try:
+        path, expected = _while_progressing(fetch, Path(dest))
+    except TimeoutError as e:
+        raise UserError(f"cannot fetch {uri} from {where}: {e}") from None
     except UserError as e:
         raise UserError(f"{option} {uri}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
@@ -231,6 +240,29 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     if expected and sha256_of(path) != expected:
         raise UserError(f"{option} {uri}: the downloaded bytes do not match the run's sha256 tag")
     return path
+
+
+def _while_progressing(fn, dest: Path):
+    """fn() on a thread of its own, given up on (TimeoutError) once no byte has reached `dest` for four
+    HTTP request timeouts: each read's timeout restarts with every byte, so a server answering a
+    byte at a time held `eval` for good. A large download that makes progress goes on."""
+    stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 120)
+    done = daemon_call(fn, "fetch")
+    seen, since = -1, time.monotonic()
+    while not wait([done], min(5.0, stall_s / 4)).done:
+        if (size := _bytes_under(dest)) != seen:
+            seen, since = size, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise TimeoutError(f"no progress for {stall_s:g} s (a server that hangs, or answers a byte at a time)")
+    return done.result()
+
+
+def _bytes_under(folder: Path) -> int:
+    total = 0
+    for f in folder.rglob("*") if folder.is_dir() else ():
+        with contextlib.suppress(OSError):  # renamed or removed by the download meanwhile
+            total += f.stat().st_size if f.is_file() else 0
+    return total
 
 
 def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
