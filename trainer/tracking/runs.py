@@ -220,6 +220,7 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     quiet = logging.getLogger("mlflow.store.artifact.artifact_repo")  # "No artifacts found": said below, once
     level = quiet.level
     quiet.setLevel(logging.WARNING)
+
     def fetch():
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
             path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
@@ -246,7 +247,7 @@ def _while_progressing(fn, dest: Path):
     """fn() on a thread of its own, given up on (TimeoutError) once no byte has reached `dest` for four
     HTTP request timeouts: each read's timeout restarts with every byte, so a server answering a
     byte at a time held `eval` for good. A large download that makes progress goes on."""
-    stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 120)
+    stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 30)  # bound_http's, or the user's
     done = daemon_call(fn, "fetch")
     seen, since = -1, time.monotonic()
     while not wait([done], min(5.0, stall_s / 4)).done:
