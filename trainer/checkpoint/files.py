@@ -36,8 +36,6 @@ def iteration_of(name: str) -> float:
     return int(m.group(1)) if m else -1
 
 
-
-
 UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
 JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 # Temporary files of write_atomic and save_atomic (`.<name>.tmp.<host>.<pid>`; before the host was
