@@ -84,7 +84,7 @@ def test_sigkill_mid_iteration_then_mid_checkpoint_write_then_resume(tmp_path, d
     third = run_trainer(args, cwd=tmp_path)
     assert third.returncode == 0, third.stderr
     assert f"{newest.name} at iteration {newest_iter + 1}" in third.stderr
-    assert "removed 1 partial checkpoint file(s) left by a killed job" in third.stderr
+    assert "removed 1 partial file(s) left by a killed job" in third.stderr
     assert not temp_files(out)
     assert_same_weights(reference, out / "model_final.pth")
     assert logged_iters(out) == list(range(MAX_ITER))  # every iteration once, none lost, none twice
