@@ -445,7 +445,8 @@ def test_a_runs_test_sets_edited_by_hand_match_no_evaluation():
     for odd in (run(tags={EVAL_SETS_TAG: "{not json"}), run(tags={EVAL_SETS_TAG: '[["a", "b", "c"]]'}),
                 run(tags={EVAL_SETS_TAG: '{"a": 1}'}), run(params={"TEST.DATASETS": "5"}, inputs=[ds]),
                 run(params={"TEST.DATASETS": "[1, 2]"}, inputs=[ds]),
-                run(params={"TEST.DATASETS": "['val', ..."}, inputs=[ds])):
+                run(params={"TEST.DATASETS": "['val', ..."}, inputs=[ds]),
+                run(tags={EVAL_SETS_TAG: "[" * 3000 + "]" * 3000})):  # helper-56: "tracking server …: maximum recursion"
         assert evaluation_sets(odd) == [["?", "?"]]
 
 
