@@ -517,3 +517,30 @@ def test_eval_of_weights_on_a_server_that_answers_a_byte_at_a_time_gives_up(tmp_
         f"error: cannot fetch models:/tracktron-demo@best from {url}: no progress for 8 s (a server that hangs, or "
         "answers a byte at a time)"], out.stderr[-2000:]
     assert took < 60, f"{took:.0f}s"
+
+
+def test_the_run_mlflow_run_makes_for_an_evaluation_gets_its_scores(shapes, tmp_path, monkeypatch):
+    """helper-54's red team: `mlflow run . -e eval` made a run (MLFLOW_RUN_ID) that stayed empty: the
+    scores went to the weights' run, or nowhere. That run gets them, with the weights' name; a run
+    that MLflow Projects did not make for the eval entry point (a training run's id left in a shell)
+    is never written to."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    cfg = make_cfg(shapes, OUTPUT_DIR=str(tmp_path / "out"), TRACKING={"URI": uri})
+    path = tmp_path / "weights.pth"
+    torch.manual_seed(0)
+    torch.save({"model": build_model(cfg, num_classes=CocoDetection(shapes / "images", shapes / "annotations.json").num_classes)
+                .state_dict(), "iteration": 3}, path)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("evals")
+    launcher = client.create_run(exp, tags={"mlflow.project.entryPoint": "eval"}).info.run_id
+    stray = client.create_run(exp, tags={"tracktron.job": "j"}).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", launcher)
+    metrics = eval_command(cfg, str(path))
+    got = client.get_run(launcher).data
+    assert metrics and got.metrics == pytest.approx(metrics)
+    assert got.tags["tracktron.weights"] == str(path) and "tracktron.scores_run_id" not in got.tags
+    monkeypatch.setenv("MLFLOW_RUN_ID", stray)
+    eval_command(cfg, str(path))
+    assert not client.get_run(stray).data.metrics

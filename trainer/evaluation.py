@@ -42,7 +42,7 @@ from trainer.output_dir import make_writable
 from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import categories_of, category_key_of, checked_categories, encode_masks
 from trainer.models import build_model, load_weights, set_test_size, unwrap
-from trainer.tracking import Tracker, attach
+from trainer.tracking import Tracker, attach, record_evaluation
 from trainer.tracking.logged_model import load_detector, load_local
 from trainer.tracking.model_uris import MLFLOW_URIS
 from trainer.tracking.runs import download_uri
@@ -339,6 +339,7 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
         said = format_metrics(metrics, weights) if metrics else \
             f"evaluation of {weights}: no metric (the test sets have no annotations to score against)"
         write_or_drop(sys.stdout, said + "\n")  # a view, as in training: a reader gone (`| head`) fails nothing
+        record_evaluation(cfg, weights, metrics, iteration or 0, None if failed else tracker.run.run_id)
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics

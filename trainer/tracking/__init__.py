@@ -14,7 +14,7 @@ from trainer.config import Config
 from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
 
-__all__ = ["RunInfo", "Tracker", "attach", "create_tracker"]
+__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation"]
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
@@ -60,3 +60,10 @@ def _experiment_deleted(client, run) -> bool:
         return client.get_experiment(run.info.experiment_id).lifecycle_stage != "active"
     except Exception:  # the server failing now: the run's own advice stands
         return False
+
+
+def record_evaluation(cfg: Config, weights: str, metrics: dict, step: int, logged_into: str | None) -> None:
+    """`mlflow run -e eval`'s own run (MLFLOW_RUN_ID) gets the scores too: launcher_run.py."""
+    from trainer.tracking.launcher_run import record_evaluation as record
+
+    record(cfg, weights, metrics, step, logged_into)
