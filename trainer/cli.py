@@ -18,7 +18,7 @@ from trainer.launch import Stopped, torchrun_environment, train_job
 from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_dir import check_output_dir, named_folder
-from trainer.redaction import printable, redact_text
+from trainer.redaction import printable, redact_text, remember_url_credentials
 
 log = logging.getLogger("tracktron")
 
@@ -201,7 +201,10 @@ def synth(out_dir, num_images, image_size, seed):
 def main(argv=None) -> None:
     hold_console_descriptors()
     try:
-        check_arguments_are_text(sys.argv[1:] if argv is None else argv)
+        args = sys.argv[1:] if argv is None else argv
+        check_arguments_are_text(args)
+        for arg in args:  # `--uri`, `--weights`, an override: a password as typed is hidden in every line
+            remember_url_credentials(arg)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
     except Stopped as e:  # within the grace period: torch's and MLflow's teardown takes seconds
         _flush_and_exit(e.code)

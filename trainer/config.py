@@ -19,7 +19,7 @@ from trainer.config_checks import finite_float, int_text, validate
 from trainer.config_detectron import Translation, is_detectron, translate
 from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
 from trainer.errors import ConfigError, user_path
-from trainer.redaction import REDACTED, is_secret_key, redact_urls, remember
+from trainer.redaction import REDACTED, is_secret_key, redact_typed_url, redact_urls, remember, remember_url_credentials
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,7 @@ def load_config_explained(path: str | Path | None = None, opts: list[str] | tupl
     for key, value in zip(opts[0::2], opts[1::2]):
         if is_secret_key(str(key)):
             remember(value)  # before anything can echo it
+        remember_url_credentials(str(value))
         try:
             _set(cfg, key, parse_override(value, isinstance(_FLAT_DEFAULTS.get(key), str), key))
         except RecursionError:
@@ -359,18 +360,21 @@ def redacted(cfg: dict) -> dict:
             return REDACTED
         if isinstance(value, list):
             return [clean("", v) for v in value]
-        return redact_urls(value) if isinstance(value, str) else value
+        return redact_urls(redact_typed_url(value)) if isinstance(value, str) else value
 
     return clean("", json.loads(json.dumps(cfg)))
 
 
 def _remember_secrets(node: dict) -> None:
-    """Values of secret-named keys (DATASET_CATALOG's entries too), for redaction wherever they go."""
+    """Values of secret-named keys (DATASET_CATALOG's entries too), and URLs' credentials as typed, for
+    redaction wherever they go."""
     for key, value in node.items():
         if isinstance(value, dict):
             _remember_secrets(value)
         elif is_secret_key(str(key)):
             remember(value)
+        elif isinstance(value, str):
+            remember_url_credentials(value)
 
 
 def write_config(cfg: Config, path: Path) -> None:

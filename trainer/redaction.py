@@ -21,13 +21,12 @@ import traceback
 SECRET_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "API_KEY", "APIKEY", "ACCESS_KEY", "PRIVATE_KEY",
                 "CREDENTIAL")
 REDACTED = "***"
-# `:/` too: Path() collapses `//`. Not MLflow's models:/name@alias, whose `@` names an alias.
-# The userinfo ends at the authority's LAST `@`: a password may hold an unescaped `@` itself, and
-# `/`, `?` or `#` too (a token often has a `/`): where the authority has no `@`, `user:` followed by
-# anything but a port and a path (`host:8080/...`) runs to the last `@` of the word.
-_URL_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)(?:[^/?#\s]*|[^:/?#@\s]*:(?![0-9]*(?:[/?#\s]|$))\S*)@")
-# A URL's query: presigned URLs carry their signature and credential there, APIs their token.
-_URL_QUERY = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s?#]*\?)([^\s#]+)")
+# A URL: a scheme (`:/` too: Path() collapses `//`), then what may follow in one, up to white space or
+# a quote (a URL in JSON or HTML ends there). Not MLflow's models:/name@alias, whose `@` names an alias.
+# Each is found once, left to right: the scan is linear however long a line is.
+_URL = re.compile(r"(?<![A-Za-z0-9+.-])(?!models:)([A-Za-z][A-Za-z0-9+.-]*:/+)([^\s\"'<>]*)")
+# A URL as the user typed it: its userinfo runs to the word's last `@`, unescaped `/ ? #` and all.
+_TYPED_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)(\S*?:\S*)@(?!\S*@)")
 _QUERY_VALUE = re.compile(r"(^|[&;])([^&;=]*=)?[^&;]*")
 _MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
 _values: set[str] = set()
@@ -43,10 +42,26 @@ def remember(value) -> None:
         _values.add(value)
 
 
+def remember_url_credentials(text: str) -> None:
+    """The `user:password` of each URL in a value the user gave (an argument, a config value, the
+    environment), as typed: a password with an unescaped `/`, `#` or `?` is no URL's userinfo to
+    redact_urls (the authority ends there), yet a library's error echoes it whole."""
+    for _, userinfo in _TYPED_USERINFO.findall(text) if "@" in text else ():
+        remember(userinfo)
+        remember(userinfo.partition(":")[2])
+
+
+def redact_typed_url(value: str) -> str:
+    """One value the user gave, its URL's credentials as typed -> `***` (what config.yaml keeps)."""
+    return _TYPED_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", value) if "@" in value else value
+
+
 def remember_environment() -> None:
     for name, value in os.environ.items():
         if is_secret_key(name):
             remember(value)
+        elif "://" in value:  # MLFLOW_TRACKING_URI and the like
+            remember_url_credentials(value)
     remember_basic_auth()
 
 
@@ -63,9 +78,21 @@ def remember_basic_auth() -> None:
 
 def redact_urls(text: str) -> str:
     """`http://user:password@host/x?token=t` -> `http://***@host/x?token=***` (and nothing else:
-    the same text always gives the same result, whatever this process remembered)."""
-    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
-    return _URL_QUERY.sub(lambda m: m.group(1) + _QUERY_VALUE.sub(_hide_value, m.group(2)), text)
+    the same text always gives the same result, whatever this process remembered). The userinfo
+    ends at the authority's LAST `@` (a password may hold an unescaped `@`); a query's values go
+    too (presigned URLs carry their signature there, APIs their token)."""
+    return _URL.sub(_redact_url, text) if ":/" in text else text
+
+
+def _redact_url(m: re.Match) -> str:
+    rest = m.group(2)
+    authority = min([i for i in map(rest.find, "/?#") if i >= 0], default=len(rest))
+    if (at := rest.rfind("@", 0, authority)) >= 0:
+        rest = REDACTED + rest[at:]
+    if (q := rest.find("?")) >= 0:
+        end = rest.find("#", q) % (len(rest) + 1)  # -1 (no fragment): the end
+        rest = rest[:q + 1] + _QUERY_VALUE.sub(_hide_value, rest[q + 1:end]) + rest[end:]
+    return m.group(1) + rest
 
 
 def _hide_value(m: re.Match) -> str:
@@ -73,11 +100,11 @@ def _hide_value(m: re.Match) -> str:
 
 
 def redact_text(text: str) -> str:
-    """URL credentials and every remembered secret -> `***`."""
-    text = redact_urls(text)
+    """Every remembered secret and URL credentials -> `***` (the secrets first: a typed userinfo
+    with an `@` inside would be cut at its first `@` by redact_urls)."""
     for value in sorted(_values, key=len, reverse=True):  # a longer secret before one inside it
         text = text.replace(value, REDACTED)
-    return text
+    return redact_urls(text)
 
 
 def printable(text: str, keep_newlines: bool = False) -> str:
