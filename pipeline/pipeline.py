@@ -126,6 +126,7 @@ exec tracktron eval --config "$config" --weights "runs:/$run_id/$artifact" --opt
 CHECK_PY = r"""
 import math
 import re
+import shlex
 import subprocess
 import sys
 
@@ -151,7 +152,13 @@ if not math.isfinite(score):
     refuse(f"min_score {min_score!r} is not a finite number")
 checked = subprocess.run(["tracktron", "config", "--config", config, "--opts", opts, "--", "DATA_DIR", "/data",
                           "OUTPUT_DIR", "/output/train"], stdout=subprocess.DEVNULL)
-sys.exit(checked.returncode)
+if checked.returncode:
+    sys.exit(checked.returncode)
+from trainer.config import load_config  # the words as the trainer takes them: its trailing pairs, then opts
+
+if not load_config(config, ["DATA_DIR", "/data", "OUTPUT_DIR", "/output/train", *shlex.split(opts)]).TEST.DATASETS:
+    refuse("TEST.DATASETS is empty: the pipeline's evaluate step scores the trained model on the test sets "
+           "(name one in opts or the config)")
 """
 
 REGISTER_PY = r"""
@@ -296,6 +303,7 @@ def build(image: str = DEFAULT_IMAGE, gpus: int = 1, cpu: str = "8", memory: str
                                  min_score=p["min_score"], alias=p["alias"])
         check.set_display_name("check parameters").set_caching_options(False)
         check.set_cpu_request("1").set_memory_request("2Gi")
+        kubernetes.mount_pvc(check, pvc_name=p["data_pvc"], mount_path=DATA_MOUNT)  # a config kept on the volume
         prep = prepare_data(dataset=p["dataset"], data_dir=DATA_MOUNT, num_images=p["num_images"])
         prep.set_display_name("prepare data").set_caching_options(False).after(check)
         prep.set_cpu_request("1").set_memory_request("2Gi")

@@ -202,7 +202,7 @@ def test_pipeline_train_and_eval_get_a_gpu_and_the_tracking_secret(tmp_path):
     # helper-54: KFP's driver puts every parameter into the pod's command, where Kubernetes replaces
     # $(NAME) from the container's environment: no step has the Secret there.
     assert not [name for name, ex in platform.items() if "secretAsEnv" in ex]
-    for name in ("exec-prepare-data", "exec-train", "exec-evaluate"):
+    for name in ("exec-check-parameters", "exec-prepare-data", "exec-train", "exec-evaluate"):  # a config may be there
         assert [m["mountPath"] for m in platform[name]["pvcMount"]] == ["/data"]
     shm = [m for m in platform["exec-train"]["emptyDirMounts"] if m["mountPath"] == "/dev/shm"]
     assert shm and shm[0]["medium"] == "Memory"
@@ -392,6 +392,8 @@ def test_pipeline_register_step_registers_once_and_gates_on_the_metric(tmp_path,
     ({"opts": "SOLVER.MAX_ITER -3"}, "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),  # found in the train pod
     ({"opts": "MODEL.NOPE 1"}, "unknown config key MODEL.NOPE"),
     ({"config": "/app/configs/nope.yaml"}, "config file not found: /app/configs/nope.yaml"),
+    # trained for hours, then evaluate failed 3 times (helper-57)
+    ({"opts": "TEST.DATASETS '[]'"}, "TEST.DATASETS is empty: the pipeline's evaluate step scores"),
 ])
 def test_the_first_step_refuses_what_a_later_step_would_before_anything_runs(tmp_path, params, says):
     """helper-54: a typo in model_name or alias was found by the register step, after the training
