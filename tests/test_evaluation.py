@@ -544,3 +544,28 @@ def test_the_run_mlflow_run_makes_for_an_evaluation_gets_its_scores(shapes, tmp_
     monkeypatch.setenv("MLFLOW_RUN_ID", stray)
     eval_command(cfg, str(path))
     assert not client.get_run(stray).data.metrics
+
+
+def test_a_download_that_writes_in_place_is_progress(tmp_path, monkeypatch):
+    """helper-57: MLflow's multipart download sets the file's size first, then writes its chunks in
+    place: the size never changes, and the stall guard gave up on a download that was going well."""
+    import time
+
+    from trainer.tracking.runs import _while_progressing
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")  # given up on after 4 s without a change
+
+    def multipart():
+        target = tmp_path / "model_final.pth"
+        with open(target, "wb") as f:
+            f.truncate(16 << 20)
+        for i in range(16):  # 8 s in all, a chunk every half second
+            time.sleep(0.5)
+            with open(target, "r+b") as f:
+                f.seek(i << 20)
+                f.write(b"x" * (1 << 20))
+        return target
+
+    assert _while_progressing(multipart, tmp_path).stat().st_size == 16 << 20
+    with pytest.raises(TimeoutError, match="no progress for 4 s"):
+        _while_progressing(lambda: time.sleep(30), tmp_path)

@@ -226,8 +226,8 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
             path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
             return path, _complete_sha256(where, uri, path)
 
-    try:
-        path, expected = _while_progressing(fetch, Path(dest))
+    try:  # a SQLite store's artifacts are local files; its wait for a store being set up is store_settled's
+        path, expected = _while_progressing(fetch, Path(dest)) if where.startswith(("http://", "https://")) else fetch()
     except TimeoutError as e:
         raise UserError(f"cannot fetch {uri} from {where}: {e}") from None
     except UserError as e:
@@ -244,26 +244,31 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
 
 
 def _while_progressing(fn, dest: Path):
-    """fn() on a thread of its own, given up on (TimeoutError) once no byte has reached `dest` for four
-    HTTP request timeouts: each read's timeout restarts with every byte, so a server answering a
-    byte at a time held `eval` for good. A large download that makes progress goes on."""
+    """fn() on a thread of its own, given up on (TimeoutError) once nothing under `dest` has changed
+    (size or modification time) for four HTTP request timeouts: each read's timeout restarts with
+    every byte, so a server answering a byte at a time held `eval` for good. A download that goes on
+    goes on, MLflow's multipart one too (it sets the file's size first, then writes its chunks in
+    place). Given up on, the thread is left to the process's end (a daemon)."""
     stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 30)  # bound_http's, or the user's
     done = daemon_call(fn, "fetch")
-    seen, since = -1, time.monotonic()
+    seen, since = None, time.monotonic()
     while not wait([done], min(5.0, stall_s / 4)).done:
-        if (size := _bytes_under(dest)) != seen:
-            seen, since = size, time.monotonic()
+        if (now := _state_under(dest)) != seen:
+            seen, since = now, time.monotonic()
         elif time.monotonic() - since > stall_s:
             raise TimeoutError(f"no progress for {stall_s:g} s (a server that hangs, or answers a byte at a time)")
     return done.result()
 
 
-def _bytes_under(folder: Path) -> int:
-    total = 0
+def _state_under(folder: Path) -> tuple[int, int]:
+    """The files under `folder`: their total size and newest modification time."""
+    size = newest = 0
     for f in folder.rglob("*") if folder.is_dir() else ():
         with contextlib.suppress(OSError):  # renamed or removed by the download meanwhile
-            total += f.stat().st_size if f.is_file() else 0
-    return total
+            if f.is_file():
+                st = f.stat()
+                size, newest = size + st.st_size, max(newest, st.st_mtime_ns)
+    return size, newest
 
 
 def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
