@@ -547,10 +547,18 @@ def test_huge_declared_images_and_far_polygons_are_refused_up_front(tmp_path):
     data["images"][0].update(width=20, height=10)
     data["annotations"][0]["segmentation"] = [[0, 0, 1e6, 1e6, 0, 1e6, 1e6, 0] * 215]
     with pytest.raises(UserError, match="has polygons 860,000,000 pixels long, on an image of 10x20 "
-                                        "\\(at most 1,000,000\\)"):
+                                        "\\(at most 10,000,000\\)"):
         check(ann, data, image_dir, masks=True)
     data["annotations"][0]["segmentation"] = [[0, 0, 19, 0, 19, 9, 0, 9], [2, 2, 5, 2, 5, 5]]
     check(ann, data, image_dir, masks=True)  # polygons an image holds pass
+    # helper-57: a canopy on a 20000x20000 image, its wavy outline and 4,000 holes (1.3e6 pixels):
+    # pycocotools rasterises it in a second, and the first cap (1e6) refused it
+    data["images"][0].update(width=20_000, height=20_000)
+    wavy = [v for i in range(0, 19_000, 2) for v in (500 + i, 500 + i % 4)] + [19_500, 19_500, 500, 19_500]
+    hole = [0, 0, 60, 0, 120, 60, 60, 120, 0, 60]  # 360 pixels of outline
+    holes = [[v + 200 * (k // 90 if j % 2 else k % 90) for j, v in enumerate(hole)] for k in range(4000)]
+    data["annotations"][0]["segmentation"] = [wavy, *holes]
+    check(ann, data, image_dir, masks=True)
 
 
 @pytest.mark.parametrize("edit, says", [

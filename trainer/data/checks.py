@@ -21,8 +21,9 @@ MAX_IMAGE_SIDE = 20_000  # pixels
 MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
 # pixels: an annotation's polygons' outline (each edge's longer side). pycocotools rasterises 5 points
-# a pixel into an int count: 860 edges of 1e6 overflowed it (a segfault), 1,000 took 21 GB.
-MAX_OUTLINE = 1e6
+# a pixel into an int count: 860 edges of 1e6 overflowed it (a segfault), 1,000 took 21 GB. 1e7
+# takes it about 0.4 GB; a 20000x20000 canopy with 4,000 holes is 1.3e6 to 1.5e6.
+MAX_OUTLINE = 1e7
 DECODED_FORMATS = ("JPEG", "MPO", "PNG", "GIF", "WEBP")  # PIL's names of what images.decode reads (MPO: a camera's JPEG)
 
 
@@ -258,9 +259,11 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
 
 
 def _outline(polygon: list) -> float:
-    """A closed polygon's length as pycocotools walks it: each edge's longer side."""
-    xs, ys = polygon[0::2], polygon[1::2][:len(polygon) // 2]
-    xs = xs[:len(ys)]
+    """A closed polygon's length as pycocotools walks it: each edge's longer side (0 for one of
+    fewer than 3 points, which the loader drops)."""
+    if len(polygon) < 6:
+        return 0
+    xs, ys = polygon[0:len(polygon) - 1:2], polygon[1::2]  # an odd last number is no point
     return sum(max(abs(x1 - x0), abs(y1 - y0)) for x0, x1, y0, y1 in zip(xs, xs[1:] + xs[:1], ys, ys[1:] + ys[:1]))
 
 
