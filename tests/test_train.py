@@ -356,6 +356,9 @@ def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_pa
     kept = [tmp_path / f".model_iter8.pth.tmp.{HOST}.{os.getpid()}", tmp_path / f".download.{HOST}.{os.getpid()}.z3",
             tmp_path / f".json_stats.log.tmp.{HOST}.{os.getpid()}", tmp_path / ".json_stats.log.tmp.1",
             tmp_path / ".download.otherhost.1.q4", tmp_path / "model_iter2.pth", tmp_path / f".notes.txt.tmp.{HOST}.1"]
+    (tmp_path / "eval" / "synth_shapes_val").mkdir(parents=True)  # an evaluation killed mid-write (helper-57)
+    gone.append(tmp_path / "eval" / "synth_shapes_val" / f".detections.json.tmp.{HOST}.{dead.pid}")
+    kept.append(tmp_path / "eval" / "synth_shapes_val" / f".detections.json.tmp.{HOST}.{os.getpid()}")
     for path in gone + kept:
         if path.name.startswith(".download"):
             path.mkdir()

@@ -40,7 +40,8 @@ UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for t
 JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 # Temporary files of write_atomic and save_atomic (`.<name>.tmp.<host>.<pid>`; before the host was
 # in the name, `.<name>.tmp.<pid>`), and a download's folder.
-_TMP_RE = re.compile(r"\.(?:model_(?:iter[0-9]+|final)\.pth|" + "|".join(map(re.escape, JOB_FILES)) + r")"
+EVAL_FILES = ("detections.json", "per_category_ap.md")  # what an evaluation writes in eval/<set>/
+_TMP_RE = re.compile(r"\.(?:model_(?:iter[0-9]+|final)\.pth|" + "|".join(map(re.escape, JOB_FILES + EVAL_FILES)) + r")"
                      r"\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>[0-9]+)"
                      r"|\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>[0-9]+)\.[A-Za-z0-9_]+", re.ASCII)
 STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
@@ -85,12 +86,15 @@ def links_written_through(output_dir: Path) -> list[Path]:
 
 
 def remove_stale_temps(output_dir: Path) -> list[Path]:
-    """Delete the temporary files (checkpoints, the job's other files) and download folders left by
-    killed jobs: this host's whose process is gone, another host's (or an unnamed one's) after a day."""
+    """Delete the temporary files (checkpoints, the job's other files, an evaluation's in eval/<set>/)
+    and download folders left by killed jobs: this host's whose process is gone, another host's (or
+    an unnamed one's) after a day."""
     if not output_dir.is_dir():
         return []
+    evals = output_dir / "eval"
+    folders = [output_dir, *(evals.iterdir() if evals.is_dir() and not evals.is_symlink() else ())]
     removed = []
-    for path in output_dir.iterdir():
+    for path in (p for folder in folders if folder.is_dir() and not folder.is_symlink() for p in folder.iterdir()):
         m = _TMP_RE.fullmatch(path.name)
         if not m:
             continue
