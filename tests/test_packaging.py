@@ -195,7 +195,8 @@ def test_pipeline_train_and_eval_get_a_gpu_and_the_tracking_secret(tmp_path):
     assert ev.get("resourceType", ev.get("type")) == "nvidia.com/gpu"
     assert "accelerator" not in executors["exec-register-model"]["container"].get("resources", {})
 
-    mod = _pipeline_module()
+    _pipeline_module()
+    mod = importlib.import_module("pipeline.steps")
     for name in ("exec-train", "exec-evaluate", "exec-register-model"):
         assert [v["mountPath"] for v in platform[name]["secretAsVolume"]] == [mod.SECRET_MOUNT]
         assert _step(spec, name)[:4] == ["bash", "-c", mod.WITH_TRACKING_SH, "tracking"]
@@ -240,7 +241,8 @@ def _own(spec: dict, name: str) -> list[str]:
 def test_pipeline_steps_take_the_tracking_settings_from_the_secrets_files(tmp_path):
     """The wrapper the tracked steps run in: each key of the Secret's volume that is there becomes
     its variable; no MLFLOW_TRACKING_URI is one line, exit 2."""
-    mod = _pipeline_module()
+    _pipeline_module()
+    mod = importlib.import_module("pipeline.steps")
     secret = tmp_path / "secret"
     secret.mkdir()
     (secret / "MLFLOW_TRACKING_URI").write_text("https://mlflow.example")

@@ -173,7 +173,8 @@ def test_no_istio_sidecar_joins_the_training_pods():
 def test_tracking_settings_come_from_the_secret_and_no_secret_is_in_the_file():
     from trainer.redaction import is_secret_key
 
-    pipeline = _pipeline_module()
+    _pipeline_module()
+    pipeline = importlib.import_module("pipeline.steps")
     env = {e["name"]: e for e in _manifest()["spec"]["trainer"]["env"]}
     secret_keys = {**pipeline.REQUIRED_SECRET_KEYS, **pipeline.OPTIONAL_SECRET_KEYS}  # the KFP steps' keys too
     for var, key in secret_keys.items():
