@@ -197,6 +197,57 @@ def test_several_datasets_prefix_all_but_the_first(shapes, tmp_path):
     assert "| other/bbox |" in format_metrics(metrics)
 
 
+def _break_pixels(png: Path) -> bytes:
+    """Keep the PNG's header (the start-of-job check reads it), garble its image data; the old bytes."""
+    data = png.read_bytes()
+    start = data.index(b"IDAT") + 8
+    png.write_bytes(data[:start] + b"U" * (len(data) - start - 12) + data[-12:])
+    return data
+
+
+def test_a_test_image_unreadable_only_at_the_final_evaluation_keeps_model_final_and_a_rerun_evaluates_it(
+        tmp_path, data_dir):
+    """A test image whose header is sound but whose pixels are not passes the check at start and fails
+    the final evaluation, read by a loader worker: one line (not the worker's traceback), saying that
+    model_final is saved; once the image is fixed, the same command gives the run its scores."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from tests.conftest import demo_overrides, run_trainer
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    image = sorted((data / "synth_shapes" / "val" / "images").iterdir())[0]
+    good = _break_pixels(image)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data, **{"SOLVER.MAX_ITER": 4, "TRACKING.URI": uri, "DATA_LOADER.NUM_THREADS": 1})
+    failed = run_trainer(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    last = failed.stderr.strip().split("\n")[-1]
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert last.startswith(f"error: cannot decode image {image}: ") and "Traceback" not in failed.stderr, last
+    assert last.endswith("(model_final.pth is saved; once the test set is fixed, the same command evaluates it "
+                         "into the run)"), last
+    assert (tmp_path / "output" / "model_final.pth").is_file()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and "bbox/AP" not in run.data.metrics
+
+    image.write_bytes(good)
+    again = run_trainer(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "sent the run what it lacked: the evaluation of model_final.pth, the model" in again.stdout
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "FINISHED" and 0.0 <= run.data.metrics["bbox/AP"] <= 1.0
+
+    # Untracked, the line names the command that evaluates it.
+    _break_pixels(image)
+    untracked = run_trainer(args + ["TRACKING.ENABLED", "False", "OUTPUT_DIR", str(tmp_path / "untracked")],
+                            cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert untracked.returncode == 2 and untracked.stderr.strip().split("\n")[-1].endswith(
+        f"`tracktron eval` of the job's config with --weights {tmp_path / 'untracked' / 'model_final.pth'} evaluates it)")
+
+
 def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data_dir):
     from mlflow import MlflowClient
 

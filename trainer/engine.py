@@ -101,7 +101,7 @@ def train_model(job: Job) -> AlreadyFinished | None:
                 s.writer.close()
             guard.finishing = True  # model_final is safe: a signal now lets the job complete
             if cfg.TEST.DATASETS:
-                evaluate_checkpoint(job, s, None)
+                evaluate_final(job, s)
             if job.ctx.is_main:
                 log_final_model(cfg, job.tracker, job.output_dir, unwrap(s.model).state_dict(), s.categories)
     except Preempted as e:
@@ -280,6 +280,17 @@ def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:
         s.writer.wait()
     step = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
     evaluate(job.cfg, s.model, job.ctx, job.output_dir, job.tracker, step=step, checkpoint=checkpoint_name(cur_iter))
+
+
+def evaluate_final(job: Job, s: LoopState) -> None:
+    """model_final's evaluation. A test image found unreadable only now (its header was sound) fails
+    the job with model_final kept: the error says how to evaluate it once the test set is fixed."""
+    try:
+        evaluate_checkpoint(job, s, None)
+    except UserError as e:
+        later = ("the same command evaluates it into the run" if job.tracker.run.run_id
+                 else f"`tracktron eval` of the job's config with --weights {job.output_dir / FINAL} evaluates it")
+        raise UserError(f"{e} ({FINAL} is saved; once the test set is fixed, {later})") from None
 
 
 def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:

@@ -31,6 +31,7 @@ from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
 from trainer.data.checks import category_difference, same_categories
+from trainer.data.workers import worker_error
 from trainer.distributed import Context, broadcast_object, check_same_job, gather_object
 from trainer.config import flatten
 from trainer.config_checks import dataset_dirname
@@ -88,10 +89,13 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
     """COCO results of the loader's images (this rank's shard); all ranks' on rank 0, [] elsewhere."""
     results = []
     with _eval_mode(model) as net, torch.inference_mode():
-        for images, targets in loader:
-            outputs = net([im.to(device, non_blocking=True) for im in images])
-            ids = [t["image_id"] for t in targets]
-            results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
+        try:
+            for images, targets in loader:
+                outputs = net([im.to(device, non_blocking=True) for im in images])
+                ids = [t["image_id"] for t in targets]
+                results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
+        except UserError as e:  # an image a loader worker could not read: its one line
+            raise worker_error(e) from None
     if ctx is None or not ctx.distributed:
         return results
     return [r for part in gather_object(ctx, results) for r in part]  # shards are disjoint

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from trainer.errors import UserError
+from trainer.data.workers import worker_error
 
 
 class Prefetcher:
@@ -31,7 +31,7 @@ class Prefetcher:
             while not self._stop.is_set():
                 self._put((True, _to_device(next(self._it), self._device)))
         except BaseException as e:  # handed to the consumer, who re-raises it
-            self._put((False, _unwrap(e)))
+            self._put((False, worker_error(e)))
 
     def _put(self, item) -> None:
         while not self._stop.is_set():  # a timeout, so close() is never stuck behind a full queue
@@ -95,10 +95,3 @@ def _to_device(obj, device):
         return type(obj)(_to_device(v, device) for v in obj)
     return obj
 
-
-def _unwrap(e: BaseException) -> BaseException:
-    """A UserError from a loader worker arrives with the worker's traceback; keep its one line."""
-    text = str(e)
-    if isinstance(e, UserError) and "Original Traceback" in text:
-        return type(e)(text.rstrip().splitlines()[-1].split(": ", 1)[-1])
-    return e

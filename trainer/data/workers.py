@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import torch
 
+from trainer.errors import UserError
 from trainer.preemption import STOP_SIGNALS, held
 
 _PR_SET_PDEATHSIG = 1
@@ -77,3 +78,11 @@ def _bind_to_parent(parent_pid: int) -> None:
             return
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         os._exit(1)
+
+
+def worker_error(e: BaseException) -> BaseException:
+    """A UserError from a loader worker arrives with the worker's traceback; keep its one line."""
+    text = str(e)
+    if isinstance(e, UserError) and "Original Traceback" in text:
+        return type(e)(text.rstrip().splitlines()[-1].split(": ", 1)[-1])
+    return e
