@@ -75,6 +75,9 @@ def run_one(name: str, env: Env) -> Section:
     return section
 
 
+RERUN_NOTE = "The machine and load of the last full run; a section rerun alone since (`--only`) says when, under its title."
+
+
 def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, str], total_s: float) -> str:
     out = ["# tracktron benchmarks", "",
            "Written by `python -m bench.run" + (" --quick" if quick else "") + "`; do not edit by hand "
@@ -90,7 +93,7 @@ def render(sections: list[Section], info: dict, quick: bool, load: tuple[str, st
     rows = [[k, v] for k, v in info.items()]
     rows.append(["load average (1, 5, 15 min) at start / end", f"{load[0]} / {load[1]}"])
     rows.append(["mode", ("--quick" if quick else "full") + f", {total_s / 60:.1f} min in all"])
-    out += [md_table(["", ""], rows, "ll"), "", "## Summary", ""]
+    out += [md_table(["", ""], rows, "ll"), "", RERUN_NOTE, "", "## Summary", ""]
     out.append(md_table(["benchmark", "result", "target", "verdict", "time"],
                         [[s.name, s.headline, s.target, verdict(s.passed), f"{s.seconds:.0f} s"] for s in sections],
                         "lllll"))
@@ -114,6 +117,7 @@ def merge(old: str, fresh: str, stamp: str) -> str:
     parts = old.rstrip("\n").split("\n## ")
     if not any(p.startswith("Summary") and "\n| " in p for p in parts):
         raise ValueError("it has no summary table")
+    parts[0] = fresh_parts[0]  # how to run it, as bench.run now says
     for i, part in enumerate(parts):
         name = part.split(":", 1)[0]
         if part.startswith("Summary"):
@@ -121,6 +125,8 @@ def merge(old: str, fresh: str, stamp: str) -> str:
                      for line in part.split("\n")]
             last = max(j for j, line in enumerate(lines) if line.startswith("| "))
             parts[i] = "\n".join(lines[:last + 1] + list(new_rows.values()) + lines[last + 1:])
+        elif part.startswith("Machine") and RERUN_NOTE not in part:
+            parts[i] = f"{part.rstrip()}\n\n{RERUN_NOTE}\n"
         elif name in new_sections:
             parts[i] = _stamped(new_sections.pop(name), stamp)
     parts += [_stamped(part, stamp) for part in new_sections.values()]

@@ -1,5 +1,5 @@
-"""Checkpoint files by name: which iteration a file holds, the newest ones in a folder, their
-sha256, the temporary files of writers that were killed, pruning. No torch here: the tracker uses
+"""Checkpoint files by name: which iteration a file holds, the newest ones in a folder, the
+temporary files of writers that were killed, pruning. No torch here: the tracker uses
 these before torch is imported (a resume starts its download while torch loads).
 """
 from __future__ import annotations

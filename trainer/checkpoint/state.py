@@ -1,7 +1,7 @@
 """A checkpoint's contents: the training state, written atomically, loaded safely.
 
-A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states
-and the sampler's position (the sampler is a pure function of seed and iteration, so the
+A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states,
+the dataset's categories and the sampler's position (the sampler is a pure function of seed and iteration, so the
 iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
 killed process leaves either the old set or the new file, never half of one (its temporary file is
 removed by the next job in that folder). writer.py writes them on a background thread. A write
@@ -9,7 +9,8 @@ that fails (disk full, file size limit) raises `CheckpointWriteError` naming the
 reason, and leaves the older checkpoints as they were.
 
 Loading checks every record of the zip archive against its CRC-32 before unpickling (with
-`weights_only=True`), so a truncated or bit-flipped file is skipped, never trained on.
+`weights_only=True`), so a truncated or bit-flipped file is skipped, never trained on; a download
+already checked against its sha256 tag skips that second read.
 """
 from __future__ import annotations
 
