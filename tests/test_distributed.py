@@ -143,6 +143,31 @@ def test_a_torchrun_job_whose_output_dir_is_moved_stops_every_rank_in_one_line(t
     assert (tmp_path / "r1" / "model_iter2.pth").exists()
 
 
+def test_a_test_image_one_rank_cannot_read_stops_every_rank_with_its_line(tmp_path, data_dir):
+    """A test image whose pixels are broken (its header passed the check at start) in rank 1's shard of
+    the final evaluation: every rank stops with that image's line, and the run is FAILED with it, not
+    with rank 0's "Connection closed by peer" from the collective rank 1 left."""
+    from mlflow import MlflowClient
+
+    from tests.faultkit import garble_image_data
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    image = sorted((data / "synth_shapes" / "val" / "images").iterdir())[1]  # rank 1's shard: 1::2
+    garble_image_data(image)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = torchrun(demo_overrides(tmp_path, data, **{"SOLVER.MAX_ITER": 4, "TRACKING.URI": uri,
+                                                      "DATA_LOADER.NUM_THREADS": 1}), tmp_path)
+    assert done.returncode != 0
+    line = (f"error: cannot decode image {image}: cannot decode the image (broken data stream when reading image "
+            "file) (model_final.pth is saved; once the test set is fixed, the same command evaluates it into the run)")
+    assert [x for x in done.stderr.splitlines() if x.startswith("error:")] == [line, line], done.stderr[-3000:]
+    assert "Connection closed by peer" not in done.stderr
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and run.data.tags["tracktron.status_reason"] == line.removeprefix("error: ")
+
+
 def test_weights_on_the_first_nodes_disk_alone_train_every_node(tmp_path, data_dir):
     """Two torchrun nodes, TRAIN.WEIGHTS a file on the first one's disk only (a path relative to its
     working folder): the second node's rank loaded the file itself and failed once training started

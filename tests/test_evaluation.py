@@ -197,14 +197,6 @@ def test_several_datasets_prefix_all_but_the_first(shapes, tmp_path):
     assert "| other/bbox |" in format_metrics(metrics)
 
 
-def _break_pixels(png: Path) -> bytes:
-    """Keep the PNG's header (the start-of-job check reads it), garble its image data; the old bytes."""
-    data = png.read_bytes()
-    start = data.index(b"IDAT") + 8
-    png.write_bytes(data[:start] + b"U" * (len(data) - start - 12) + data[-12:])
-    return data
-
-
 def test_a_test_image_unreadable_only_at_the_final_evaluation_keeps_model_final_and_a_rerun_evaluates_it(
         tmp_path, data_dir):
     """A test image whose header is sound but whose pixels are not passes the check at start and fails
@@ -215,11 +207,12 @@ def test_a_test_image_unreadable_only_at_the_final_evaluation_keeps_model_final_
     from mlflow import MlflowClient
 
     from tests.conftest import demo_overrides, run_trainer
+    from tests.faultkit import garble_image_data
 
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     image = sorted((data / "synth_shapes" / "val" / "images").iterdir())[0]
-    good = _break_pixels(image)
+    good = garble_image_data(image)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data, **{"SOLVER.MAX_ITER": 4, "TRACKING.URI": uri, "DATA_LOADER.NUM_THREADS": 1})
     failed = run_trainer(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
@@ -241,7 +234,7 @@ def test_a_test_image_unreadable_only_at_the_final_evaluation_keeps_model_final_
     assert run.info.status == "FINISHED" and 0.0 <= run.data.metrics["bbox/AP"] <= 1.0
 
     # Untracked, the line names the command that evaluates it.
-    _break_pixels(image)
+    garble_image_data(image)
     untracked = run_trainer(args + ["TRACKING.ENABLED", "False", "OUTPUT_DIR", str(tmp_path / "untracked")],
                             cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert untracked.returncode == 2 and untracked.stderr.strip().split("\n")[-1].endswith(

@@ -149,8 +149,7 @@ def check_same_job(ctx: Context, keys: dict, data: dict | None = None) -> None:
     would wait in a collective forever, one with another BASE_LR or other categories train silently."""
     if not ctx.distributed:
         return
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, (keys, data))  # each rank sees them all, so all stop with the same line
+    every = all_gather_object(ctx, (keys, data))  # each rank sees them all, so all stop with the same line
     first, first_data = every[0]
     for rank, (theirs, their_data) in enumerate(every):
         data_differ = _differ(first_data, their_data) if first_data is not None and their_data is not None else []
@@ -163,6 +162,15 @@ def check_same_job(ctx: Context, keys: dict, data: dict | None = None) -> None:
 
 def _differ(ours: dict, theirs: dict) -> list[str]:
     return sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+
+
+def all_gather_object(ctx: Context, obj) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def gather_object(ctx: Context, obj) -> list:

@@ -288,7 +288,7 @@ def evaluate_final(job: Job, s: LoopState) -> None:
     try:
         evaluate_checkpoint(job, s, None)
     except UserError as e:
-        later = ("the same command evaluates it into the run" if job.tracker.run.run_id
+        later = ("the same command evaluates it into the run" if job.cfg.TRACKING.ENABLED
                  else f"`tracktron eval` of the job's config with --weights {job.output_dir / FINAL} evaluates it")
         raise UserError(f"{e} ({FINAL} is saved; once the test set is fixed, {later})") from None
 

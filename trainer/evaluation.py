@@ -32,7 +32,7 @@ from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
 from trainer.data.checks import category_difference, same_categories
 from trainer.data.workers import worker_error
-from trainer.distributed import Context, broadcast_object, check_same_job, gather_object
+from trainer.distributed import Context, all_gather_object, broadcast_object, check_same_job, gather_object
 from trainer.config import flatten
 from trainer.config_checks import dataset_dirname
 from trainer.errors import UserError, user_path
@@ -87,7 +87,7 @@ def _eval_mode(model: torch.nn.Module):
 
 def run_inference(model, loader, dataset, device, ctx: Context | None = None) -> list[dict]:
     """COCO results of the loader's images (this rank's shard); all ranks' on rank 0, [] elsewhere."""
-    results = []
+    results, error = [], None
     with _eval_mode(model) as net, torch.inference_mode():
         try:
             for images, targets in loader:
@@ -95,7 +95,11 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
                 ids = [t["image_id"] for t in targets]
                 results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
         except UserError as e:  # an image a loader worker could not read: its one line
-            raise worker_error(e) from None
+            error = str(worker_error(e))
+    if ctx is not None and ctx.distributed:  # every rank stops with that line, none waits for the one that did
+        error = next(filter(None, all_gather_object(ctx, error)), None)
+    if error:
+        raise UserError(error)
     if ctx is None or not ctx.distributed:
         return results
     return [r for part in gather_object(ctx, results) for r in part]  # shards are disjoint
