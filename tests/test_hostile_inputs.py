@@ -402,13 +402,25 @@ def test_mlflow_experiment_id_is_read_as_mlflow_reads_it(here, monkeypatch, data
     assert "experiment by-name (new), a new run" in train(here, "SOLVER.MAX_ITER", "1", dry_run=True).stdout
 
 
+def test_a_tracking_uri_read_from_a_secrets_file_keeps_no_trailing_newline(here, monkeypatch):
+    """`MLFLOW_TRACKING_URI=$(cat /secrets/uri)` keeps no newline, but one mounted as an env var from
+    a Kubernetes Secret does: it was refused as `Invalid url` with the newline inside the line."""
+    uri = f"sqlite:///{here / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"{uri}\n")
+    plan = train(here, "TRACKING.URI", "", dry_run=True)
+    assert plan.code is None and f"tracking: {uri}: a new store" in plan.stdout, plan.stderr
+    plan = train(here, "TRACKING.URI", f" {uri}\n", dry_run=True)
+    assert plan.code is None and f"tracking: {uri}: a new store" in plan.stdout, plan.stderr
+
+
 # ---- secrets ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, value, secret", [
     ("TRAIN.WEIGHTS", "http://127.0.0.1:9/w.pth?X-Amz-Credential=AKIAX&X-Amz-Signature=SIGSECRET2", "SIGSECRET2"),
     ("TRAIN.WEIGHTS", "http://u:PW@SECRET4@127.0.0.1:9/w.pth", "SECRET4"),  # an unescaped @ in the password
     ("TRACKING.URI", "http://127.0.0.1:9/?token=QTOKSECRET", "QTOKSECRET"),
-], ids=["presigned-url", "at-in-password", "token-in-query"])
+    ("TRACKING.URI", "HTTPS://127.0.0.1:9/?token=QTOKSECRET", "QTOKSECRET"),
+], ids=["presigned-url", "at-in-password", "token-in-query", "token-in-query-capital-scheme"])
 def test_a_secret_in_a_url_never_reaches_the_error_line(here, key, value, secret):
     result = train(here, key, value)
     assert result.code == 2 and secret not in result.stderr + result.stdout, result.stderr

@@ -478,13 +478,14 @@ def test_a_small_weights_file_that_inflates_to_a_huge_tensor_is_refused_before_l
         assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("length", [9, 12, 16, 40])
-def test_a_token_in_the_tracking_uri_is_never_shown_even_in_part(tmp_path, length):
+@pytest.mark.parametrize("length, scheme", [(9, "http"), (12, "http"), (16, "http"), (40, "http"), (16, "HTTP")])
+def test_a_token_in_the_tracking_uri_is_never_shown_even_in_part(tmp_path, length, scheme):
     """An error line is cut at 200 characters: cut before it was redacted, the token in
     `url: /?token=...` was cut in half, no longer matched the token to hide and was printed
-    (all but the last characters of it). Found by the red team of 2026-12-03 (second)."""
+    (all but the last characters of it). Found by the red team of 2026-12-03 (second). A scheme in
+    capitals (`HTTP://`, which MLflow and urllib3 take) printed it whole (helper-58)."""
     token = (uuid.uuid4().hex * 2)[:length]
-    result = subprocess.run([*trainer_cmd()[:3], "status", "--uri", f"http://127.0.0.1:9/?token={token}",
+    result = subprocess.run([*trainer_cmd()[:3], "status", "--uri", f"{scheme}://127.0.0.1:9/?token={token}",
                              "--timeout", "20"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     shown = result.stdout + result.stderr

@@ -65,8 +65,8 @@ def bound_http(timeout: int = 30, retries: int = 2) -> None:
 
 def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
-    given = uri or (cfg.TRACKING.URI if cfg is not None else "")
-    chosen = without_credentials(given or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+    given = (uri or (cfg.TRACKING.URI if cfg is not None else "")).strip()  # a Secret's file ends in a newline
+    chosen = without_credentials(_lower_scheme(given or os.environ.get("MLFLOW_TRACKING_URI", "").strip() or DEFAULT_URI))
     if chosen.startswith(("http://", "https://")):  # a token in the query: hidden also where a library
         for _, value in parse_qsl(urlsplit(chosen).query):  # prints the path without the scheme (`url: /?t=...`)
             remember(value)
@@ -75,6 +75,12 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
         raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone, or :memory:, is "
                         "in memory and keeps nothing past the job); give a file, e.g. sqlite:///mlflow.db")
     return chosen
+
+
+def _lower_scheme(uri: str) -> str:
+    """`HTTP://host` as `http://host`: what follows (a token's hiding, the run's link) knows schemes in lower case."""
+    scheme, sep, rest = uri.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if sep and scheme.isascii() and scheme.isalpha() else uri
 
 
 def without_credentials(uri: str) -> str:
