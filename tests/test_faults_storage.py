@@ -74,6 +74,8 @@ def test_s3_failing_for_good_claims_nothing_says_what_was_not_uploaded_and_a_rer
     assert code == 1, job.stderr[-3000:]
     last = job.last_line
     assert last.startswith("error: the tracking server did not get: ") and "model_final.pth" in last, last
+    named = last.removeprefix("error: the tracking server did not get: ").split(". The local files")[0].split(", ")
+    assert len(named) == len(set(named)), last  # json_stats.log, uploaded twice, was named twice (helper-58)
     assert "Traceback" not in job.stderr
     run = only_run(client, "s3-down")
     assert not [t for t in run.data.tags if t.startswith("tracktron.ckpt.")]

@@ -286,6 +286,54 @@ def test_a_registered_model_named_like_a_model_id_is_used_by_name(trained, tmp_p
     assert parent["version"] == f"m-det/{version}" and parent["model_id"] == final.source.removeprefix("models:/")
 
 
+def test_an_alias_moved_while_its_weights_download_records_the_version_they_came_from(trained, tmp_path, monkeypatch):
+    """A promotion moving @a while a fine-tune downloads models:/moving@a: the alias was looked up again
+    for the parent, so the run recorded the version it moved to, and trained on the other one's weights
+    (helper-58)."""
+    import mlflow
+
+    from trainer.tracking import logged_model
+
+    mlflow.set_tracking_uri(trained["uri"])  # a version made from models:/<id> looks the model up here
+    client, run_id = trained["client"], trained["run_id"]
+    final = client.get_model_version_by_alias("rt", "final")
+    client.create_registered_model("moving")
+    first = client.create_model_version("moving", final.source, run_id=run_id).version
+    second = client.create_model_version("moving", f"runs:/{run_id}/checkpoints/model_iter1.pth", run_id=run_id).version
+    client.set_registered_model_alias("moving", "a", first)
+    download = logged_model.download_uri
+
+    def promoted_meanwhile(*args, **kwargs):
+        path = download(*args, **kwargs)
+        client.set_registered_model_alias("moving", "a", second)
+        return path
+
+    monkeypatch.setattr(logged_model, "download_uri", promoted_meanwhile)
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    path, parent = logged_model.fetch_weights(cfg, "models:/moving@a", tmp_path)
+    assert path.name == "weights.pt"  # the first version's: the final model, not model_iter1.pth
+    assert parent["version"] == f"moving/{first}" and parent["weights"] == "models:/moving@a"
+    assert parent["model_id"] == final.source.removeprefix("models:/")
+
+
+def test_mlflow_registry_uri_is_the_registry_of_a_fine_tunes_weights_and_its_parent(trained, tmp_path, monkeypatch):
+    """MLFLOW_REGISTRY_URI set: the weights came from that registry, the parent was looked up in the
+    tracking server's, whose model of the same name was another one (helper-58)."""
+    from mlflow import MlflowClient
+
+    from trainer.tracking.logged_model import fetch_weights
+
+    other = f"sqlite:///{tmp_path / 'registry.db'}"
+    client = MlflowClient(tracking_uri=trained["uri"], registry_uri=other)
+    client.create_registered_model("rt")  # another rt: its @best a folder, the tracking store's a logged model
+    client.create_model_version("rt", str(trained["folder"]))
+    client.set_registered_model_alias("rt", "best", "1")
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", other)
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    path, parent = fetch_weights(cfg, "models:/rt@best", tmp_path / "w")
+    assert path.name == "weights.pt" and parent["version"] == "rt/1" and "model_id" not in parent, parent
+
+
 def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
     """`tracktron eval --weights runs:/<id>/model` logged the final model's metrics into the run at
     step 0, where a chart shows them as the untrained network's."""
@@ -387,6 +435,35 @@ def test_a_second_job_on_the_same_registered_model_does_not_split_its_aliases(tr
     except Exception:
         return  # @best removed: it named another job
     assert best.run_id == final.run_id, "@best and @final name different jobs' models"
+
+
+def test_a_registered_model_tracktron_did_not_log_or_a_registry_that_is_down_is_refused_before_a_run(trained, tmp_path):
+    """TRACKING.REGISTERED_MODEL naming another team's model (not a detector): the job trained and
+    moved its @best and @final to a detector. A registry that does not answer was found only at the
+    end, after the whole training (helper-58)."""
+    from tests.servers import free_port
+
+    client = trained["client"]
+    client.create_registered_model("churn")
+    client.create_model_version("churn", str(tmp_path / "their-model"))
+    client.set_registered_model_alias("churn", "best", "1")
+    before = _runs(trained["db"])
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "SOLVER.MAX_ITER": 1,
+                                                            "TRACKING.REGISTERED_MODEL": "churn"})
+    for dry_run in ([], ["--dry-run"]):
+        done = run_trainer([*dry_run, *args], cwd=tmp_path, timeout=120)
+        assert done.returncode == 2 and _error_lines(done.stderr) == [
+            "error: TRACKING.REGISTERED_MODEL churn holds a model tracktron did not log (version 1, @best); its @final "
+            "and @best would move to this job's: name another registered model"], done.stderr[-2000:]
+    assert {a: str(v) for a, v in client.get_registered_model("churn").aliases.items()} == {"best": "1"}
+    assert _runs(trained["db"]) == before
+    assert not (tmp_path / "output").exists()
+
+    down = run_trainer(["--dry-run", *args, "TRACKING.REGISTERED_MODEL", "new"], cwd=tmp_path, timeout=120,
+                       env={"MLFLOW_REGISTRY_URI": f"http://127.0.0.1:{free_port()}"})
+    assert down.returncode == 2, down.stderr[-2000:]
+    assert _error_lines(down.stderr)[0].startswith("error: TRACKING.REGISTERED_MODEL new: the model registry did not "
+                                                   "answer"), down.stderr[-2000:]
 
 
 def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_dir):

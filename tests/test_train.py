@@ -488,8 +488,14 @@ def test_a_resume_says_which_iterations_of_its_run_it_does_not_log(caplog):
     warn_of_missing_metrics(RunInfo(run_id="r1", last_step=24), 10)
     assert caplog.messages == ["run r1 has metrics up to iteration 24 from an earlier start: this one trains "
                                "iterations 10-24 again without sending them, so the run keeps the earlier values"]
-    warn_of_missing_metrics(RunInfo(run_id="r1", last_step=4), 10)
-    assert caplog.messages[-1].startswith("run r1 has no metrics for iterations 5-9 ")
+    warn_of_missing_metrics(RunInfo(run_id="r1", last_step=4, resumed=True), 10)
+    assert caplog.messages[-1].startswith("run r1 has no metrics for iterations 5-9 (the job stopped before it sent")
+    # A new run for a job that resumes from its folder: its earlier run is elsewhere, perhaps in the
+    # default sqlite:///mlflow.db of the folder it was started from (helper-58).
+    warn_of_missing_metrics(RunInfo(run_id="r2", last_step=-1, resumed=False), 10)
+    assert caplog.messages[-1].startswith("run r2 has no metrics for iterations 0-9 (it is a new run: the job's earlier "
+                                          "one, if tracked, is in another store or experiment; a relative store such "
+                                          "as the default sqlite:///mlflow.db is found from the working folder)")
     caplog.clear()
     warn_of_missing_metrics(RunInfo(run_id=None, last_step=-1), 10)  # untracked: no run to speak of
     assert caplog.messages == []

@@ -69,9 +69,11 @@ def warn_of_missing_metrics(run, start_iter: int) -> None:
     older than the run's newest metrics trains those iterations again without logging a step twice.
     Said once, not papered over."""
     if run.run_id and run.last_step < start_iter - 1:
-        log.warning("run %s has no metrics for iterations %d-%d (the job stopped before it sent them, or trained "
-                    "them outside this run); json_stats.log has every LOG_PERIOD-th", run.run_id, run.last_step + 1,
-                    start_iter - 1)
+        why = ("the job stopped before it sent them, or trained them outside this run" if run.resumed else
+               "it is a new run: the job's earlier one, if tracked, is in another store or experiment; a relative "
+               "store such as the default sqlite:///mlflow.db is found from the working folder")
+        log.warning("run %s has no metrics for iterations %d-%d (%s); json_stats.log has every LOG_PERIOD-th",
+                    run.run_id, run.last_step + 1, start_iter - 1, why)
     elif run.run_id and run.last_step >= start_iter:  # one curve: a step is never logged twice
         log.info("run %s has metrics up to iteration %d from an earlier start: this one trains iterations %d-%d "
                  "again without sending them, so the run keeps the earlier values", run.run_id, run.last_step,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
+from trainer.errors import UserError, first_line
 from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log_checkpoint, servable_name, set_alias,
                                                update_best)
 from trainer.tracking.runs import DETECTOR_TYPE
@@ -106,3 +107,39 @@ def _ready_model(client, experiment_id: str, run_id: str, name: str):
     models = every_page(client.search_logged_models, experiment_ids=[experiment_id],
                         filter_string=f"source_run_id = '{run_id}' AND model_type = '{DETECTOR_TYPE}' AND name = '{name}'")
     return next((m for m in models if str(m.status) == "READY"), None)
+
+
+def check_registered_model(client, cfg) -> None:
+    """TRACKING.REGISTERED_MODEL, before the job's run is made: its registry answers, and a model of
+    that name holds tracktron's models only. The job moves its @final and @best at the end: another
+    team's `churn@best` must not become a detector, nor a registry that is down be found only then."""
+    from mlflow.exceptions import MlflowException
+
+    name = cfg.TRACKING.REGISTERED_MODEL
+    if not (name and cfg.TRACKING.LOG_MODEL):
+        return
+    try:
+        model = client.get_registered_model(name)
+        aliased = {str(v): a for a, v in model.aliases.items() if a in ("final", "best")}  # int in a SQLite store
+        newest = max((int(v.version) for v in model.latest_versions or ()), default=None)
+        for version in sorted({*aliased, *([str(newest)] if newest is not None else [])}, key=int):
+            if not _is_ours(client, client.get_model_version(name, version)):
+                held = f"version {version}" + (f", @{aliased[version]}" if version in aliased else "")
+                raise UserError(f"TRACKING.REGISTERED_MODEL {name} holds a model tracktron did not log ({held}); "
+                                "its @final and @best would move to this job's: name another registered model")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # a new name is fine
+            raise UserError(f"TRACKING.REGISTERED_MODEL {name}: the model registry did not answer ({first_line(e)})") from None
+
+
+def _is_ours(client, version) -> bool:
+    """A version of a model tracktron logged (a final model or an evaluated checkpoint's)."""
+    from mlflow.exceptions import MlflowException
+
+    source = version.source or ""
+    if not source.startswith("models:/m-"):
+        return False
+    try:
+        return client.get_logged_model(source.removeprefix("models:/")).model_type in (DETECTOR_TYPE, MODEL_TYPE)
+    except MlflowException:  # deleted since, or in another store: nothing says it is someone else's
+        return True

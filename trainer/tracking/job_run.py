@@ -16,6 +16,7 @@ from trainer.errors import UserError, first_line
 from trainer.job_identity import job_hash, job_hashes
 from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.checkpoint_models import MODEL_TAG
+from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
@@ -71,9 +72,12 @@ class FoundRun:
 
 
 def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
-    """--resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run: read, nothing written."""
+    """--resume RUN_ID, else MLFLOW_RUN_ID, else the job's newest run: read, nothing written. The
+    registered model the job would move the aliases of is checked too."""
     try:
-        return _find_run(client, uri, cfg, resume_run_id, new_run)
+        found = _find_run(client, uri, cfg, resume_run_id, new_run)
+        check_registered_model(client, cfg)
+        return found
     except UserError:
         raise
     except Exception as e:  # nothing was written yet: say why in one line

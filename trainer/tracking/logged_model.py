@@ -17,7 +17,7 @@ import yaml
 from trainer.config import load_config
 from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.tracking.model_uris import MLFLOW_URIS, parent_of
+from trainer.tracking.model_uris import MLFLOW_URIS, parent_of, pinned
 from trainer.tracking.runs import DETECTOR_TYPE, download_uri
 
 CODE = Path(__file__).with_name("detector_code.py")
@@ -114,10 +114,11 @@ def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
 def fetch_weights(cfg, spec: str, dest: Path) -> tuple[Path, dict]:
     """TRAIN.WEIGHTS from MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`, `models:/...`):
     the weights file, downloaded into `dest`, and what the new run records of its parent."""
-    path = download_uri(cfg, spec, str(dest), "TRAIN.WEIGHTS")
+    source = pinned(cfg, spec)  # the version an alias names now: the one downloaded and recorded
+    path = download_uri(cfg, source, str(dest), "TRAIN.WEIGHTS")
     if path.is_dir():
         folder = _detector_folder(path, spec, "TRAIN.WEIGHTS") if (path / "MLmodel").is_file() else path
         path = folder / WEIGHTS
         if not path.is_file():
             raise UserError(f"TRAIN.WEIGHTS {spec}: neither a checkpoint nor a tracktron model")
-    return path, parent_of(cfg, spec)
+    return path, parent_of(cfg, source) | {"weights": spec}

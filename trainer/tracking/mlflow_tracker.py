@@ -377,7 +377,7 @@ class MlflowTracker(Tracker):
             wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(floor, deadline - time.monotonic()))
         kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
-        return [d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept
+        return list(dict.fromkeys([d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept))
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag

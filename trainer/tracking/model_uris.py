@@ -3,6 +3,7 @@
 
 check_source   before a training job creates anything: the URI is well formed and names something
                that exists (metadata only; the weights are downloaded when the model is built)
+pinned         an alias (or latest) as the version it names now, for a download and its record
 parent_of      what a fine-tune records of the model its weights came from
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import re
 
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import bound_http, check_shape, lists_artifact, tracking_uri
+from trainer.tracking.runs import bound_http, check_shape, lists_artifact, registry_uri, tracking_uri
 from trainer.tracking.sqlite_store import store_settled
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,22 @@ def _client(cfg):
     from mlflow import MlflowClient
 
     bound_http()
-    where = tracking_uri(cfg)
-    return MlflowClient(tracking_uri=where, registry_uri=where)
+    return MlflowClient(tracking_uri=tracking_uri(cfg), registry_uri=registry_uri(cfg))
+
+
+def pinned(cfg, spec: str) -> str:
+    """`models:/name@alias` or `models:/name/latest` as the version it names now, `models:/name/N`:
+    the weights downloaded and the parent recorded are one version, even when the alias moves (a
+    promotion) while the model downloads. Anything else, or a lookup that fails (the download then
+    says why), as it is."""
+    target = spec.split(":/", 1)[1].strip("/") if spec.startswith("models:/") else ""
+    if is_model_id(target) or not ("@" in target or target.endswith("/latest")):
+        return spec
+    try:
+        found = model_version(_client(cfg), target)
+    except Exception:
+        return spec
+    return f"models:/{found.name}/{found.version}"
 
 
 def model_version(client, target: str):

@@ -77,6 +77,12 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     return chosen
 
 
+def registry_uri(cfg: Config | None) -> str:
+    """MLFLOW_REGISTRY_URI, as MLflow reads it, else the tracking URI: a fine-tune's `models:/` weights,
+    the parent it records and the model it registers all come from one registry."""
+    return os.environ.get("MLFLOW_REGISTRY_URI", "").strip() or tracking_uri(cfg)
+
+
 def _lower_scheme(uri: str) -> str:
     """`HTTP://host` as `http://host`: what follows (a token's hiding, the run's link) knows schemes in lower case."""
     scheme, sep, rest = uri.partition("://")
