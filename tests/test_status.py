@@ -46,6 +46,26 @@ def test_system_metrics_are_logged_when_asked(finished_job):
     assert "system/system_memory_usage_megabytes" in run.data.metrics
 
 
+def test_mlflows_system_metrics_switch_is_honoured_by_the_job_not_by_its_model_logging(tmp_path, data_dir, monkeypatch):
+    """MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=true: `auto` (a CPU job) logged none while training, then
+    MLflow's monitor ran for the seconds the final model took to log, even with SYSTEM_METRICS false
+    (helper-58). It now turns `auto` on, as in MLflow, and `false` stays off."""
+    from trainer.tracking.checkpoint_models import MODEL_TAG
+    from trainer.tracking.system_metrics import wanted
+
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")
+    assert wanted(load_config(DEMO, []), on_gpu=False)
+    assert not wanted(load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "false"]), on_gpu=False)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.SYSTEM_METRICS": "false",
+                                                 "SOLVER.MAX_ITER": 2, "TEST.DATASETS": "()"})
+    done = run_trainer(args, cwd=tmp_path, env={"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
+    assert MODEL_TAG in run.data.tags  # the model was logged
+    assert not [k for k in run.data.metrics if k.startswith("system/")], run.data.metrics
+
+
 def _system_metrics_on_server(uri: str, run_id: str, key: str, within: float = 60.0) -> list:
     client, end = MlflowClient(uri), time.monotonic() + within
     while not (history := client.get_metric_history(run_id, key)) and time.monotonic() < end:

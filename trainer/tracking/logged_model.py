@@ -68,7 +68,7 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
 
     model_type = load_config(folder / CONFIG).MODEL.TYPE
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # the job's monitor is TRACKING.SYSTEM_METRICS
         return mlflow.pyfunc.log_model(
             name=name, python_model=str(CODE), artifacts={ARTIFACT: str(folder)}, code_paths=[str(PACKAGE)],
             signature=signature(model_type), input_example=pd.DataFrame({"image": [example_image()]}),

@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 
 
 def wanted(cfg: Config, on_gpu: bool) -> bool:
+    """`true`; `auto` on a GPU, or where MLflow's own switch, MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING, is on."""
     setting = cfg.TRACKING.SYSTEM_METRICS
-    return cfg.TRACKING.ENABLED and (setting == "true" or (setting == "auto" and on_gpu))
+    mlflow_on = os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower() in ("true", "1")
+    return cfg.TRACKING.ENABLED and (setting == "true" or (setting == "auto" and (on_gpu or mlflow_on)))
 
 
 def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: int, on_gpu: bool = False):
