@@ -464,6 +464,10 @@ def test_a_registered_model_tracktron_did_not_log_or_a_registry_that_is_down_is_
     assert down.returncode == 2, down.stderr[-2000:]
     assert _error_lines(down.stderr)[0].startswith("error: TRACKING.REGISTERED_MODEL new: the model registry did not "
                                                    "answer"), down.stderr[-2000:]
+    # A SQLite registry that does not exist holds no model: the check passes and makes no store.
+    empty = run_trainer(["--dry-run", *args, "TRACKING.REGISTERED_MODEL", "new"], cwd=tmp_path, timeout=120,
+                        env={"MLFLOW_REGISTRY_URI": f"sqlite:///{tmp_path / 'registry.db'}"})
+    assert empty.returncode == 0 and not (tmp_path / "registry.db").exists(), empty.stderr[-2000:]
 
 
 def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_dir):

@@ -12,8 +12,9 @@ from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
 from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log_checkpoint, servable_name, set_alias,
                                                update_best)
-from trainer.tracking.runs import DETECTOR_TYPE
+from trainer.tracking.runs import DETECTOR_TYPE, registry_uri
 from trainer.tracking.search import every_page
+from trainer.tracking.sqlite_store import sqlite_path
 
 log = logging.getLogger(__name__)
 FINAL_NAME = "model"  # the final model's name in its run (runs:/<id>/model)
@@ -115,9 +116,9 @@ def check_registered_model(client, cfg) -> None:
     team's `churn@best` must not become a detector, nor a registry that is down be found only then."""
     from mlflow.exceptions import MlflowException
 
-    name = cfg.TRACKING.REGISTERED_MODEL
-    if not (name and cfg.TRACKING.LOG_MODEL):
-        return
+    name, where = cfg.TRACKING.REGISTERED_MODEL, registry_uri(cfg)
+    if not (name and cfg.TRACKING.LOG_MODEL) or (where.startswith("sqlite:") and not sqlite_path(where).is_file()):
+        return  # a SQLite registry not made yet holds no model, and is not made by a check
     try:
         model = client.get_registered_model(name)
         aliased = {str(v): a for a, v in model.aliases.items() if a in ("final", "best")}  # int in a SQLite store

@@ -13,7 +13,7 @@ import re
 
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import bound_http, check_shape, lists_artifact, registry_uri, tracking_uri
-from trainer.tracking.sqlite_store import store_settled
+from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ def _client(cfg):
     from mlflow import MlflowClient
 
     bound_http()
-    return MlflowClient(tracking_uri=tracking_uri(cfg), registry_uri=registry_uri(cfg))
+    registry = registry_uri(cfg)
+    if registry.startswith("sqlite:") and not sqlite_path(registry).is_file():  # MLflow would make it
+        raise UserError(f"the model registry {registry} does not exist (MLFLOW_REGISTRY_URI)")
+    return MlflowClient(tracking_uri=tracking_uri(cfg), registry_uri=registry)
 
 
 def pinned(cfg, spec: str) -> str:
