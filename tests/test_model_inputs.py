@@ -333,6 +333,15 @@ def test_mlflow_registry_uri_is_the_registry_of_a_fine_tunes_weights_and_its_par
     path, parent = fetch_weights(cfg, "models:/rt@best", tmp_path / "w")
     assert path.name == "weights.pt" and parent["version"] == "rt/1" and "model_id" not in parent, parent
 
+    # A SQLite registry that does not exist: one line, and no store made by the check (MLflow would).
+    missing = tmp_path / "no-registry.db"
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "TRAIN.WEIGHTS": "models:/rt@best"})
+    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120, env={"MLFLOW_REGISTRY_URI": f"sqlite:///{missing}"})
+    assert done.returncode == 2 and _error_lines(done.stderr) == [
+        f"error: TRAIN.WEIGHTS models:/rt@best: the model registry sqlite:///{missing} (MLFLOW_REGISTRY_URI) does not exist"
+    ], done.stderr[-2000:]
+    assert not missing.exists()
+
 
 def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
     """`tracktron eval --weights runs:/<id>/model` logged the final model's metrics into the run at

@@ -33,10 +33,10 @@ def _client(cfg):
     from mlflow import MlflowClient
 
     bound_http()
-    registry = registry_uri(cfg)
-    if registry.startswith("sqlite:") and not sqlite_path(registry).is_file():  # MLflow would make it
-        raise UserError(f"the model registry {registry} does not exist (MLFLOW_REGISTRY_URI)")
-    return MlflowClient(tracking_uri=tracking_uri(cfg), registry_uri=registry)
+    where, registry = tracking_uri(cfg), registry_uri(cfg)
+    if registry != where and registry.startswith("sqlite:") and not sqlite_path(registry).is_file():  # MLflow would make it
+        raise UserError(f"the model registry {registry} (MLFLOW_REGISTRY_URI) does not exist")
+    return MlflowClient(tracking_uri=where, registry_uri=registry)
 
 
 def pinned(cfg, spec: str) -> str:
