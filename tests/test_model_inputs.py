@@ -468,15 +468,46 @@ def test_a_registered_model_tracktron_did_not_log_or_a_registry_that_is_down_is_
     assert _runs(trained["db"]) == before
     assert not (tmp_path / "output").exists()
 
+    # A registry that cannot be read stops the job now; a token in its URI is hidden as the tracking URI's is.
     down = run_trainer(["--dry-run", *args, "TRACKING.REGISTERED_MODEL", "new"], cwd=tmp_path, timeout=120,
-                       env={"MLFLOW_REGISTRY_URI": f"http://127.0.0.1:{free_port()}"})
+                       env={"MLFLOW_REGISTRY_URI": f"HTTP://127.0.0.1:{free_port()}/?token=REGSECRET"})
     assert down.returncode == 2, down.stderr[-2000:]
-    assert _error_lines(down.stderr)[0].startswith("error: TRACKING.REGISTERED_MODEL new: the model registry did not "
-                                                   "answer"), down.stderr[-2000:]
+    assert _error_lines(down.stderr)[0].startswith("error: TRACKING.REGISTERED_MODEL new: cannot read the model "
+                                                   "registry"), down.stderr[-2000:]
+    assert "REGSECRET" not in down.stderr + down.stdout
+    # A registry of its own is checked when the tracking store is new, too.
+    elsewhere = run_trainer(["--dry-run", *args, "TRACKING.URI", f"sqlite:///{tmp_path / 'new.db'}"], cwd=tmp_path,
+                            timeout=120, env={"MLFLOW_REGISTRY_URI": trained["uri"]})
+    assert elsewhere.returncode == 2 and "churn holds a model tracktron did not log" in elsewhere.stderr, elsewhere.stderr
+    assert not (tmp_path / "new.db").exists()
+    # A tracktron model registered by hand from its run's files (or by a tracktron that gave it no type) is taken.
+    client.create_registered_model("by-hand")
+    client.create_model_version("by-hand", str(trained["folder"]), run_id=trained["run_id"])
+    client.set_registered_model_alias("by-hand", "best", "1")
+    ours = run_trainer(["--dry-run", *args, "TRACKING.REGISTERED_MODEL", "by-hand"], cwd=tmp_path, timeout=120)
+    assert ours.returncode == 0, ours.stderr[-2000:]
     # A SQLite registry that does not exist holds no model: the check passes and makes no store.
     empty = run_trainer(["--dry-run", *args, "TRACKING.REGISTERED_MODEL", "new"], cwd=tmp_path, timeout=120,
                         env={"MLFLOW_REGISTRY_URI": f"sqlite:///{tmp_path / 'registry.db'}"})
     assert empty.returncode == 0 and not (tmp_path / "registry.db").exists(), empty.stderr[-2000:]
+
+
+def test_a_registry_that_may_not_be_read_is_not_a_reason_to_refuse_the_job(tmp_path, caplog):
+    """MLflow's basic-auth server can let a user register a model whose name it may not read (403 on
+    the lookup): the job was refused as if the registry were down (helper-60). It goes on, and says so."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+
+    from trainer.tracking.final_model import check_registered_model
+
+    class Refusing:  # what MLflow's client raises for the server's 403
+        def get_registered_model(self, name):
+            raise MlflowException("Permission denied", error_code=PERMISSION_DENIED)
+
+    (tmp_path / "m.db").touch()  # a store that exists: a SQLite registry not made yet is not asked
+    cfg = load_config(DEMO, ["TRACKING.REGISTERED_MODEL", "alice-det", "TRACKING.URI", f"sqlite:///{tmp_path / 'm.db'}"])
+    check_registered_model(Refusing(), cfg)
+    assert "cannot check TRACKING.REGISTERED_MODEL alice-det (Permission denied)" in caplog.text
 
 
 def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_dir):

@@ -12,7 +12,7 @@ from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
 from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log_checkpoint, servable_name, set_alias,
                                                update_best)
-from trainer.tracking.runs import DETECTOR_TYPE, registry_uri
+from trainer.tracking.runs import DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
 from trainer.tracking.sqlite_store import sqlite_path
 
@@ -113,12 +113,17 @@ def _ready_model(client, experiment_id: str, run_id: str, name: str):
 def check_registered_model(client, cfg) -> None:
     """TRACKING.REGISTERED_MODEL, before the job's run is made: its registry answers, and a model of
     that name holds tracktron's models only. The job moves its @final and @best at the end: another
-    team's `churn@best` must not become a detector, nor a registry that is down be found only then."""
+    team's `churn@best` must not become a detector, nor a registry that is down be found only then.
+    No client: the tracking store is not made yet, so only a registry of its own can hold models."""
+    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     name, where = cfg.TRACKING.REGISTERED_MODEL, registry_uri(cfg)
     if not (name and cfg.TRACKING.LOG_MODEL) or (where.startswith("sqlite:") and not sqlite_path(where).is_file()):
         return  # a SQLite registry not made yet holds no model, and is not made by a check
+    if client is None and where == tracking_uri(cfg):
+        return
+    client = client or MlflowClient(tracking_uri=where, registry_uri=where)  # its models' runs are there, if anywhere
     try:
         model = client.get_registered_model(name)
         aliased = {str(v): a for a, v in model.aliases.items() if a in ("final", "best")}  # int in a SQLite store
@@ -129,18 +134,24 @@ def check_registered_model(client, cfg) -> None:
                 raise UserError(f"TRACKING.REGISTERED_MODEL {name} holds a model tracktron did not log ({held}); "
                                 "its @final and @best would move to this job's: name another registered model")
     except MlflowException as e:
-        if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # a new name is fine
-            raise UserError(f"TRACKING.REGISTERED_MODEL {name}: the model registry did not answer ({first_line(e)})") from None
+        if e.error_code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):  # may register, not read: MLflow's auth allows it
+            log.warning("cannot check TRACKING.REGISTERED_MODEL %s (%s): it is registered at the end as asked",
+                        name, first_line(e, 300))
+        elif e.error_code != "RESOURCE_DOES_NOT_EXIST":  # a new name is fine
+            raise UserError(f"TRACKING.REGISTERED_MODEL {name}: cannot read the model registry ({first_line(e)})") from None
 
 
 def _is_ours(client, version) -> bool:
-    """A version of a model tracktron logged (a final model or an evaluated checkpoint's)."""
+    """A version of a model tracktron logged: a LoggedModel of its types (a final model or an
+    evaluated checkpoint's), or one from a run of a tracktron job (an older tracktron's models had no
+    type; one registered by hand from the run's files has a path as its source)."""
     from mlflow.exceptions import MlflowException
 
     source = version.source or ""
-    if not source.startswith("models:/m-"):
-        return False
     try:
-        return client.get_logged_model(source.removeprefix("models:/")).model_type in (DETECTOR_TYPE, MODEL_TYPE)
+        if source.startswith("models:/m-") and client.get_logged_model(source[len("models:/"):]).model_type in (
+                DETECTOR_TYPE, MODEL_TYPE):
+            return True
+        return bool(version.run_id) and JOB_TAG in client.get_run(version.run_id).data.tags
     except MlflowException:  # deleted since, or in another store: nothing says it is someone else's
         return True

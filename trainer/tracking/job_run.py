@@ -244,6 +244,12 @@ def _check_ours(run, cfg: Config, named: str, drop: str) -> None:
                         "start this job's run in a new one")
 
 
+def found_in_new_store(cfg: Config) -> FoundRun:
+    """A store not made yet holds no run: a new one, once MLFLOW_REGISTRY_URI's models are checked."""
+    check_registered_model(None, cfg)
+    return FoundRun(None, experiment_name(cfg), None)
+
+
 def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> tuple[str, list[str]]:
     """What the job's start would do with its run, found without writing anything (--dry-run), and
     the checkpoints of the run it continues."""
@@ -251,6 +257,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
 
     name = experiment_name(cfg)
     if not_made_yet(uri, resume_run_id, env_experiment_id(cfg)):
+        found_in_new_store(cfg)
         return f"a new store, experiment {name}, a new run", []
     if uri.startswith("sqlite:///"):
         check_store(uri)

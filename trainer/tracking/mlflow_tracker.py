@@ -24,9 +24,9 @@ from trainer.tracking.final_model import fail_unfinished, log_final, register_be
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import input_entities, safe_params
-from trainer.tracking.job_run import FoundRun, find_run, open_run
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, experiment_name,
-                                   logged_steps, make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
+from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
+from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
+                                   make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
@@ -108,7 +108,7 @@ class MlflowTracker(Tracker):
     def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
         """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
         if not_made_yet(self.uri, resume_run_id, env_experiment_id(cfg)):
-            return FoundRun(None, experiment_name(cfg), None)
+            return found_in_new_store(cfg)
         with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
             self.client = make_client(self.uri)
             return find_run(self.client, self.uri, cfg, resume_run_id, new_run)

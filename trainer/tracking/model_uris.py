@@ -45,7 +45,7 @@ def pinned(cfg, spec: str) -> str:
     promotion) while the model downloads. Anything else, or a lookup that fails (the download then
     says why), as it is."""
     target = spec.split(":/", 1)[1].strip("/") if spec.startswith("models:/") else ""
-    if is_model_id(target) or not ("@" in target or target.endswith("/latest")):
+    if is_model_id(target) or not ("@" in target or target.lower().endswith("/latest")):
         return spec
     try:
         found = model_version(_client(cfg), target)
@@ -59,7 +59,7 @@ def model_version(client, target: str):
     if "@" in target:
         return client.get_model_version_by_alias(*target.split("@", 1))
     name, _, version = target.partition("/")
-    if version == "latest":
+    if version.lower() == "latest":  # as MLflow reads it
         versions = client.search_model_versions(f"name = '{name}'")
         if not versions:
             raise UserError(f"registered model {name} has no version")

@@ -67,9 +67,7 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
     """TRACKING.URI (or `uri`), else MLFLOW_TRACKING_URI, else the embedded default; no credentials."""
     given = (uri or (cfg.TRACKING.URI if cfg is not None else "")).strip()  # a Secret's file ends in a newline
     chosen = without_credentials(_lower_scheme(given or os.environ.get("MLFLOW_TRACKING_URI", "").strip() or DEFAULT_URI))
-    if chosen.startswith(("http://", "https://")):  # a token in the query: hidden also where a library
-        for _, value in parse_qsl(urlsplit(chosen).query):  # prints the path without the scheme (`url: /?t=...`)
-            remember(value)
+    _remember_query(chosen)
     in_memory = chosen.startswith("sqlite:///") and str(sqlite_path(chosen)) == ":memory:"
     if chosen.startswith("sqlite:") and (not chosen.startswith("sqlite:///") or not sqlite_path(chosen).name or in_memory):
         raise UserError(f"tracking URI {redact_text(chosen)} names no database file (sqlite:// alone, or :memory:, is "
@@ -80,7 +78,18 @@ def tracking_uri(cfg: Config | None, uri: str | None = None) -> str:
 def registry_uri(cfg: Config | None) -> str:
     """MLFLOW_REGISTRY_URI, as MLflow reads it, else the tracking URI: a fine-tune's `models:/` weights,
     the parent it records and the model it registers all come from one registry."""
-    return os.environ.get("MLFLOW_REGISTRY_URI", "").strip() or tracking_uri(cfg)
+    if not (given := _lower_scheme(os.environ.get("MLFLOW_REGISTRY_URI", "").strip())):
+        return tracking_uri(cfg)
+    _remember_query(given)
+    return given
+
+
+def _remember_query(uri: str) -> None:
+    """A token in an HTTP URI's query, hidden also where a library prints the path without the
+    scheme (urllib3's `url: /?token=...`)."""
+    if uri.startswith(("http://", "https://")):
+        for _, value in parse_qsl(urlsplit(uri).query):
+            remember(value)
 
 
 def _lower_scheme(uri: str) -> str:
