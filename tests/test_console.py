@@ -36,6 +36,24 @@ def test_a_pipe_whose_reader_ends_does_not_fail_the_job(tmp_path, data_dir):
     assert only_run(MlflowClient(uri), "piped").info.status == "FINISHED"
 
 
+def test_a_job_whose_stderr_reader_ends_registers_its_model_and_ends_0(tmp_path, data_dir):
+    """`tracktron train ... 2>&1 | head -3`: MLflow prints to stderr while it registers the model, and
+    that print failed (EPIPE) until the flush timeout: exit 1, no version, no alias (helper-61)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "piped-stderr", "SOLVER.MAX_ITER": 3,
+                                           "TRACKING.LOG_MODEL": "true", "TRACKING.REGISTERED_MODEL": "piped",
+                                           "TRACKING.FLUSH_TIMEOUT_S": 60})
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _ in range(3):  # `head -3`
+        job.stdout.readline()
+    job.stdout.close()
+    assert job.wait(240) == 0
+    client = MlflowClient(uri)
+    run = only_run(client, "piped-stderr")
+    assert run.info.status == "FINISHED"
+    assert client.get_model_version_by_alias("piped", "final").run_id == run.info.run_id
+
+
 def test_a_terminal_that_hangs_up_stops_the_job_cleanly(tmp_path, data_dir):
     """The ssh session closes: the terminal goes (every write to it is EIO) and SIGHUP comes. The
     stop used to fail on its first write to the terminal: the run FAILED, the iteration lost."""

@@ -62,6 +62,34 @@ def hold_console_descriptors() -> None:
         sys.stdout = open(os.devnull, "w")
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
+    if not isinstance(sys.stdout, _Console):  # main() called again in one process (tests)
+        sys.stdout, sys.stderr = _Console(sys.stdout), _Console(sys.stderr)
+
+
+class _Console:
+    """sys.stdout or sys.stderr, for the libraries too: MLflow prints to stderr while it registers the
+    model, and with the reader gone (`2>&1 | head`, a dead `tee`: EPIPE) or the disk full (ENOSPC)
+    its print failed the registration, retried until the flush timeout. A write that fails points
+    the descriptor at /dev/null instead (write_or_drop)."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            _gone(self._stream, e)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            _gone(self._stream, e)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def write_or_drop(stream: TextIO, text: str) -> None:
@@ -75,15 +103,22 @@ def write_or_drop(stream: TextIO, text: str) -> None:
     except UnicodeEncodeError:  # PYTHONIOENCODING=ascii and a path that is not: escaped, as on Python's stderr
         write_or_drop(stream, text.encode(stream.encoding, "backslashreplace").decode(stream.encoding))
     except OSError as e:
-        try:
-            fd = stream.fileno()
-        except (AttributeError, ValueError, OSError):  # not a file: nothing to redirect
-            raise e from None
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, fd)
-        os.close(devnull)
-        logging.getLogger("tracktron").warning("the console's %s is gone (%s): the job goes on; its stats are in "
-                                               "json_stats.log and on the tracking server", _name(fd), e)
+        _gone(stream, e)
+
+
+def _gone(stream: TextIO, e: OSError) -> None:
+    """The console's reader is gone: its descriptor points at /dev/null from now on, said once."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, OSError):  # not a file: nothing to redirect
+        raise e from None
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    with contextlib.suppress(OSError):  # what the stream still holds goes to /dev/null now
+        stream.flush()
+    logging.getLogger("tracktron").warning("the console's %s is gone (%s): the job goes on; its stats are in "
+                                           "json_stats.log and on the tracking server", _name(fd), e)
 
 
 def _name(fd: int) -> str:
