@@ -271,3 +271,24 @@ def test_a_job_the_uploader_gives_up_on_runs_its_fallback_and_one_that_succeeds_
     assert ran == ["ok", "refused dropped", "behind dropped"]
     assert uploader.failed == ["refused", "stuck", "behind", "no fallback"]
     server_down.set()
+
+
+def test_a_run_made_before_the_job_could_go_on_is_failed_not_left_running(tmp_path, monkeypatch):
+    """A pids limit (`ulimit -u`, a container's pids.max) let the run be made, then its metric sender's
+    thread could not start: the run stayed RUNNING for good, and the error blamed the tracking server
+    (helper-61)."""
+    import pytest
+
+    from trainer.errors import UserError
+    from trainer.tracking import mlflow_tracker
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(mlflow_tracker, "MetricSender", no_thread)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = new_tracker(tmp_path, uri)
+    with pytest.raises(UserError, match=r"^cannot start a thread: a limit on processes and threads \(ulimit -u"):
+        tracker.run  # noqa: B018 (the property waits for the run to be opened)
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name(f"tracker-{tmp_path.name}").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["tracktron.status_reason"].startswith("cannot start a thread")

@@ -359,12 +359,17 @@ def test_leftovers_of_killed_jobs_are_removed_and_those_of_live_ones_kept(tmp_pa
     (tmp_path / "eval" / "synth_shapes_val").mkdir(parents=True)  # an evaluation killed mid-write (helper-57)
     gone.append(tmp_path / "eval" / "synth_shapes_val" / f".detections.json.tmp.{HOST}.{dead.pid}")
     kept.append(tmp_path / "eval" / "synth_shapes_val" / f".detections.json.tmp.{HOST}.{os.getpid()}")
+    # A container's trainer is PID 1 in every life: one killed left a file with this process's pid, older
+    # than this process (helper-61: it was kept for good).
+    earlier_life = tmp_path / f".model_iter3.pth.tmp.{HOST}.{os.getpid()}"
+    gone.append(earlier_life)
     for path in gone + kept:
         if path.name.startswith(".download"):
             path.mkdir()
             (path / "model_iter9.pth").write_bytes(b"half")
         else:
             path.write_bytes(b"half")
+    os.utime(earlier_life, (time.time() - 3600, time.time() - 3600))
     assert sorted(remove_stale_temps(tmp_path)) == sorted(gone)
     assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)
 

@@ -45,6 +45,7 @@ _TMP_RE = re.compile(r"\.(?:model_(?:iter[0-9]+|final)\.pth|" + "|".join(map(re.
                      r"\.tmp(?:\.(?P<host>[A-Za-z0-9_-]+))?\.?(?P<pid>[0-9]+)"
                      r"|\.download\.(?P<dhost>[A-Za-z0-9_-]+)\.(?P<dpid>[0-9]+)\.[A-Za-z0-9_]+", re.ASCII)
 STALE_FOREIGN_TMP_S = 24 * 3600  # another host's temporary file is left alone for a day
+_STARTED = time.time()  # about when this process started: it writes no temporary file before
 
 
 def download_folder(output_dir: Path) -> Path:
@@ -101,7 +102,7 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
         host, pid = m.group("host") or m.group("dhost"), m.group("pid") or m.group("dpid")
         try:
             if host == HOST:
-                if _pid_alive(int(pid)):
+                if _pid_alive(int(pid), path):
                     continue
             elif time.time() - path.stat().st_mtime < STALE_FOREIGN_TMP_S:
                 continue
@@ -118,9 +119,9 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _pid_alive(pid: int, path: Path) -> bool:
+    if pid == os.getpid():  # ours, or from an earlier life of this pid: a container's PID 1, restarted
+        return path.stat().st_mtime >= _STARTED - 1.0
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -43,9 +43,7 @@ PRUNE_JOB = "prune older checkpoints on the server"  # never a failure: what it 
 class MlflowTracker(Tracker):
     def __init__(self, cfg: Config, world_size: int = 1):
         bound_http()  # MLflow's own retries could block for minutes; ours run in the background instead
-        self.uri = tracking_uri(cfg)
-        self.world_size = world_size
-        self.flush_timeout = cfg.TRACKING.FLUSH_TIMEOUT_S
+        self.uri, self.world_size, self.flush_timeout = tracking_uri(cfg), world_size, cfg.TRACKING.FLUSH_TIMEOUT_S
         self.client = None  # MLflow's client, made by start() (MLflow is imported there)
         self._tags: dict[str, str] = {}
         self._run = RunInfo()
@@ -118,6 +116,8 @@ class MlflowTracker(Tracker):
         training it); once the job's checks passed, make or reopen it."""
         def failed(e: BaseException) -> None:  # a UserError, or one line for what the client could not do
             error = e if isinstance(e, UserError) else UserError(start_error(self.uri, e))
+            if self._run.run_id:  # made, then the job could not go on (no thread to start): not left RUNNING
+                self.last_words("FAILED", str(error))
             for future in (self._found, self._opening):
                 if not future.done():
                     future.set_exception(error)

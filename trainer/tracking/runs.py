@@ -346,6 +346,9 @@ def start_error(uri: str, e: BaseException) -> str:
     if isinstance(e, Warning):  # PYTHONWARNINGS=error (or python -W error) made the client's warning an exception
         return (f"tracking store {uri}: a warning raised as an error (PYTHONWARNINGS or python -W): "
                 f"{type(e).__name__}: {first_line(e)}")
+    if isinstance(e, RuntimeError) and "can't start new thread" in text:  # not the server's: this machine's limit
+        return ("cannot start a thread: a limit on processes and threads (ulimit -u, a container's pids limit) "
+                "leaves the job none; raise it")
     if "filesystem tracking backend" in text:  # MLflow 3 refuses new file stores: say what works
         return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
                 "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
