@@ -812,3 +812,18 @@ def test_opts_given_twice_add_up_in_order_and_a_bad_one_is_named(tmp_path, monke
     assert (cfg["SOLVER"]["MAX_ITER"], cfg["SOLVER"]["BASE_LR"]) == (7, 0.5)
     assert_exit_2(run_cli(["config", "--config", str(DEMO), "--opts", "SOLVER.MAX_ITER 7", "--opts", "NAME 'x"]),
                   "--opts: No closing quotation in \"NAME 'x\"")
+
+
+def test_no_writable_folder_for_temporary_files_is_one_line_before_anything_is_made(tmp_path, monkeypatch):
+    """A read-only root file system without a /tmp volume: torch's import ended in a traceback
+    (`No usable temporary directory found`), after the tracking store had been made (helper-61).
+    Python's own search is played with folders that do not exist: root may write anywhere."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # not yet found in this process
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(tmp_path / "no-tmp"), str(tmp_path / "none")])
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["train", "--config", str(DEMO), "TRACKING.URI", f"sqlite:///{tmp_path / 'm.db'}",
+                      "OUTPUT_DIR", str(tmp_path / "out")])
+    assert_exit_2(result, "no folder for temporary files: TMPDIR, /tmp, /var/tmp and the working folder are not writable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -289,6 +289,32 @@ def test_a_lock_file_with_another_name_is_neither_written_nor_locked(tmp_path):
         running.release()
 
 
+def test_a_folder_made_for_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """A non-root user with `umask 0777`: OUTPUT_DIR was made (mode 000), its lock could not be written,
+    the error said so, and the folder stayed, where a job that wrote nothing leaves none (helper-61).
+    The kernel's refusal is what such a user gets; root is refused nothing, so it is played here."""
+    from trainer.errors import UserError
+    from trainer.output_lock import LOCK_NAME, OutputLock
+
+    real_open = os.open
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(LOCK_NAME):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    before = os.umask(0o777)
+    try:
+        with pytest.raises(UserError) as e:
+            OutputLock(tmp_path / "new" / "out").acquire()
+    finally:
+        os.umask(before)
+    assert str(e.value) == (f"cannot write to OUTPUT_DIR {tmp_path / 'new' / 'out'}: Permission denied (this process's "
+                            "umask 0777 makes folders it cannot write)")
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_dry_run_checking_the_folder_as_a_trainer_starts_does_not_refuse_it(tmp_path):
     """A --dry-run's check holds shared locks for an instant: a trainer that started then was refused,
     `in use by another trainer`, naming the pid a stale `.lock` held (helper-52: 1250 of 2000 starts)."""

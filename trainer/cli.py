@@ -9,6 +9,7 @@ import logging
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -203,6 +204,7 @@ def main(argv=None) -> None:
     try:
         args = sys.argv[1:] if argv is None else argv
         check_arguments_are_text(args)
+        check_temporary_folder()
         for arg in args:  # `--uri`, `--weights`, an override: a password as typed is hidden in every line
             remember_url_credentials(arg)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)
@@ -218,6 +220,17 @@ def main(argv=None) -> None:
         if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # torchrun SIGTERMs the other ranks once one
             _flush_and_exit(2)  # exits: all of them end now, with their own status, not -15 in their teardown
         sys.exit(2)
+
+
+def check_temporary_folder() -> None:
+    """torch, MLflow and tracktron write temporary files: with none of TMPDIR, /tmp, /var/tmp and the
+    working folder writable (a read-only root file system without a /tmp volume), torch's import ended
+    in a traceback after the tracking store was made."""
+    try:
+        tempfile.gettempdir()  # tries each by writing a file; the first that takes one is kept
+    except FileNotFoundError:
+        raise UserError("no folder for temporary files: TMPDIR, /tmp, /var/tmp and the working folder are not "
+                        "writable; set TMPDIR to a writable folder (a volume, on a read-only root file system)") from None
 
 
 def _flush_and_exit(code: int) -> None:

@@ -6,6 +6,7 @@ A job that ends before it wrote anything (a tracking server that cannot be reach
 OUTPUT_DIR behind either."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -43,7 +44,13 @@ class OutputLock:
                 self._close_folder()
                 if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
                     raise self._not_ours() from None
-                raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}") from None
+                for folder in self._made:  # made just now (a umask of 0777 makes them unwritable): not left behind
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                mask = os.umask(0o022)
+                os.umask(mask)
+                hint = f" (this process's umask {mask:04o} makes folders it cannot write)" if mask & 0o200 else ""
+                raise UserError(f"cannot write to OUTPUT_DIR {self.dir}: {e.strerror or e}{hint}") from None
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a FIFO or a device put there
                 os.close(fd)
