@@ -827,3 +827,23 @@ def test_no_writable_folder_for_temporary_files_is_one_line_before_anything_is_m
                       "OUTPUT_DIR", str(tmp_path / "out")])
     assert_exit_2(result, "no folder for temporary files: TMPDIR, /tmp, /var/tmp and the working folder are not writable")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_image_names_a_c_locale_cannot_spell_say_so(tmp_path):
+    """`LC_ALL=C PYTHONUTF8=0` (a bare container, a cron job): images named `café_….png` were "missing",
+    though on disk; the locale is the cause (helper-61)."""
+    root = write_synthetic_dataset(tmp_path / "shapes", num_images=4, image_size=64, seed=1)
+    data = json.loads((root / "annotations.json").read_text())
+    first = data["images"][0]
+    (root / "images" / first["file_name"]).rename(root / "images" / f"café_{first['file_name']}")
+    first["file_name"] = f"café_{first['file_name']}"
+    (root / "annotations.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "LANG"}
+    done = subprocess.run(trainer_cmd("--dry-run", "TRAIN.DATASETS", f"('{root}',)", "TEST.DATASETS", "()",
+                                      "TRACKING.ENABLED", "false", "OUTPUT_DIR", str(tmp_path / "out")),
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**env, "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        "names that are not ASCII cannot be found in this locale (file names as ascii): use LC_ALL=C.UTF-8 or "
+        "PYTHONUTF8=1"), done.stderr[-2000:]

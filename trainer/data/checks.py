@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -157,7 +158,10 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
 
     def refuse(names: list, are: str) -> UserError:
         example = names[0] if names[0].isprintable() else repr(names[0])
-        return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}")
+        locale = ("; names that are not ASCII cannot be found in this locale (file names as "
+                  f"{sys.getfilesystemencoding()}): use LC_ALL=C.UTF-8 or PYTHONUTF8=1"
+                  if not all(n.isascii() for n in names) and sys.getfilesystemencoding().lower() != "utf-8" else "")
+        return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}{locale}")
 
     if missing := [name for name, p in listed if name not in on_disk and not _exists(p)]:
         raise refuse(missing, "are missing from")
