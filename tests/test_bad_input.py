@@ -248,6 +248,15 @@ def test_a_path_the_locale_cannot_decode_is_one_line_that_says_what_to_change(tm
         f"error: '{tmp_path}/d\\udcc3\\udca9mo' is not text in this locale's encoding (ascii): "
         "use a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1"]
     assert os.listdir(tmp_path) == []
+    # The same in MLflow's variables: blamed on the tracking server, a store made (helper-61); the value is
+    # not shown, as it may be a password.
+    env["MLFLOW_EXPERIMENT_NAME"] = "d\u00e9mo"
+    done = subprocess.run(trainer_cmd("--dry-run", "TRACKING.URI", f"sqlite:///{tmp_path / 'm.db'}"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: the value of MLFLOW_EXPERIMENT_NAME is not text in this locale's encoding (ascii): use a UTF-8 locale "
+        "(LC_ALL=C.UTF-8) or PYTHONUTF8=1"], done.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_name_that_is_not_utf8_under_a_utf8_locale_is_said_to_be_the_names(tmp_path):

@@ -128,14 +128,16 @@ def _name(fd: int) -> str:
 def check_arguments_are_text(args: list[str]) -> None:
     """With `LC_ALL=C PYTHONUTF8=0`, Python keeps an argument's non-ASCII bytes (a path's) as lone
     surrogates, which MLflow, SQLite and JSON cannot store: the job would fail at its first write
-    of it, or call it unprintable. One line that says what to change instead."""
+    of it, or call it unprintable. One line that says what to change instead. The same of the
+    MLflow and tracktron variables of the environment (MLFLOW_EXPERIMENT_NAME=démo), named."""
     encoding = sys.getfilesystemencoding()
-    for arg in args:
+    named = [(v, f"the value of {k}") for k, v in os.environ.items() if k.startswith(("MLFLOW_", "TRACKTRON_"))]
+    for arg, shown in [(a, ascii(a)) for a in args] + named:  # a variable's value unshown: it may be a password
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
             if encoding.lower().replace("-", "") == "utf8":  # the bytes themselves: a name from a Latin-1 archive
-                raise UserError(f"{ascii(arg)} is not valid UTF-8, which tracktron needs of every name it is "
+                raise UserError(f"{shown} is not valid UTF-8, which tracktron needs of every name it is "
                                 "given: rename the file or folder (convmv -f latin1 -t utf8 does it)") from None
-            raise UserError(f"{ascii(arg)} is not text in this locale's encoding ({encoding}): "
+            raise UserError(f"{shown} is not text in this locale's encoding ({encoding}): "
                             "use a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1") from None
