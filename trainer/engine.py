@@ -31,7 +31,7 @@ from trainer.config import Config, redacted, write_config
 from trainer.data import build_train_loader
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
-from trainer.errors import UserError, first_line
+from trainer.errors import SharedError, UserError, first_line
 from trainer.evaluation import eval_due, evaluate
 from trainer.inference import categories_of
 from trainer.lineage import dataset_inputs, initial_weights
@@ -241,7 +241,7 @@ def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
     # where the path leads now: never two jobs' files in one folder).
     moved = broadcast_object(job.ctx, not job.in_its_folder() if job.ctx.is_main else None)
     if moved:
-        raise UserError(f"OUTPUT_DIR {job.output_dir} is no longer the folder this job locked (it was moved, or a "
+        raise SharedError(f"OUTPUT_DIR {job.output_dir} is no longer the folder this job locked (it was moved, or a "
                         f"link on its path was changed, while the job trained): its checkpoints up to here are in "
                         f"the folder it locked, {checkpoint_name(cur_iter)} was not written")
     rngs = gather_object(job.ctx, capture_rng())  # every rank takes part; rank 0 gets them all
@@ -290,7 +290,7 @@ def evaluate_final(job: Job, s: LoopState) -> None:
     except UserError as e:
         later = ("the same command evaluates it into the run" if job.cfg.TRACKING.ENABLED
                  else f"`tracktron eval` of the job's config with --weights {job.output_dir / FINAL} evaluates it")
-        raise UserError(f"{e} ({FINAL} is saved; once the test set is fixed, {later})") from None
+        raise type(e)(f"{e} ({FINAL} is saved; once the test set is fixed, {later})") from None  # shared by every rank or not
 
 
 def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:

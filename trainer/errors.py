@@ -12,6 +12,10 @@ class UserError(Exception):
     """Bad input: a config key, a value, a file, a dataset, a run id."""
 
 
+class SharedError(UserError):
+    """Bad input that every rank of a job found alike (they agreed on it): they leave together."""
+
+
 class ConfigError(UserError):
     """A config file, key or value that cannot work."""
 

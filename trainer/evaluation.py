@@ -35,7 +35,7 @@ from trainer.data.workers import worker_error
 from trainer.distributed import Context, all_gather_object, broadcast_object, check_same_job, gather_object
 from trainer.config import flatten
 from trainer.config_checks import dataset_dirname
-from trainer.errors import UserError, user_path
+from trainer.errors import SharedError, UserError, user_path
 from trainer.job_identity import job_keys
 from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking, write_or_drop
@@ -97,7 +97,8 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
         except UserError as e:  # an image a loader worker could not read: its one line
             error = str(worker_error(e))
     if ctx is not None and ctx.distributed:  # every rank stops with that line, none waits for the one that did
-        error = next(filter(None, all_gather_object(ctx, error)), None)
+        if error := next(filter(None, all_gather_object(ctx, error)), None):
+            raise SharedError(error)
     if error:
         raise UserError(error)
     if ctx is None or not ctx.distributed:

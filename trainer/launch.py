@@ -13,7 +13,7 @@ import click
 
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.files import FINAL
-from trainer.errors import UserError, first_line
+from trainer.errors import SharedError, UserError, first_line
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_dir import check_config_file_kept, check_output_dir
@@ -198,6 +198,7 @@ def _write_run_id(run_id: str) -> None:
 
 
 def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
+    from trainer import distributed
     from trainer.engine import NonFiniteLoss, train_model
     from trainer.job import Job
 
@@ -214,6 +215,8 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
         sys.exit(1)
     except UserError as e:
         tracker.finish("FAILED", str(e))
+        if isinstance(e, SharedError):  # every rank has it: none exits (torchrun then stops the rest) before the run is marked
+            distributed.teardown(ctx, together=True)
         raise
     except BaseException as e:
         tracker.finish("FAILED", f"{type(e).__name__}: {e}")
