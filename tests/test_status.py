@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer
 from trainer.tracking.heartbeat import _process_start, beat
-from trainer.tracking.system_metrics import start_monitor
+from trainer.tracking.system_metrics import start_monitor, stop_monitor
 from trainer.config import load_config
 
 
@@ -90,6 +90,34 @@ def test_system_metrics_are_sampled_by_mlflows_monitor_thread_per_node(tmp_path,
     assert start_monitor(cfg, run_id, local_rank=1, world_size=2) is None  # one per node
     auto = load_config(DEMO, ["TRACKING.URI", mlflow_server.url])  # auto: on for GPU jobs only
     assert start_monitor(auto, run_id, local_rank=0, world_size=1, on_gpu=False) is None
+
+
+def test_stopping_the_monitor_sends_the_last_interval_and_never_holds_the_exit(tmp_path, mlflow_server, monkeypatch,
+                                                                               caplog):
+    """MLflow's monitor drops the samples of the interval a job ends in: a job shorter than one
+    interval (10 s by default) had no system metrics, and a CI run whose server answered slowly
+    lost them too. Stopping it sends them; a server that stopped answering costs the exit seconds,
+    not MLflow's minutes of retries."""
+    from tests.servers import FaultProxy
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "600")  # no interval ends while it runs
+    client = MlflowClient(mlflow_server.url)
+    exp = client.create_experiment(f"sysmetrics-stop-{tmp_path.name}")
+    cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true", "TRACKING.URI", mlflow_server.url])
+    short = client.create_run(exp).info.run_id
+    stop_monitor(start_monitor(cfg, short, local_rank=0, world_size=1))
+    assert "system/cpu_utilization_percentage" in client.get_run(short).data.metrics
+
+    with FaultProxy(mlflow_server.url) as proxy:
+        cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true", "TRACKING.URI", proxy.url])
+        hung = client.create_run(exp).info.run_id
+        monitor = start_monitor(cfg, hung, local_rank=0, world_size=1)
+        proxy.set_mode("hang")
+        started = time.monotonic()
+        stop_monitor(monitor, timeout_s=2)
+        assert time.monotonic() - started < 10
+    assert "the last sample was not sent within 2 s" in caplog.text
+    assert not [k for k in client.get_run(hung).data.metrics if k.startswith("system/")]
 
 
 def test_status_lists_the_job_with_iteration_checkpoint_and_loss(finished_job):

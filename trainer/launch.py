@@ -46,7 +46,7 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             prepared = _check_job(cfg, tracker, rank == 0, cfg.TRAIN.AUTO_RESUME or bool(resume_run_id))
             tracker.checks_passed()
             from trainer import distributed
-            from trainer.tracking.system_metrics import start_monitor
+            from trainer.tracking.system_metrics import start_monitor, stop_monitor
 
             run = tracker.run
             if run.run_id:
@@ -68,7 +68,7 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
         _stopped(tracker, e, before_training=True, world_size=world_size)
     finally:
         if monitor is not None:
-            monitor.finish()
+            stop_monitor(monitor)
         if ctx is not None:
             distributed.teardown(ctx)
         if lock is not None:

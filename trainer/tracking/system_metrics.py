@@ -3,14 +3,18 @@
 One monitor per node (local rank 0), named `node<N>` under torchrun so the UI keeps the nodes
 apart: MLflow's own SystemMetricsMonitor, a thread of the training process that samples every
 10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). A monitor MLflow cannot make (no psutil, no GPU
-library) turns system metrics off with a warning; the job trains on.
+library) turns system metrics off with a warning; the job trains on. `stop_monitor` sends the
+last, partial interval too (MLflow's monitor drops it, so a job shorter than one interval had none)
+and never holds the job's exit longer than a few seconds on a tracking server that is down.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from trainer.config import Config
+from trainer.errors import first_line
 from trainer.tracking.runs import tracking_uri
 
 log = logging.getLogger(__name__)
@@ -42,3 +46,25 @@ def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: 
         return None
     monitor.start()
     return monitor
+
+
+def stop_monitor(monitor, timeout_s: float = 10.0) -> None:
+    """Stops the monitor and sends what it sampled since it last sent, waiting at most timeout_s."""
+    def stop():
+        try:
+            monitor.finish()  # stops its thread, sends what it had queued
+            monitor.collect_metrics()  # the interval that ended with the job
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as e:  # a server that is down: system metrics are not worth an error
+            log.warning("system metrics: the last sample was not sent: %s", first_line(e))
+
+    try:
+        stopping = threading.Thread(target=stop, name="SystemMetricsStop", daemon=True)
+        stopping.start()
+    except RuntimeError as e:  # no thread left (a pids limit): the process ends anyway
+        log.warning("system metrics: the last sample was not sent: %s", first_line(e))
+        return
+    stopping.join(timeout_s)
+    if stopping.is_alive():
+        log.warning("system metrics: the last sample was not sent within %g s; the job ends without it", timeout_s)
