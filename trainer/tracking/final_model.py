@@ -14,7 +14,7 @@ from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log
                                                update_best)
 from trainer.tracking.runs import DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
-from trainer.tracking.sqlite_store import sqlite_path
+from trainer.tracking.sqlite_store import unmade
 
 log = logging.getLogger(__name__)
 FINAL_NAME = "model"  # the final model's name in its run (runs:/<id>/model)
@@ -119,10 +119,8 @@ def check_registered_model(client, cfg) -> None:
     from mlflow.exceptions import MlflowException
 
     name, where = cfg.TRACKING.REGISTERED_MODEL, registry_uri(cfg)
-    if not (name and cfg.TRACKING.LOG_MODEL) or (where.startswith("sqlite:") and not sqlite_path(where).is_file()):
-        return  # a SQLite registry not made yet holds no model, and is not made by a check
-    if client is None and where == tracking_uri(cfg):
-        return
+    if not (name and cfg.TRACKING.LOG_MODEL) or unmade(where) or (client is None and where == tracking_uri(cfg)):
+        return  # a SQLite registry not made yet holds no model (and a check must not make it)
     client = client or MlflowClient(tracking_uri=where, registry_uri=where)  # its models' runs are there, if anywhere
     try:
         model = client.get_registered_model(name)

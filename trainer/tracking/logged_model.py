@@ -115,10 +115,7 @@ def fetch_weights(cfg, spec: str, dest: Path) -> tuple[Path, dict]:
     """TRAIN.WEIGHTS from MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`, `models:/...`):
     the weights file, downloaded into `dest`, and what the new run records of its parent."""
     source = pinned(cfg, spec)  # the version an alias names now: the one downloaded and recorded
-    try:
-        path = download_uri(cfg, source, str(dest), "TRAIN.WEIGHTS")
-    except UserError as e:  # said of what the user wrote
-        raise UserError(str(e).replace(source, spec, 1)) from None
+    path = download_uri(cfg, source, str(dest), "TRAIN.WEIGHTS", shown=spec)
     if path.is_dir():
         folder = _detector_folder(path, spec, "TRAIN.WEIGHTS") if (path / "MLmodel").is_file() else path
         path = folder / WEIGHTS

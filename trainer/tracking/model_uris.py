@@ -13,7 +13,7 @@ import re
 
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import bound_http, check_shape, lists_artifact, registry_uri, tracking_uri
-from trainer.tracking.sqlite_store import sqlite_path, store_settled
+from trainer.tracking.sqlite_store import store_settled, unmade
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _client(cfg):
 
     bound_http()
     where, registry = tracking_uri(cfg), registry_uri(cfg)
-    if registry != where and registry.startswith("sqlite:") and not sqlite_path(registry).is_file():  # MLflow would make it
+    if registry != where and unmade(registry):  # MLflow would make it
         raise UserError(f"the model registry {registry} (MLFLOW_REGISTRY_URI) does not exist")
     return MlflowClient(tracking_uri=where, registry_uri=registry)
 

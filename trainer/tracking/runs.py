@@ -230,10 +230,12 @@ def check_shape(spec: str, option: str) -> None:
                         "or models:/<name>@<alias>)")
 
 
-def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") -> Path:
-    """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be)."""
+def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", shown: str | None = None) -> Path:
+    """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be,
+    naming the URI as `shown`: the user's alias, where `uri` is the version it was pinned to)."""
     import mlflow
 
+    said = shown or uri
     check_shape(uri, option)
     bound_http()
     where = tracking_uri(cfg)
@@ -250,17 +252,17 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights") ->
     try:  # a SQLite store's artifacts are local files; its wait for a store being set up is store_settled's
         path, expected = _while_progressing(fetch, Path(dest)) if where.startswith(("http://", "https://")) else fetch()
     except TimeoutError as e:
-        raise UserError(f"cannot fetch {uri} from {where}: {e}") from None
+        raise UserError(f"cannot fetch {said} from {where}: {e}") from None
     except UserError as e:
-        raise UserError(f"{option} {uri}: {e}") from None
+        raise UserError(f"{option} {said}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
-        raise UserError(f"cannot fetch {uri} from {where}: {first_line(e)}") from None
+        raise UserError(f"cannot fetch {said} from {where}: {first_line(e)}") from None
     finally:
         quiet.setLevel(level)
     if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
-        raise UserError(f"{option} {uri}: nothing there (no artifact at that path, or its files were deleted)")
+        raise UserError(f"{option} {said}: nothing there (no artifact at that path, or its files were deleted)")
     if expected and sha256_of(path) != expected:
-        raise UserError(f"{option} {uri}: the downloaded bytes do not match the run's sha256 tag")
+        raise UserError(f"{option} {said}: the downloaded bytes do not match the run's sha256 tag")
     return path
 
 

@@ -21,6 +21,11 @@ def sqlite_path(uri: str) -> Path:
     return Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
 
 
+def unmade(uri: str) -> bool:
+    """A `sqlite:` store whose file does not exist: it holds nothing, and opening it would make it."""
+    return uri.startswith("sqlite:") and not sqlite_path(uri).is_file()
+
+
 def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None = None) -> bool:
     """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
     named by --resume or by a launcher (MLFLOW_RUN_ID), or an experiment named by its id, is the
