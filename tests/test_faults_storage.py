@@ -97,6 +97,35 @@ def test_s3_failing_for_good_claims_nothing_says_what_was_not_uploaded_and_a_rer
     assert sha256_of(got) == sha256_of(out / "model_final.pth")
 
 
+def test_an_artifact_store_that_refuses_uploads_stops_the_job_before_it_trains(tmp_path, data_dir, s3_server):
+    """A bucket that does not exist, or no credentials for S3 (a server run with --no-serve-artifacts
+    and a client without keys): every checkpoint failed to upload, as a warning, and the job said so
+    only at its end, hours of training later, exit 1 (helper-58). The run's first upload (config.yaml)
+    is now sent before training: one line, exit 2, the run FAILED with that line, nothing trained."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment("no-bucket", artifact_location="s3://tracktron-no-such-bucket/runs")
+    client.create_experiment("no-keys", artifact_location=f"s3://{s3_server.bucket}/no-keys")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    no_keys = {**env, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+               "AWS_EC2_METADATA_DISABLED": "true", "MLFLOW_S3_ENDPOINT_URL": s3_server.url}
+    for experiment, job_env, said in (("no-bucket", {**env, **s3_server.env}, "NoSuchBucket"),
+                                      ("no-keys", no_keys, "Unable to locate credentials")):
+        out = tmp_path / experiment
+        args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": experiment,
+                                                     "OUTPUT_DIR": str(out)})
+        done = subprocess.run(trainer_cmd(*args), cwd=tmp_path, env=job_env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: the run's artifact store s3://") and "refuses uploads (" in last and said in last, last
+        assert "Traceback" not in done.stderr
+        run = only_run(client, experiment)
+        assert run.info.status == "FAILED"
+        assert run.data.tags["tracktron.status_reason"] == last.removeprefix("error: ")
+        assert not list(out.glob("model_*.pth"))  # it stopped before iteration 0
+        assert "loss" not in run.data.metrics
+
+
 # ---- a full disk while writing a checkpoint ----------------------------------------------------------
 
 @pytest.fixture

@@ -132,8 +132,8 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
             load_weights(model, weights, shown=cfg.TRAIN.WEIGHTS)
     # Other ranks start from rank 0's weights: DDP broadcasts its parameters and buffers when it wraps
     # the model (a weights file on rank 0's node alone is enough), and build_model set what is neither.
-    if ctx.is_main:
-        write_run_files(job, model, parent)
+    if refused := broadcast_object(ctx, write_run_files(job, model, parent) if ctx.is_main else None):
+        raise SharedError(refused)  # every rank stops with rank 0's line, before any trains
     model.train()
     if ctx.distributed:
         model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -149,16 +149,21 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
                      categories_of(prepared.dataset))
 
 
-def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> None:
+def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> str | None:
     """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run; the
-    run's inputs: its datasets and the model its weights came from."""
+    run's inputs: its datasets and the model its weights came from. The line saying the run's
+    artifact store refuses uploads, found by config.yaml's (the run's first), or None."""
     write_config(job.cfg, job.output_dir / "config.yaml")
     write_atomic(job.output_dir / "model.txt", describe_model(model))
-    for name in ("config.yaml", "model.txt"):
-        job.tracker.log_artifact(job.output_dir / name)
+    try:
+        job.tracker.log_artifact(job.output_dir / "config.yaml", first=True)
+    except UserError as e:
+        return str(e)
+    job.tracker.log_artifact(job.output_dir / "model.txt")
     inputs = dataset_inputs(job.cfg)
     job.tracker.log_inputs(inputs, parent)
     job.tracker.set_tags(eval_sets_tag(inputs))  # what its scores are of, this start's (TEST is no part of the job)
+    return None
 
 
 def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:

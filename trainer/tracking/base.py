@@ -44,6 +44,7 @@ class Tracker:
     def check_found(self) -> None:
         """Wait for start()'s lookup and raise its UserError: a store that cannot be used, or another
         live trainer of the job's run (the lookup watches its heartbeat)."""
+        self.found_checkpoints()
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
         """Download a complete checkpoint of the run and verify it: None when it cannot be downloaded,
@@ -59,8 +60,9 @@ class Tracker:
     def log_metrics(self, metrics: dict, step: int) -> None:
         pass
 
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        pass
+    def log_artifact(self, path: Path, artifact_path: str | None = None, first: bool = False) -> None:
+        """In the background; `first`: the run's first upload, sent now, so that an artifact store that
+        refuses uploads stops the job before it trains (UserError) rather than every checkpoint after."""
 
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
         """The run's datasets (lineage.dataset_inputs) and the model its weights came from, if any."""

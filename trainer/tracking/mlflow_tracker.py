@@ -28,7 +28,7 @@ from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, ope
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
                                    make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
-from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
+from trainer.tracking.transfers import file_identity, run_repository, send_first, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,6 @@ class MlflowTracker(Tracker):
 
     def found_checkpoints(self) -> list[str]:
         return self._found.result().checkpoints if self._found is not None else []
-
-    def check_found(self) -> None:
-        self.found_checkpoints()  # raises the lookup's UserError
 
     @property
     def run(self) -> RunInfo:
@@ -210,8 +207,11 @@ class MlflowTracker(Tracker):
         tags = [] if self._attached else [RunTag(HEARTBEAT_TAG, beat())]  # eval in a run is not its trainer
         self.client.log_batch(self._run.run_id, metrics=metrics, tags=tags, synchronous=True)
 
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._uploader.submit(f"upload {path.name}", lambda: self.client.log_artifact(self.run.run_id, str(path), artifact_path))
+    def log_artifact(self, path: Path, artifact_path: str | None = None, first: bool = False) -> None:
+        def send():
+            upload_file(self._artifacts(), path, artifact_path or "")
+        if not (first and send_first(send, lambda: self._repo.artifact_uri)):  # sent now, or refused (UserError)
+            self._uploader.submit(f"upload {path.name}", send)
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         from mlflow.entities import RunTag
@@ -394,7 +394,6 @@ class MlflowTracker(Tracker):
         except Exception as e:  # the server is down: the status stays as it was
             log.warning("tracking: could not set the run's status: %s", first_line(e, 300))
 
-    def _superseded(self, description: str) -> bool:
-        """An older checkpoint that never reached the server, when a newer one did, is lost nothing."""
-        prefix = "upload checkpoint "
-        return description.startswith(prefix) and iteration_of(description[len(prefix):]) < self._newest_uploaded
+    def _superseded(self, description: str) -> bool:  # an older checkpoint lost nothing when a newer one reached the server
+        name = description.removeprefix("upload checkpoint ")
+        return name != description and iteration_of(name) < self._newest_uploaded
