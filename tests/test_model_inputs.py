@@ -544,6 +544,22 @@ def test_a_rerun_of_a_finished_job_logs_the_model_its_run_lacks(tmp_path, data_d
     assert str(client.get_logged_model(run.data.tags["tracktron.model_id"]).status) == "READY"
 
 
+def test_a_registry_uri_with_a_newline_and_capitals_registers_the_model_at_the_end(tmp_path, data_dir):
+    """MLFLOW_REGISTRY_URI from a Secret's file (a trailing newline), its scheme in capitals:
+    tracktron's own checks took it, MLflow's client read it as it was and could not parse it, so the
+    job trained to its end and then failed to register its model (helper-58's note)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]",
+                                                 "TRACKING.REGISTERED_MODEL": "from-a-secret"})
+    done = run_trainer(args, cwd=tmp_path, timeout=240, env={"MLFLOW_REGISTRY_URI": f" SQLITE:///{tmp_path / 'mlflow.db'}\n"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert client.get_model_version_by_alias("from-a-secret", "final").run_id == run.info.run_id
+
+
 def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_only_then(tmp_path, data_dir):
     """A finished job whose model is logged, run again with TRACKING.REGISTERED_MODEL set: it
     registered nothing and said "nothing to do" (2026-12-04's red team). Now the run's logged model

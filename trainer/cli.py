@@ -20,6 +20,7 @@ from trainer.logs import check_arguments_are_text, hold_console_descriptors, set
 from trainer.open_files import check_open_files
 from trainer.output_dir import check_output_dir, named_folder
 from trainer.redaction import printable, redact_text, remember_url_credentials
+from trainer.tracking.runs import settle_uri_variables
 
 log = logging.getLogger("tracktron")
 
@@ -205,6 +206,7 @@ def main(argv=None) -> None:
         args = sys.argv[1:] if argv is None else argv
         check_arguments_are_text(args)
         check_temporary_folder()
+        settle_uri_variables()
         for arg in args:  # `--uri`, `--weights`, an override: a password as typed is hidden in every line
             remember_url_credentials(arg)
         cli.main(args=argv, prog_name="tracktron", standalone_mode=False)

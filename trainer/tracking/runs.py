@@ -84,6 +84,18 @@ def registry_uri(cfg: Config | None) -> str:
     return given
 
 
+def settle_uri_variables() -> None:
+    """MLFLOW_TRACKING_URI and MLFLOW_REGISTRY_URI as tracktron reads them (no white space around,
+    the scheme in lower case), for MLflow's own clients too: they read the variables as they are,
+    and a Secret's trailing newline failed the job's registration at its end, after training."""
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        if (raw := os.environ.get(key)) is not None and raw != (settled := _lower_scheme(raw.strip())):
+            if settled:
+                os.environ[key] = settled
+            else:  # white space alone: unset, as tracktron takes it
+                del os.environ[key]
+
+
 def _remember_query(uri: str) -> None:
     """A token in an HTTP URI's query, hidden also where a library prints the path without the
     scheme (urllib3's `url: /?token=...`)."""
