@@ -126,7 +126,7 @@ class _SlowToAnswer(FaultProxy):
 
 def test_a_put_through_the_proxy_may_wait_for_the_server_in_proportion_to_its_size(tmp_path, mlflow_server,
                                                                                        monkeypatch):
-    """The server answers a PUT once it has stored the file onward: a 48 MB one may wait seconds where
+    """The server answers a PUT once it has stored the file onward: a 96 MB one may wait seconds where
     a 1 MB one may not. Here the base timeout is 2 s and the answer to every PUT comes 5 s late."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -136,14 +136,14 @@ def test_a_put_through_the_proxy_may_wait_for_the_server_in_proportion_to_its_si
         repo = run_repository(client, proxy.url, run_id)
         small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
         small.write_bytes(os.urandom(MB))
-        big.write_bytes(os.urandom(48 * MB))  # under MLflow's 500 MB multipart threshold: one PUT
+        big.write_bytes(os.urandom(96 * MB))  # under MLflow's 500 MB multipart threshold: one PUT
         started = time.monotonic()
         with pytest.raises(Exception, match="timed out|[Tt]imeout"):
             upload(repo, small, "checkpoints")  # 2 s + 1 MB at 8 MB/s: the answer comes too late
         assert time.monotonic() - started < 4.5
-        upload(repo, big, "checkpoints")  # 2 s + 48 MB at 8 MB/s = 8 s: waits for it
+        upload(repo, big, "checkpoints")  # 2 s + 96 MB at 8 MB/s = 14 s: waits for it (9 s past the delay)
     stored = {f.path: f.file_size for f in MlflowClient(mlflow_server.url).list_artifacts(run_id, "checkpoints")}
-    assert stored["checkpoints/model_iter2.pth"] == 48 * MB  # (the small one got there too: its client gave up)
+    assert stored["checkpoints/model_iter2.pth"] == 96 * MB  # (the small one got there too: its client gave up)
 
 
 def test_a_single_put_through_the_proxy_stores_the_file_byte_for_byte_empty_or_not(tmp_path, mlflow_server):
@@ -204,7 +204,7 @@ def test_a_file_changed_since_it_was_handed_to_the_uploader_is_not_uploaded(rout
 def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_it_in_proportion_to_its_size(
         tmp_path, mlflow_server, monkeypatch):
     """The server sends the first byte of a download only once it has fetched the whole file from its
-    store. Base timeout 2 s, every checkpoint GET answered 5 s late: a 48 MB checkpoint (streamed: under
+    store. Base timeout 2 s, every checkpoint GET answered 5 s late: a 96 MB checkpoint (streamed: under
     MLflow's 500 MB threshold for ranged downloads) still comes, whole; a 1 MB one times out."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -212,7 +212,7 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
     run_id = client.create_run(client.create_experiment(f"slow-get-{uuid.uuid4().hex[:6]}")).info.run_id
     small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
     small.write_bytes(os.urandom(MB))
-    big.write_bytes(os.urandom(48 * MB))
+    big.write_bytes(os.urandom(96 * MB))
     for path in (small, big):
         client.log_artifact(run_id, str(path), "checkpoints")
     with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:

@@ -94,7 +94,7 @@ def test_a_job_killed_while_the_server_is_down_resumes_without_a_hole_and_upload
         resumed = f"model_iter{newest}.pth"
         sha256 = sha256_of(out / resumed)  # the job's own pruning may remove it later
         proxy.set_mode("pass")
-        again = run_trainer(args, cwd=tmp_path)
+        again = run_trainer(args, cwd=tmp_path, timeout=900)  # ~650 iterations: 250 s on a loaded machine
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"at iteration {newest + 1}" in again.stderr and "that an earlier start could not send" in again.stderr
     assert "has no metrics for iterations" not in again.stderr

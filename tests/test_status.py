@@ -105,7 +105,7 @@ def test_stopping_the_monitor_sends_the_last_interval_and_never_holds_the_exit(t
     exp = client.create_experiment(f"sysmetrics-stop-{tmp_path.name}")
     cfg = load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true", "TRACKING.URI", mlflow_server.url])
     short = client.create_run(exp).info.run_id
-    stop_monitor(start_monitor(cfg, short, local_rank=0, world_size=1))
+    stop_monitor(start_monitor(cfg, short, local_rank=0, world_size=1), timeout_s=60)  # a server busy with the other worker
     assert "system/cpu_utilization_percentage" in client.get_run(short).data.metrics
 
     with FaultProxy(mlflow_server.url) as proxy:

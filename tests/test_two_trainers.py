@@ -61,7 +61,7 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     elsewhere = _beat(machine="another-boot:1", pid=parent)
     ended = subprocess.Popen(["sleep", "0.2"])  # not reaped: a zombie, its /proc entry still there
     ended_start = open(f"/proc/{ended.pid}/stat").read().rsplit(")", 1)[1].split()[19]
-    time.sleep(1)
+    os.waitid(os.P_PID, ended.pid, os.WEXITED | os.WNOWAIT)  # it has exited, and is left unreaped
     zombie = _beat(pid=ended.pid, started=ended_start)
     no_start = _beat(pid=2**22 + 7, started=None)  # hand-edited: no start time to match a process by
     for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here, zombie, no_start,
