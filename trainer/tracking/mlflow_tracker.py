@@ -28,7 +28,8 @@ from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, ope
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
                                    make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
-from trainer.tracking.transfers import file_identity, run_repository, send_first, upload as upload_file
+from trainer.tracking.first_upload import send_first
+from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
@@ -210,8 +211,8 @@ class MlflowTracker(Tracker):
     def log_artifact(self, path: Path, artifact_path: str | None = None, first: bool = False) -> None:
         def send():
             upload_file(self._artifacts(), path, artifact_path or "")
-        if not (first and send_first(send, lambda: self._repo.artifact_uri)):  # sent now, or refused (UserError)
-            self._uploader.submit(f"upload {path.name}", send)
+        if job := send_first(send, lambda: self._repo.artifact_uri) if first else send:  # None: sent (UserError: refused)
+            self._uploader.submit(f"upload {path.name}", job)
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         from mlflow.entities import RunTag

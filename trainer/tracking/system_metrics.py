@@ -48,7 +48,7 @@ def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: 
     return monitor
 
 
-def stop_monitor(monitor, timeout_s: float = 10.0) -> None:
+def stop_monitor(monitor, timeout_s: float = 5.0) -> None:
     """Stops the monitor and sends what it sampled since it last sent, waiting at most timeout_s."""
     def stop():
         try:

@@ -29,7 +29,6 @@ MLflow's own download, then are hashed.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import mmap
 import os
@@ -37,9 +36,7 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trainer.errors import UserError, first_line
 from trainer.hashing import sha256_of
-from trainer.redaction import redact_text
 
 STORE_FLOOR_BPS = 8 * 1024**2  # a server storing a file onward slower than this is taken for hung
 CONNECT_S = 10.0
@@ -77,52 +74,6 @@ def file_identity(path: Path) -> tuple | None:
 
 def _identity(st: os.stat_result) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def send_first(send, where, timeout_s: float = 30.0) -> bool:
-    """A run's first upload, `send()`, waited for (timeout_s at most) before training: True once it
-    is sent, False when it goes on or failed as an outage fails (the uploader tries it again); a
-    store that refuses uploads raises UserError now, naming it (`where()`), not once per checkpoint
-    after hours of training."""
-    from concurrent.futures import wait
-
-    from trainer.daemon_call import daemon_call
-
-    done = daemon_call(send, "first upload")
-    if not wait([done], timeout_s).done:
-        return False
-    try:
-        done.result()
-        return True
-    except Exception as e:
-        if refused(e):
-            raise UserError(f"the run's artifact store {redact_text(where())} refuses uploads ({first_line(e)}): no "
-                            "checkpoint or model of the job would reach it; fix its credentials or location") from None
-        return False
-
-
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
-
-
-def refused(e: BaseException) -> bool:
-    """An upload error that no retry mends: no or rejected credentials, a bucket that does not exist,
-    a folder that may not be written, a request the server rejects (4xx but a timeout or a rate limit)."""
-    seen = set()
-    while e is not None and id(e) not in seen:  # boto3 wraps S3's ClientError in S3UploadFailedError
-        seen.add(id(e))
-        if type(e).__name__ in _NO_CREDENTIALS:
-            return True
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return True
-        response = getattr(e, "response", None)  # botocore's dict, requests' Response
-        status = (response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict)
-                  else getattr(response, "status_code", None))
-        if status is None and hasattr(e, "get_http_status_code") and getattr(e, "error_code", "") != "INTERNAL_ERROR":
-            status = e.get_http_status_code()  # MlflowException
-        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def upload(repo, path: Path, artifact_path: str, written: tuple | None = None) -> None:
