@@ -261,7 +261,12 @@ def run(env: Env) -> Section:
              "import), and MLflow was imported on the start thread alongside torch, so the download began "
              "only once both imports were nearly done: 1.76x. Now a file under MLflow's 500 MB ranged-download "
              "threshold comes in one streamed GET through the server (0.06 s of client CPU), and MLflow loads "
-             "before torch."]
+             "before torch.",
+             "What changed (2026-12-05): the run's first upload (config.yaml) is now sent before the first "
+             "iteration, so that an artifact store that refuses uploads stops the job before it trains; it is "
+             "in the 'first resumed iteration's start' row. The commit before it, run minutes earlier on the "
+             "same machine: 1.46x, that row 0.14 s (after: 1.48x, 0.15 s). This machine ran about 2x slower "
+             "that day than on 2026-12-01 (python start to torch 4.3 s, then 1.9 s), which moved both sides."]
     return Section(NAME, "Resume from the tracking server", WHAT, headline,
                    f"resume on an empty machine <= {TARGET}x a raw download + model build (fresh process)", passed,
                    [table], notes)
