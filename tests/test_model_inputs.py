@@ -263,6 +263,28 @@ def test_models_latest_records_its_parent(trained, tmp_path):
     assert parent.get("run_id") == trained["run_id"] and parent.get("model_id")
 
 
+def test_a_registered_model_whose_name_holds_an_at_sign_is_read_as_mlflow_reads_it(trained, tmp_path):
+    """MLflow allows `@` in a registered model's name and reads `models:/team@det@best` as the alias
+    after the last `@`; tracktron split at the first and looked for model `team`, alias `det@best`."""
+    import mlflow
+
+    from trainer.tracking.logged_model import fetch_weights
+
+    mlflow.set_tracking_uri(trained["uri"])
+    client = trained["client"]
+    final = client.get_model_version_by_alias("rt", "final")
+    client.create_registered_model("team@det")
+    version = client.create_model_version("team@det", final.source, run_id=final.run_id).version
+    client.set_registered_model_alias("team@det", "best", version)
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"],
+                                                            "TRAIN.WEIGHTS": "models:/team@det@best"})
+    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    path, parent = fetch_weights(cfg, "models:/team@det@best", tmp_path / "weights")
+    assert path.is_file() and parent["version"] == f"team@det/{version}", parent
+
+
 def test_a_registered_model_named_like_a_model_id_is_used_by_name(trained, tmp_path):
     """A registered model named m-det: TRAIN.WEIGHTS models:/m-det@best was looked up as the logged
     model id 'm-det@best' (every name starting with m- was), and refused."""

@@ -51,13 +51,15 @@ def pinned(cfg, spec: str) -> str:
         found = model_version(_client(cfg), target)
     except Exception:
         return spec
+    if "@" in found.name:  # MLflow reads `models:/a@b/1` as an alias: such a name is downloaded as typed
+        return spec
     return f"models:/{found.name}/{found.version}"
 
 
 def model_version(client, target: str):
     """The ModelVersion `name/version`, `name/latest` or `name@alias` names."""
     if "@" in target:
-        return client.get_model_version_by_alias(*target.split("@", 1))
+        return client.get_model_version_by_alias(*target.rsplit("@", 1))
     name, _, version = target.partition("/")
     if version.lower() == "latest":  # as MLflow reads it
         versions = client.search_model_versions(f"name = '{name}'")
