@@ -263,23 +263,33 @@ def test_models_latest_records_its_parent(trained, tmp_path):
     assert parent.get("run_id") == trained["run_id"] and parent.get("model_id")
 
 
+def _final_registered_as(trained, name: str):
+    """The trained job's @final, registered again as `name` with @best on it: (that version, its number)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(trained["uri"])  # a version made from models:/<id> looks the model up here
+    client = trained["client"]
+    final = client.get_model_version_by_alias("rt", "final")
+    client.create_registered_model(name)
+    version = client.create_model_version(name, final.source, run_id=final.run_id).version
+    client.set_registered_model_alias(name, "best", version)
+    return final, version
+
+
+def _dry_run_from(trained, tmp_path, weights: str):
+    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"], "TRAIN.WEIGHTS": weights})
+    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_a_registered_model_whose_name_holds_an_at_sign_is_read_as_mlflow_reads_it(trained, tmp_path):
     """MLflow allows `@` in a registered model's name and reads `models:/team@det@best` as the alias
     after the last `@`; tracktron split at the first and looked for model `team`, alias `det@best`."""
-    import mlflow
-
     from trainer.tracking.logged_model import fetch_weights
 
-    mlflow.set_tracking_uri(trained["uri"])
-    client = trained["client"]
-    final = client.get_model_version_by_alias("rt", "final")
-    client.create_registered_model("team@det")
-    version = client.create_model_version("team@det", final.source, run_id=final.run_id).version
-    client.set_registered_model_alias("team@det", "best", version)
-    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"],
-                                                            "TRAIN.WEIGHTS": "models:/team@det@best"})
-    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _, version = _final_registered_as(trained, "team@det")
+    _dry_run_from(trained, tmp_path, "models:/team@det@best")
     cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
     path, parent = fetch_weights(cfg, "models:/team@det@best", tmp_path / "weights")
     assert path.is_file() and parent["version"] == f"team@det/{version}", parent
@@ -288,21 +298,10 @@ def test_a_registered_model_whose_name_holds_an_at_sign_is_read_as_mlflow_reads_
 def test_a_registered_model_named_like_a_model_id_is_used_by_name(trained, tmp_path):
     """A registered model named m-det: TRAIN.WEIGHTS models:/m-det@best was looked up as the logged
     model id 'm-det@best' (every name starting with m- was), and refused."""
-    import mlflow
-
     from trainer.tracking.logged_model import fetch_weights
 
-    mlflow.set_tracking_uri(trained["uri"])  # a version made from models:/<id> looks the model up here
-    client = trained["client"]
-    final = client.get_model_version_by_alias("rt", "final")
-    client.create_registered_model("m-det")
-    version = client.create_model_version("m-det", final.source, run_id=final.run_id).version
-    client.set_registered_model_alias("m-det", "best", version)
-    args = demo_overrides(tmp_path, trained["data_dir"], **{"TRACKING.URI": trained["uri"],
-                                                            "TRAIN.WEIGHTS": "models:/m-det@best"})
-    done = run_trainer(["--dry-run", *args], cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "from models:/m-det@best" in done.stdout
+    final, version = _final_registered_as(trained, "m-det")
+    assert "from models:/m-det@best" in _dry_run_from(trained, tmp_path, "models:/m-det@best").stdout
     cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
     _, parent = fetch_weights(cfg, f"models:/m-det/{version}", tmp_path / "weights")
     assert parent["version"] == f"m-det/{version}" and parent["model_id"] == final.source.removeprefix("models:/")
