@@ -92,7 +92,7 @@ def test_a_refusal_stops_only_when_a_second_try_gets_it_too(monkeypatch):
         send_first(lambda: (_ for _ in ()).throw(NoCredentialsError()), lambda: None.artifact_uri)
 
 
-def test_an_upload_still_going_is_waited_for_by_the_uploader_not_sent_twice_at_once():
+def test_an_upload_still_going_is_waited_for_by_the_uploader_not_sent_twice_at_once(caplog):
     release, running, sends = threading.Event(), [], []
 
     def slow():
@@ -107,6 +107,9 @@ def test_an_upload_still_going_is_waited_for_by_the_uploader_not_sent_twice_at_o
     started = time.monotonic()
     later = send_first(slow, lambda: "s3://b", timeout_s=0.2)
     assert later is not None and time.monotonic() - started < 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == ["tracking: the run's first upload to s3://b has had no answer in 0 s (see the tracking server's log); "
+                    "training goes on, uploads are retried in the background"]  # said now, not when the try ends
     threading.Timer(0.3, release.set).start()
     later()  # the uploader's job: waits for the first try, which succeeded
     assert sends == [1]

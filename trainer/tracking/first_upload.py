@@ -5,6 +5,7 @@ the job stops in one line now rather than failing each upload for hours. Anythin
 from __future__ import annotations
 
 import errno
+import logging
 import re
 import time
 from concurrent.futures import Future, wait
@@ -14,6 +15,7 @@ from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 
+log = logging.getLogger(__name__)
 RETRY_AFTER_S = 3.0  # a refusal is taken as the store's answer once a second try gets it too
 
 # botocore: credentials or configuration that no retry finds; S3 codes that say who or where is wrong
@@ -32,6 +34,11 @@ def send_first(send: Callable[[], None], where: Callable[[], str], timeout_s: fl
     for attempt in (1, 2):
         done = daemon_call(send, "first upload")
         if not wait([done], max(0.0, deadline - time.monotonic())).done:
+            # Said now: a try still going is MLflow's client retrying (an MLflow server whose own store
+            # fails answers a bare 500) or a server that hangs; its own warning would come minutes later.
+            log.warning("tracking: the run's first upload to %s has had no answer in %.0f s (see the tracking "
+                        "server's log); training goes on, uploads are retried in the background",
+                        redact_text(_named(where)), timeout_s)
             break
         if (e := done.exception()) is None:
             return None
