@@ -51,12 +51,31 @@ RGB = np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)
 OK_PNG = _png(RGB)
 
 
-def _corrupt_png() -> bytes:
-    """One byte of the IDAT payload changed: its CRC no longer matches (a flaky upload, a bad disk)."""
+def _corrupt_png(where: str = "payload") -> bytes:
+    """A PNG damaged as a flaky upload or a bad disk leaves it: one byte of the IDAT payload changed
+    (its CRC no longer matches), or only the IDAT's CRC (the pixels intact), or the second of two IDATs'."""
     data = bytearray(OK_PNG)
+    if where == "second-idat-crc":  # the same pixels split into two IDAT chunks
+        idat = data.index(b"IDAT")
+        length = int.from_bytes(data[idat - 4:idat], "big")
+        payload, half = bytes(data[idat + 4:idat + 4 + length]), length // 2
+        chunks = b"".join(struct.pack(">I", len(part)) + b"IDAT" + part
+                          + struct.pack(">I", zlib.crc32(b"IDAT" + part) & 0xFFFFFFFF)
+                          for part in (payload[:half], payload[half:]))
+        data[idat - 4:idat + 8 + length] = chunks
+        data[idat - 4 + len(chunks) - 1] ^= 0xFF
+        return bytes(data)
     idat = data.index(b"IDAT") + 4
-    data[idat + 20] ^= 0xFF
+    length = int.from_bytes(data[idat - 8:idat - 4], "big")
+    data[idat + (20 if where == "payload" else length)] ^= 0xFF
     return bytes(data)
+
+
+def _cut_gif(keep: int) -> bytes:
+    """A two-frame GIF cut short where Pillow's frame count fails on it (IndexError, struct.error)."""
+    frames, buf = [Image.new("RGB", (64, 64), colour) for colour in ("red", "blue")], io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    return buf.getvalue()[:keep]
 
 
 def _runs(db: Path) -> dict[str, int]:
@@ -120,15 +139,19 @@ def test_every_pixel_format_decodes_to_rgb_in_unit_range(mode):
     assert x.shape == (3, 48, 64) and x.dtype == torch.float32 and 0.0 <= float(x.min()) <= float(x.max()) <= 1.0
 
 
-def test_a_png_with_one_bad_byte_is_a_value_error_not_a_crash():
-    """torchvision's decode_png segfaults (exit -11) on a PNG whose IDAT CRC is wrong: in the served
-    model that killed `mlflow models serve` for every client. PIL checks the PNG first."""
+@pytest.mark.parametrize("damaged", [_corrupt_png(), _corrupt_png("idat-crc"), _corrupt_png("second-idat-crc"),
+                                     _cut_gif(144), _cut_gif(152)],
+                         ids=["png-payload", "png-idat-crc", "png-second-idat-crc", "gif-cut-144", "gif-cut-152"])
+def test_a_damaged_image_is_a_value_error_not_a_crash(damaged):
+    """torchvision's decode_png segfaults (exit -11) on a PNG whose IDAT CRC is wrong, even with the
+    pixels intact: in the served model that killed `mlflow models serve` for every client. PIL checks
+    every chunk's CRC first. A cut GIF made Pillow's frame count raise IndexError or struct.error."""
     code = ("import sys; from trainer.inference import decode\n"
             "try:\n    decode(sys.stdin.buffer.read())\nexcept ValueError as e:\n    print('VALUE_ERROR', e)\n")
-    done = subprocess.run([sys.executable, "-c", code], input=_corrupt_png(), capture_output=True, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", code], input=damaged, capture_output=True, cwd=ROOT,
                           timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"decode crashed the process (exit {done.returncode}): {done.stderr[-300:]!r}"
-    assert b"VALUE_ERROR" in done.stdout
+    assert done.stdout.startswith(b"VALUE_ERROR cannot decode the image (")
 
 
 # -------------------------------------------------------------- 2. the pyfunc model, as served
@@ -261,6 +284,44 @@ def test_models_latest_records_its_parent(trained, tmp_path):
     cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
     _, parent = fetch_weights(cfg, "models:/rt/latest", tmp_path)
     assert parent.get("run_id") == trained["run_id"] and parent.get("model_id")
+
+
+def test_a_checkpoint_the_models_tab_ranks_is_usable_as_weights(trained, tmp_path):
+    """The run's checkpoint models (what README's search_logged_models ordered by bbox/AP gives) hold
+    no files, only a tag naming their checkpoint: models:/<their id> and runs:/<run>/model_final (a
+    checkpoint model's name) said 'nothing there (... deleted)'. They stand for that checkpoint file."""
+    from trainer.checkpoint.state import load as load_checkpoint
+    from trainer.tracking.logged_model import fetch_weights, load_detector
+
+    client, run_id = trained["client"], trained["run_id"]
+    ranked = client.search_logged_models([client.get_run(run_id).info.experiment_id],
+                                         filter_string="model_type = 'tracktron-checkpoint'",
+                                         order_by=[{"field_name": "metrics.bbox/AP", "ascending": False}])
+    best = f"models:/{ranked[0].model_id}"
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    path, parent = fetch_weights(cfg, best, tmp_path / "weights")
+    assert path.name == ranked[0].tags["tracktron.checkpoint"].rsplit("/", 1)[-1]
+    assert parent == {"weights": best, "run_id": run_id, "model_id": ranked[0].model_id}
+    assert f"from {best}" in _dry_run_from(trained, tmp_path, best).stdout
+
+    final = load_checkpoint(trained["tmp"] / "output" / "model_final.pth")["model"]
+    served = load_detector(cfg, f"runs:/{run_id}/model_final").model.state_dict()
+    assert all(torch.equal(served[k], v) for k, v in final.items())
+
+
+def test_a_logged_model_whose_weights_are_gone_says_so(trained, tmp_path):
+    """A registered version whose weights.pt was deleted from the artifact store was called 'not a
+    tracktron model; ... unpickling would run code from the file'."""
+    import mlflow
+    from mlflow.artifacts import download_artifacts
+
+    from trainer.tracking.logged_model import load_local
+
+    mlflow.set_tracking_uri(trained["uri"])  # models:/ is resolved by the registry, which follows it
+    folder = Path(download_artifacts("models:/rt@final", dst_path=str(tmp_path)))
+    (folder / "artifacts" / "detector" / "weights.pt").unlink()
+    with pytest.raises(UserError, match=r"^--weights models:/rt@final: a tracktron model without its weights.pt "):
+        load_local(folder, "models:/rt@final")
 
 
 def _final_registered_as(trained, name: str):

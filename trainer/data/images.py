@@ -2,8 +2,9 @@
 images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255).
 
 Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
-refused before anything is allocated, and a PNG is fully decoded by PIL too, because libpng inside
-torchvision kills the process (SIGSEGV) on a corrupt PNG instead of raising. Then torchvision
+refused before anything is allocated, and a PNG is fully decoded by PIL too and its chunks' CRCs
+checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt PNG instead of
+raising. Then torchvision
 decodes it (the pixels every earlier model was trained on), except an animated image, whose first
 frame PIL decodes alone (torchvision would decode every frame).
 
@@ -87,10 +88,12 @@ def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:
                     by_pil = np.array((ImageOps.exif_transpose(probe) if upright else probe).convert("RGB"))
                 elif data.startswith(_PNG):
                     probe.load()
+                    with Image.open(io.BytesIO(data)) as chunks:
+                        chunks.verify()  # every chunk's CRC: load() skips them, libpng dies on a bad one
     except UnidentifiedImageError:
         raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot decode the image ({first_line(e)})") from None
+    except Exception as e:  # PIL parses in Python: a damaged file raises whatever its parser meets (IndexError...)
+        raise ValueError(f"cannot decode the image ({first_line(e) or type(e).__name__})") from None
     check_size(*size)
     return by_pil
 

@@ -80,7 +80,7 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
     if spec.startswith(MLFLOW_URIS):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
-            return load_local(download_uri(cfg, spec, tmp, option), spec, option, device)
+            return load_local(download_uri(cfg, pinned(cfg, spec), tmp, option, shown=spec), spec, option, device)
     path = user_path(spec, option)
     if not path.exists():
         raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")
@@ -104,6 +104,8 @@ def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
     except (OSError, yaml.YAMLError, AttributeError) as e:
         raise UserError(f"{option} {spec}: unreadable MLmodel ({first_line(e)})") from None
     folder = model_dir / "artifacts" / ARTIFACT
+    if folder.is_dir() and not (folder / WEIGHTS).is_file():
+        raise UserError(f"{option} {spec}: a tracktron model without its {WEIGHTS} (deleted from its artifact store?)")
     if not (folder / WEIGHTS).is_file():
         kind = "a pickled PyTorch model" if "pytorch" in flavors else "not a tracktron model"
         raise UserError(f"{option} {spec}: {kind}; tracktron loads only models it logged as weights "

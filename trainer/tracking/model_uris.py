@@ -3,7 +3,8 @@
 
 check_source   before a training job creates anything: the URI is well formed and names something
                that exists (metadata only; the weights are downloaded when the model is built)
-pinned         an alias (or latest) as the version it names now, for a download and its record
+pinned         an alias (or latest) as the version it names now, a checkpoint's LoggedModel as its
+               checkpoint file: what is downloaded and recorded
 parent_of      what a fine-tune records of the model its weights came from
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import re
 
 from trainer.errors import UserError, first_line
+from trainer.tracking.checkpoint_models import CHECKPOINT_TAG, MODEL_TYPE
 from trainer.tracking.runs import bound_http, check_shape, lists_artifact, registry_uri, tracking_uri
 from trainer.tracking.sqlite_store import store_settled, unmade
 
@@ -42,8 +44,11 @@ def _client(cfg):
 def pinned(cfg, spec: str) -> str:
     """`models:/name@alias` or `models:/name/latest` as the version it names now, `models:/name/N`:
     the weights downloaded and the parent recorded are one version, even when the alias moves (a
-    promotion) while the model downloads. Anything else, or a lookup that fails (the download then
-    says why), as it is."""
+    promotion) while the model downloads. A checkpoint's LoggedModel (`models:/<id>`, or
+    `runs:/<run>/model_final` by its name), which holds no files, as its checkpoint file. Anything
+    else, or a lookup that fails (the download then says why), as it is."""
+    if spec.startswith(MLFLOW_URIS) and (checkpoint := _checkpoint_named(cfg, spec)):
+        return checkpoint
     target = spec.split(":/", 1)[1].strip("/") if spec.startswith("models:/") else ""
     if is_model_id(target) or not ("@" in target or target.lower().endswith("/latest")):
         return spec
@@ -54,6 +59,24 @@ def pinned(cfg, spec: str) -> str:
     if "@" in found.name:  # MLflow reads `models:/a@b/1` as an alias: such a name is downloaded as typed
         return spec
     return f"models:/{found.name}/{found.version}"
+
+
+def _checkpoint_named(cfg, spec: str) -> str | None:
+    """`runs:/<run>/checkpoints/<file>` of the checkpoint a LoggedModel of tracktron's stands for
+    (the ones the Models tab ranks by AP); None for anything else."""
+    target = spec.split(":/", 1)[1].strip("/")
+    run_id, _, name = target.partition("/")
+    if not (is_model_id(target) or (spec.startswith("runs:/") and name and "/" not in name and "." not in name)):
+        return None
+    try:
+        client = _client(cfg)
+        model = client.get_logged_model(target) if is_model_id(target) else _run_logged_model(client, run_id, name)
+    except Exception:  # the download says why
+        return None
+    if model is None or model.model_type != MODEL_TYPE:
+        return None
+    tagged = model.tags.get(CHECKPOINT_TAG, "")  # only a checkpoint of the model's own run
+    return tagged if re.fullmatch(rf"runs:/{re.escape(model.source_run_id)}/checkpoints/[\w.-]+[.]pth", tagged) else None
 
 
 def model_version(client, target: str):
