@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -193,8 +195,58 @@ def test_wrong_password_is_one_line_and_exit_2(train, auth_server, monkeypatch):
     result = train("TRACKING.URI", auth_server.url, "TRACKING.EXPERIMENT", "auth", tracking=True)
     assert result.code == 2, result.stderr[-2000:]
     assert result.last_line == (f"error: the tracking server at {auth_server.url} refused the credentials "
-                                "(MLFLOW_TRACKING_USERNAME/PASSWORD)")
+                                "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
     assert "Traceback" not in result.stderr and "not-the-password-42" not in result.stderr + result.stdout
+
+
+@needs_auth_app
+def test_a_user_without_permission_is_told_so_not_that_the_password_is_wrong(train, auth_server, admin_client,
+                                                                              monkeypatch):
+    """A known user whose password is right but who may only read the experiment (the server's
+    default READ): the 403 was reported as refused credentials (helper-65's red team)."""
+    from mlflow.server.auth.client import AuthServiceClient
+
+    admin_client.create_experiment("shared-readonly")
+    AuthServiceClient(auth_server.url).create_user("bob", "b0b-Pa55-word")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "b0b-Pa55-word")
+    result = train("TRACKING.URI", auth_server.url, "TRACKING.EXPERIMENT", "shared-readonly", tracking=True)
+    assert result.code == 2, result.stderr[-2000:]
+    assert result.last_line.startswith(f"error: the tracking server at {auth_server.url} does not permit this user "
+                                       "the job's experiment or run (")
+    assert result.last_line.endswith("ask for a permission, or name another TRACKING.EXPERIMENT")
+
+
+def _answer_plain_http(server: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # until the test closes it
+        while True:
+            client, _ = server.accept()
+            with client:
+                client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+def test_tls_and_proxy_failures_say_what_failed_not_is_it_running(train, monkeypatch):
+    """https:// to a server that speaks plain HTTP (a TLS failure, as an untrusted certificate is), and a
+    corporate proxy that is down, were both `cannot reach the tracking server (is it running?)`."""
+    with socket.socket() as plain:
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        threading.Thread(target=_answer_plain_http, args=(plain,), daemon=True).start()
+        uri = f"https://127.0.0.1:{plain.getsockname()[1]}"
+        result = train("TRACKING.URI", uri, tracking=True)
+    assert result.code == 2, result.stderr[-2000:]
+    assert result.last_line.startswith(f"error: the tracking server at {uri}: TLS failed ([SSL"), result.last_line
+    assert "MLFLOW_TRACKING_SERVER_CERT_PATH" in result.last_line
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: the proxy refuses connections
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        monkeypatch.setenv("NO_PROXY", "")
+        result = train("TRACKING.URI", "http://mlflow.example.invalid:5000", tracking=True)
+    assert result.code == 2, result.stderr[-2000:]
+    assert result.last_line == ("error: cannot reach the tracking server at http://mlflow.example.invalid:5000 through "
+                                "the proxy of HTTP_PROXY/HTTPS_PROXY (Unable to connect to proxy: [Errno 111] "
+                                "Connection refused); NO_PROXY lists the hosts reached without it")
 
 
 SECRETS = {

@@ -332,8 +332,17 @@ def retryable(e: BaseException) -> bool:
     return not isinstance(e, final)
 
 
+_SSL_REASON = r"\[SSL[^\]]*\][^'\"(]*"  # [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: ...
+_PROXY_REASON = (r"(?<=ProxyError\(')[^']*", r"Tunnel connection failed:[^'\")]*|\[Errno \d+\][^'\")]*")
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
                 "NameResolutionError", "timed out", "RemoteDisconnected")
+
+
+def _caused_by(text: str, *patterns: str) -> str:
+    """What urllib3's 'Max retries exceeded ... (Caused by SSLError(...))' says of the cause: the
+    parts `patterns` find, else its first line."""
+    found = [m.group(0).strip() for p in patterns if (m := re.search(p, text))]
+    return ": ".join(found) or first_line(text)
 
 
 def make_client(uri: str):
@@ -350,13 +359,23 @@ def start_error(uri: str, e: BaseException) -> str:
     if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
         return (f"the tracking server at {uri} answers with HTTP {answered.group(1)} errors (see its log); "
                 "TRACKING.ENABLED false trains without tracking")
+    if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
+        return (f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); MLFLOW_TRACKING_SERVER_CERT_PATH "
+                "names a CA bundle that trusts its certificate, MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
+    if "ProxyError" in text:
+        return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
+                f"({_caused_by(text, *_PROXY_REASON)}); NO_PROXY lists the hosts reached without it")
     if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
         return (f"cannot reach the tracking server at {uri} (is it running?); "
                 "TRACKING.ENABLED false trains without tracking")
     from mlflow.exceptions import MlflowException
 
-    if isinstance(e, MlflowException) and e.get_http_status_code() in (401, 403):
-        return f"the tracking server at {uri} refused the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD)"
+    if isinstance(e, MlflowException) and e.get_http_status_code() == 401:
+        return (f"the tracking server at {uri} refused the credentials "
+                "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
+    if isinstance(e, MlflowException) and e.get_http_status_code() == 403:  # the user is known, and may not
+        return (f"the tracking server at {uri} does not permit this user the job's experiment or run "
+                f"({first_line(e)}); ask for a permission, or name another TRACKING.EXPERIMENT")
     if isinstance(e, Warning):  # PYTHONWARNINGS=error (or python -W error) made the client's warning an exception
         return (f"tracking store {uri}: a warning raised as an error (PYTHONWARNINGS or python -W): "
                 f"{type(e).__name__}: {first_line(e)}")
