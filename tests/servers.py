@@ -136,6 +136,8 @@ class FaultProxy:
     up to `after` bytes, then hold it (no more bytes either way); `held` is set when that happens and
     `held_request` is its request line.
     `delay_requests(pattern, seconds)`: every request matching `pattern` waits that long before it is sent on.
+    `max_body`: a request whose Content-Length is larger is answered 413 and closed, as nginx's
+    `client_max_body_size` (1 MB by default) does.
     """
 
     def __init__(self, target: str, mode: str = "pass", delay: float = 0.05):
@@ -148,6 +150,7 @@ class FaultProxy:
         self.requests_seen: list[bytes] = []  # request lines that began a chunk (most do)
         self._hold: tuple[re.Pattern, int] | None = None
         self._delays: list[tuple[re.Pattern, float]] = []
+        self.max_body: int | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener = socket.socket()
@@ -246,6 +249,11 @@ class FaultProxy:
                     break
                 if upstream and _REQUEST_LINE.match(data):
                     self.requests_seen.append(data.split(b"\r\n", 1)[0])
+                    length = _CONTENT_LENGTH.search(data.partition(b"\r\n\r\n")[0] + b"\r\n")
+                    if self.max_body is not None and length and int(length.group(1)) > self.max_body:
+                        src.sendall(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 0\r\n"
+                                    b"Connection: close\r\n\r\n")
+                        break
                     if self._delays:
                         data = _with_small_body(src, data)  # so a pattern sees what the request carries
                 if upstream:

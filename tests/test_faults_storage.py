@@ -126,6 +126,29 @@ def test_an_artifact_store_that_refuses_uploads_stops_the_job_before_it_trains(t
         assert "loss" not in run.data.metrics
 
 
+def test_a_proxy_body_limit_is_said_per_checkpoint_and_not_retried_to_the_deadline(tmp_path, data_dir, mlflow_server):
+    """nginx (or ingress-nginx) in front of the server with its default 1 MB body limit answers 413 to
+    every checkpoint: each was retried with backoff until the flush deadline, then the job ended 1
+    saying only what the server lacked (helper-65's red team). A 413 is final: each upload says why
+    and what to raise, once, and the job ends without waiting out the deadline."""
+    with FaultProxy(mlflow_server.url) as proxy:
+        proxy.max_body = 1 << 20
+        args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": "body-limit",
+                                                     "SOLVER.MAX_ITER": 6, "TRAIN.SNAPSHOT_ITERS": 3,
+                                                     "TEST.EVAL_PERIOD": 0, "TRACKING.FLUSH_TIMEOUT_S": 600})
+        done = run_trainer(args, cwd=tmp_path, timeout=900)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    said = [line for line in lines if "model_iter2.pth" in line and "(HTTP 413)" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "client_max_body_size" in said[0], done.stderr[-3000:]
+    assert not [line for line in lines if "413" in line and "retrying" in line]
+    assert "not done before the deadline" not in done.stderr
+    assert lines[-1].startswith("error: the tracking server did not get: ") and "model_final.pth" in lines[-1]
+    run = only_run(MlflowClient(mlflow_server.url), "body-limit")
+    assert "tracktron.ckpt.latest" not in run.data.tags  # nothing claimed complete without its bytes
+    assert (tmp_path / "output" / "model_final.pth").is_file()  # the local checkpoints are intact
+
+
 # ---- a full disk while writing a checkpoint ----------------------------------------------------------
 
 @pytest.fixture

@@ -328,6 +328,8 @@ def retryable(e: BaseException) -> bool:
     if isinstance(e, MlflowException):
         status = e.get_http_status_code()
         return status >= 500 or status == 429
+    if getattr(getattr(e, "response", None), "status_code", None) == 413:  # a body-size limit: the same bytes never pass
+        return False
     final = (TypeError, ValueError, KeyError, AttributeError, FileNotFoundError, IsADirectoryError, PermissionError)
     return not isinstance(e, final)
 

@@ -106,6 +106,10 @@ def _check(written: tuple | None, f, path: Path) -> None:
                             "uploaded, and not marked complete")
 
 
+class TooLarge(ValueError):  # a ValueError: final, never retried (the same bytes never pass)
+    """The server, or a proxy in front of it, refuses a body this large (HTTP 413)."""
+
+
 class _Unsupported(Exception):
     """The server's store takes no multipart upload."""
 
@@ -131,6 +135,10 @@ def _put_whole(repo, path: Path, artifact_path: str, written: tuple | None) -> N
             resp = http_request(get_default_host_creds(repo.artifact_uri), endpoint, "PUT", data=body,
                                 extra_headers={"Content-Type": "application/octet-stream"},
                                 timeout=(CONNECT_S, idle_timeout(size)))
+    if resp.status_code == 413:  # nginx's client_max_body_size is 1 MB unless raised
+        raise TooLarge(f"{path.name} ({size / 2**20:.1f} MiB) is larger than the tracking server, or a proxy in front "
+                       "of it, takes (HTTP 413): raise its body limit (nginx: client_max_body_size; ingress-nginx: "
+                       "proxy-body-size) and run the same command again")
     augmented_raise_for_status(resp)
 
 
