@@ -149,6 +149,31 @@ def test_a_proxy_body_limit_is_said_per_checkpoint_and_not_retried_to_the_deadli
     assert (tmp_path / "output" / "model_final.pth").is_file()  # the local checkpoints are intact
 
 
+def test_a_run_deleted_while_the_job_trains_is_said_with_how_to_restore_it(tmp_path, data_dir, mlflow_server, jobs):
+    """The run deleted in the UI mid-job: every send failed, the last line promised that the same
+    command would send what the run lacks, and that command started a new, empty run (helper-65's red
+    team). The last line now says the run was deleted and how to restore it, and that works."""
+    client = MlflowClient(mlflow_server.url)
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": "deleted-mid-job",
+                                           "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 5,
+                                           "TRACKING.FLUSH_TIMEOUT_S": 30})
+    job = jobs(args, tmp_path)
+    wait_until(lambda: (tmp_path / "output" / "model_iter4.pth").exists(), job, "model_iter4")
+    run_id = only_run(client, "deleted-mid-job").info.run_id
+    client.delete_run(run_id)
+    assert job.wait(600) == 1, job.stderr[-3000:]
+    assert job.last_line.startswith("error: the tracking server did not get: "), job.last_line
+    assert job.last_line.endswith(f"Run {run_id} was deleted while the job ran: restore it (`mlflow runs restore "
+                                  f"--run-id {run_id}`) and run the same command again, which sends what it lacks "
+                                  "(the local files are intact)"), job.last_line
+    client.restore_run(run_id)
+    again = jobs(args, tmp_path, name="again")
+    assert again.wait(600) == 0, again.stderr[-3000:]
+    run = only_run(client, "deleted-mid-job")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert steps(client, run_id) == list(range(60))
+
+
 # ---- a full disk while writing a checkpoint ----------------------------------------------------------
 
 @pytest.fixture

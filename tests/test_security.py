@@ -28,6 +28,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
+from tests.faultkit import Job, wait_until
 from tests.servers import MlflowServer
 from tests.test_bad_input import Outcome, run_cli
 from trainer.hashing import sha256_of
@@ -215,6 +216,30 @@ def test_a_user_without_permission_is_told_so_not_that_the_password_is_wrong(tra
     assert result.last_line.startswith(f"error: the tracking server at {auth_server.url} does not permit this user "
                                        "the job's experiment or run (")
     assert result.last_line.endswith("ask for a permission, or name another TRACKING.EXPERIMENT")
+
+
+@needs_auth_app
+def test_credentials_refused_mid_job_are_said_in_the_last_line(auth_server, admin_client, tmp_path, data_dir):
+    """A password changed (a token expired) while the job trains: every send failed as if the server
+    were down, and the last line never said the credentials were refused (helper-65's red team)."""
+    from mlflow.server.auth.client import AuthServiceClient
+
+    AuthServiceClient(auth_server.url).create_user("carol", "car0l-Pa55-word")
+    creds = {"MLFLOW_TRACKING_USERNAME": "carol", "MLFLOW_TRACKING_PASSWORD": "car0l-Pa55-word"}
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": auth_server.url, "TRACKING.EXPERIMENT": "carol-expires",
+                                                 "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 5,
+                                                 "TRACKING.FLUSH_TIMEOUT_S": 30})
+    job = Job(args, tmp_path, env=creds)
+    try:
+        wait_until(lambda: (tmp_path / "output" / "model_iter4.pth").exists(), job, "model_iter4")
+        AuthServiceClient(auth_server.url).update_user_password("carol", "rotated-Pa55-word")
+        assert job.wait(600) == 1, job.stderr[-3000:]
+    finally:
+        job.kill_group()
+    assert "The tracking server now refuses the credentials (" in job.last_line, job.last_line
+    assert job.last_line.endswith("renew them; the local files are intact; running the same command again sends "
+                                  "what the run lacks")
+    assert "car0l-Pa55-word" not in job.stderr
 
 
 def _answer_plain_http(server: socket.socket) -> None:

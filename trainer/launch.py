@@ -234,8 +234,9 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
     else:
         write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}\n")
     if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
-        write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. The local files "
-                                  "are intact; running the same command again sends what the run lacks\n")
+        from trainer.tracking import resend_advice
+
+        write_or_drop(sys.stderr, f"error: the tracking server did not get: {', '.join(missing)}. {resend_advice(tracker)}\n")
         raise Stopped(1)  # an upload left running (MLflow running the model's example) must not meet the teardown
 
 

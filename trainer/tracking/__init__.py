@@ -11,10 +11,10 @@ from TRACKING.ENABLED and the rank.
 from __future__ import annotations
 
 from trainer.config import Config
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.tracking.base import RunInfo, Tracker
 
-__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation"]
+__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation", "resend_advice"]
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
@@ -52,6 +52,31 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
         tracker.finish(None)
         return Tracker()
     return tracker
+
+
+def resend_advice(tracker: Tracker) -> str:
+    """What the last line of a job whose run lacks some of it advises: a rerun sends the rest, unless
+    the run was deleted while the job ran (a rerun would start another run) or the server refuses the
+    credentials since (an expired token): those are said, with what to do."""
+    from concurrent.futures import wait
+
+    from trainer.daemon_call import daemon_call
+
+    usual = "The local files are intact; running the same command again sends what the run lacks"
+    asked = daemon_call(lambda: tracker.client.get_run(tracker.run.run_id), "run-state")
+    if not wait([asked], 5.0).done:  # a server that hangs: the usual advice holds
+        return usual
+    if (e := asked.exception()) is not None:
+        if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
+            return f"The tracking server now refuses the credentials ({first_line(e)}): renew them; {usual[0].lower()}{usual[1:]}"
+        return usual
+    run = asked.result()
+    if run.info.lifecycle_stage == "active":
+        return usual
+    how = (f"mlflow experiments restore --experiment-id {run.info.experiment_id}" if _experiment_deleted(tracker.client, run)
+           else f"mlflow runs restore --run-id {run.info.run_id}")
+    return (f"Run {run.info.run_id} was deleted while the job ran: restore it (`{how}`) and run the same command "
+            "again, which sends what it lacks (the local files are intact)")
 
 
 def _experiment_deleted(client, run) -> bool:
