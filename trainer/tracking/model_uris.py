@@ -14,23 +14,13 @@ import re
 
 from trainer.errors import UserError, first_line
 from trainer.tracking.checkpoint_models import CHECKPOINT_TAG, MODEL_TYPE
-from trainer.tracking.runs import bound_http, check_shape, lists_artifact, registry_uri, tracking_uri
+from trainer.tracking.runs import bound_http, check_shape, is_model_id, lists_artifact, registry_uri, tracking_uri
 from trainer.tracking.sqlite_store import store_settled, unmade
 
 log = logging.getLogger(__name__)
 
 MLFLOW_URIS = ("runs:/", "models:/")
 WEIGHT_SUFFIXES = (".pth", ".pt")
-# What MLflow's stores make a logged model id: "m-" + uuid4 hex. A registered model may be named
-# `m-det`, so the prefix alone does not tell an id from a name.
-LOGGED_MODEL_ID = re.compile(r"m-[0-9a-f]{32}")
-
-
-def is_model_id(target: str) -> bool:
-    """`models:/<target>` names a logged model by its id (not a registered model's version or alias)."""
-    return LOGGED_MODEL_ID.fullmatch(target) is not None
-
-
 def _client(cfg):
     from mlflow import MlflowClient
 

@@ -240,6 +240,15 @@ def check_shape(spec: str, option: str) -> None:
     if not rest.strip("/") or any(p in ("", ".", "..") for p in parts) or set("?#\\") & set(rest):
         raise UserError(f"{option} {spec}: not a valid MLflow URI (runs:/<run id>/<path>, models:/<name>/<version> "
                         "or models:/<name>@<alias>)")
+    if spec.startswith("models:/") and len(parts) == 1 and "@" not in rest and not is_model_id(parts[0]):
+        raise UserError(f"{option} {spec}: names a registered model, not one of its versions: add one "
+                        f"({spec.rstrip('/')}/3, {spec.rstrip('/')}/latest or {spec.rstrip('/')}@best)")
+
+
+def is_model_id(target: str) -> bool:
+    """`models:/<target>` names a logged model by its id ("m-" + uuid4 hex, as MLflow's stores make
+    them), not a registered model's version or alias: a registered model may be named `m-det`."""
+    return re.fullmatch(r"m-[0-9a-f]{32}", target) is not None
 
 
 def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", shown: str | None = None) -> Path:
