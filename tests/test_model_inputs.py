@@ -139,6 +139,24 @@ def test_every_pixel_format_decodes_to_rgb_in_unit_range(mode):
     assert x.shape == (3, 48, 64) and x.dtype == torch.float32 and 0.0 <= float(x.min()) <= float(x.max()) <= 1.0
 
 
+def _png_without_iend() -> bytes:
+    return OK_PNG[:OK_PNG.rindex(b"IEND") - 4]
+
+
+def _png_with_bad_ancillary_crc() -> bytes:
+    """A tEXt chunk after the image data whose CRC is wrong: libpng skips it, as PIL's load() does."""
+    end = OK_PNG.rindex(b"IEND") - 4
+    text = b"Comment\x00made by a camera"
+    return OK_PNG[:end] + struct.pack(">I", len(text)) + b"tEXt" + text + b"\x00\x00\x00\x00" + OK_PNG[end:]
+
+
+@pytest.mark.parametrize("image", [_png_without_iend(), _png_with_bad_ancillary_crc()], ids=["no-iend", "bad-text-crc"])
+def test_png_flaws_libpng_lets_pass_still_decode(image):
+    """helper-66's review of the CRC check: PIL's verify() refused these, which decode (libpng
+    included) and may be in a user's dataset; only a critical chunk's CRC is checked."""
+    assert torch.equal(decode(image), decode(OK_PNG))
+
+
 @pytest.mark.parametrize("damaged", [_corrupt_png(), _corrupt_png("idat-crc"), _corrupt_png("second-idat-crc"),
                                      _cut_gif(144), _cut_gif(152)],
                          ids=["png-payload", "png-idat-crc", "png-second-idat-crc", "gif-cut-144", "gif-cut-152"])

@@ -22,8 +22,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     # It logs every SQLite error with its traceback (~90 lines), then raises it: our retries say it in one line.
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # our retries say it once, not per attempt
-    # MLFLOW_TRACKING_INSECURE_TLS: urllib3 warns of every request (thousands an hour); said once a host.
-    warnings.filterwarnings("once", message="Unverified HTTPS request")
+    if not sys.warnoptions:  # MLFLOW_TRACKING_INSECURE_TLS: urllib3 warns of every request; said once a host
+        warnings.filterwarnings("once", message="Unverified HTTPS request")  # (PYTHONWARNINGS and -W stay the user's)
     redaction.install()  # no secret in any line that leaves
 
 

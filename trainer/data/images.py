@@ -2,8 +2,8 @@
 images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255).
 
 Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
-refused before anything is allocated, and a PNG is fully decoded by PIL too and its chunks' CRCs
-checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt PNG instead of
+refused before anything is allocated, and a PNG is fully decoded by PIL too and its critical
+chunks' CRCs checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt PNG instead of
 raising. Then torchvision
 decodes it (the pixels every earlier model was trained on), except an animated image, whose first
 frame PIL decodes alone (torchvision would decode every frame).
@@ -19,6 +19,8 @@ import io
 import os
 import re
 import stat
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -88,14 +90,28 @@ def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:
                     by_pil = np.array((ImageOps.exif_transpose(probe) if upright else probe).convert("RGB"))
                 elif data.startswith(_PNG):
                     probe.load()
-                    with Image.open(io.BytesIO(data)) as chunks:
-                        chunks.verify()  # every chunk's CRC: load() skips them, libpng dies on a bad one
+                    _check_critical_crcs(data)
     except UnidentifiedImageError:
         raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
     except Exception as e:  # PIL parses in Python: a damaged file raises whatever its parser meets (IndexError...)
         raise ValueError(f"cannot decode the image ({first_line(e) or type(e).__name__})") from None
     check_size(*size)
     return by_pil
+
+
+def _check_critical_crcs(data: bytes) -> None:
+    """The CRC of each critical PNG chunk before IEND (IHDR, PLTE, IDAT): PIL's load() skips them,
+    and libpng kills the process on a bad one. An ancillary chunk's CRC, or no IEND, libpng lets
+    pass, and so does this (PIL's verify() refuses both)."""
+    view, pos = memoryview(data), len(_PNG)
+    while pos + 12 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        end = pos + 12 + length
+        if kind == b"IEND" or end > len(data):  # cut short: load() has said so where pixels are missing
+            return
+        if not kind[0] & 0x20 and zlib.crc32(view[pos + 4:end - 4]) != struct.unpack_from(">I", data, end - 4)[0]:
+            raise ValueError(f"a damaged PNG: the CRC of its {kind.decode('latin-1')} chunk does not match")
+        pos = end
 
 
 def _orientation(image) -> int:

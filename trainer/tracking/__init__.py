@@ -33,7 +33,8 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     `bbox/AP` and could move its best checkpoint: they are printed, not logged. A run trained without
     test sets takes those of its first evaluation as its own."""
     from trainer.tracking.mlflow_tracker import MlflowTracker
-    from trainer.tracking.runs import start_error, takes_scores
+    from trainer.tracking.runs import takes_scores
+    from trainer.tracking.server_errors import start_error
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
@@ -63,17 +64,21 @@ def resend_advice(tracker: Tracker) -> str:
     from trainer.daemon_call import daemon_call
 
     usual = "The local files are intact; running the same command again sends what the run lacks"
-    asked = daemon_call(lambda: tracker.client.get_run(tracker.run.run_id), "run-state")
+    def state():
+        run = tracker.client.get_run(tracker.run.run_id)
+        return run, run.info.lifecycle_stage != "active" and _experiment_deleted(tracker.client, run)
+
+    asked = daemon_call(state, "run-state")
     if not wait([asked], 5.0).done:  # a server that hangs: the usual advice holds
         return usual
     if (e := asked.exception()) is not None:
         if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
             return f"The tracking server now refuses the credentials ({first_line(e)}): renew them; {usual[0].lower()}{usual[1:]}"
         return usual
-    run = asked.result()
+    run, experiment_deleted = asked.result()
     if run.info.lifecycle_stage == "active":
         return usual
-    how = (f"mlflow experiments restore --experiment-id {run.info.experiment_id}" if _experiment_deleted(tracker.client, run)
+    how = (f"mlflow experiments restore --experiment-id {run.info.experiment_id}" if experiment_deleted
            else f"mlflow runs restore --run-id {run.info.run_id}")
     return (f"Run {run.info.run_id} was deleted while the job ran: restore it (`{how}`) and run the same command "
             "again, which sends what it lacks (the local files are intact)")

@@ -16,13 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.tracking.runs import takes_scores
+from trainer.tracking.runs import CHECKPOINT_TAG, CHECKPOINT_TYPE, takes_scores
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPE = "tracktron-checkpoint"
-CHECKPOINT_TAG = "tracktron.checkpoint"  # on a LoggedModel: runs:/<run>/checkpoints/<file>
 MODEL_TAG = "tracktron.model_id"  # on the run: its servable model is logged (and registered, if asked)
 BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.best_metric")
 
@@ -31,7 +29,7 @@ def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | N
     """The run's checkpoint models, the best first when `order_by` names a metric."""
     order = [{"field_name": f"metrics.{order_by}", "ascending": False}] if order_by else None
     return every_page(client.search_logged_models, experiment_ids=[experiment_id], order_by=order,
-                      filter_string=f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'")
+                      filter_string=f"source_run_id = '{run_id}' AND model_type = '{CHECKPOINT_TYPE}'")
 
 
 def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, metrics: dict, step: int) -> str:
@@ -42,7 +40,7 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
     model = next((m for m in checkpoint_models(client, experiment_id, run_id) if m.name == _name(checkpoint)), None)
     if model is None:
         model = client.create_logged_model(
-            experiment_id, name=_name(checkpoint), source_run_id=run_id, model_type=MODEL_TYPE,
+            experiment_id, name=_name(checkpoint), source_run_id=run_id, model_type=CHECKPOINT_TYPE,
             tags={CHECKPOINT_TAG: f"runs:/{run_id}/checkpoints/{checkpoint}", "tracktron.iteration": str(step)})
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, v, now, step, model_id=model.model_id) for k, v in metrics.items()],

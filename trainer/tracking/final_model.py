@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
-from trainer.tracking.checkpoint_models import (MODEL_TYPE, checkpoint_file, log_checkpoint, servable_name, set_alias,
+from trainer.tracking.checkpoint_models import (checkpoint_file, log_checkpoint, servable_name, set_alias,
                                                update_best)
-from trainer.tracking.runs import DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
+from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
 from trainer.tracking.sqlite_store import unmade
 
@@ -48,7 +48,7 @@ def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
     one trainer, logs the model again): FAILED, so that nobody takes them for one still on its way."""
     for model in every_page(client.search_logged_models, experiment_ids=[experiment_id],
                             filter_string=f"source_run_id = '{run_id}'"):
-        if str(model.status) == "PENDING" and model.model_type != MODEL_TYPE:  # an evaluation's is made READY again
+        if str(model.status) == "PENDING" and model.model_type != CHECKPOINT_TYPE:  # an evaluation's is made READY again
             client.finalize_logged_model(model.model_id, "FAILED")
             log.info("model %s (%s) was left unfinished by an earlier process: marked FAILED", model.model_id,
                      model.name)
@@ -148,7 +148,7 @@ def _is_ours(client, version) -> bool:
     source = version.source or ""
     try:
         if source.startswith("models:/m-") and client.get_logged_model(source[len("models:/"):]).model_type in (
-                DETECTOR_TYPE, MODEL_TYPE):
+                DETECTOR_TYPE, CHECKPOINT_TYPE):
             return True
         return bool(version.run_id) and JOB_TAG in client.get_run(version.run_id).data.tags
     except MlflowException:  # deleted since, or in another store: nothing says it is someone else's

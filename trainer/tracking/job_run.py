@@ -20,7 +20,8 @@ from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
-                                   experiment_name, last_step_of, lists_artifact, sha_tag, start_error)
+                                   experiment_name, last_step_of, lists_artifact, sha_tag)
+from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import check_store, not_made_yet
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
-                                   make_client, retryable, run_url, sha_tag, start_error, tracking_uri)
+                                   make_client, retryable, run_url, sha_tag, tracking_uri)
+from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.first_upload import send_first
 from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
@@ -78,8 +79,7 @@ class MlflowTracker(Tracker):
             self._opening, self._found = Future(), Future()
             if not wait_for_checks:
                 self._checked.set()
-            threading.Thread(target=self._open, args=(cfg, resume_run_id, new_run), name="tracking-start",
-                             daemon=True).start()
+            threading.Thread(target=self._open, args=(cfg, resume_run_id, new_run), name="tracking-start", daemon=True).start()
 
     def checks_passed(self) -> None:
         self._checked.set()

@@ -13,8 +13,8 @@ import logging
 import re
 
 from trainer.errors import UserError, first_line
-from trainer.tracking.checkpoint_models import CHECKPOINT_TAG, MODEL_TYPE
-from trainer.tracking.runs import bound_http, check_shape, is_model_id, lists_artifact, registry_uri, tracking_uri
+from trainer.tracking.runs import (CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape, is_model_id, lists_artifact,
+                                   registry_uri, tracking_uri)
 from trainer.tracking.sqlite_store import store_settled, unmade
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _checkpoint_named(cfg, spec: str) -> str | None:
         model = client.get_logged_model(target) if is_model_id(target) else _run_logged_model(client, run_id, name)
     except Exception:  # the download says why
         return None
-    if model is None or model.model_type != MODEL_TYPE:
+    if model is None or model.model_type != CHECKPOINT_TYPE or not model.source_run_id:
         return None
     tagged = model.tags.get(CHECKPOINT_TAG, "")  # only a checkpoint of the model's own run
     return tagged if re.fullmatch(rf"runs:/{re.escape(model.source_run_id)}/checkpoints/[\w.-]+[.]pth", tagged) else None

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 
 from trainer.checkpoint.files import FINAL, iteration_of
-from trainer.tracking.checkpoint_models import BEST_TAGS, CHECKPOINT_TAG
-from trainer.tracking.runs import checkpoints_from, sha_tag
+from trainer.tracking.checkpoint_models import BEST_TAGS
+from trainer.tracking.runs import CHECKPOINT_TAG, checkpoints_from, sha_tag
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
+from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ LATEST_TAG = "tracktron.ckpt.latest"
 STATUS_REASON = "tracktron.status_reason"  # why a run ended FAILED or KILLED
 EVAL_SETS_TAG = "tracktron.eval.datasets"  # the test sets `tracktron eval` scored a run on (trained without)
 DETECTOR_TYPE = "tracktron-detector"  # the model_type of every servable model tracktron logs (not a user's)
+CHECKPOINT_TYPE = "tracktron-checkpoint"  # the model_type of a checkpoint's LoggedModel (checkpoint_models.py)
+CHECKPOINT_TAG = "tracktron.checkpoint"  # on such a LoggedModel: runs:/<run>/checkpoints/<file>
 
 
 def sha_tag(name: str) -> str:
@@ -343,19 +346,6 @@ def retryable(e: BaseException) -> bool:
     return not isinstance(e, final)
 
 
-_SSL_REASON = r"\[SSL[^\]]*\][^'\"(]*"  # [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: ...
-_PROXY_REASON = (r"(?<=ProxyError\(')[^']*", r"Tunnel connection failed:[^'\")]*|\[Errno \d+\][^'\")]*")
-_UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
-                "NameResolutionError", "timed out", "RemoteDisconnected")
-
-
-def _caused_by(text: str, *patterns: str) -> str:
-    """What urllib3's 'Max retries exceeded ... (Caused by SSLError(...))' says of the cause: the
-    parts `patterns` find, else its first line."""
-    found = [m.group(0).strip() for p in patterns if (m := re.search(p, text))]
-    return ": ".join(found) or first_line(text)
-
-
 def make_client(uri: str):
     """MLflow's client of the store at `uri`; one that MLflow has no store for is the user's to fix."""
     try:
@@ -363,37 +353,3 @@ def make_client(uri: str):
         return MlflowClient(tracking_uri=uri)
     except Exception as e:
         raise UserError(start_error(uri, e)) from None
-
-
-def start_error(uri: str, e: BaseException) -> str:
-    text = str(e)
-    if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
-        return (f"the tracking server at {uri} answers with HTTP {answered.group(1)} errors (see its log); "
-                "TRACKING.ENABLED false trains without tracking")
-    if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
-        return (f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); MLFLOW_TRACKING_SERVER_CERT_PATH "
-                "names a CA bundle that trusts its certificate, MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
-    if "ProxyError" in text:
-        return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
-                f"({_caused_by(text, *_PROXY_REASON)}); NO_PROXY lists the hosts reached without it")
-    if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
-        return (f"cannot reach the tracking server at {uri} (is it running?); "
-                "TRACKING.ENABLED false trains without tracking")
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(e, MlflowException) and e.get_http_status_code() == 401:
-        return (f"the tracking server at {uri} refused the credentials "
-                "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
-    if isinstance(e, MlflowException) and e.get_http_status_code() == 403:  # the user is known, and may not
-        return (f"the tracking server at {uri} does not permit this user the job's experiment or run "
-                f"({first_line(e)}); ask for a permission, or name another TRACKING.EXPERIMENT")
-    if isinstance(e, Warning):  # PYTHONWARNINGS=error (or python -W error) made the client's warning an exception
-        return (f"tracking store {uri}: a warning raised as an error (PYTHONWARNINGS or python -W): "
-                f"{type(e).__name__}: {first_line(e)}")
-    if isinstance(e, RuntimeError) and "can't start new thread" in text:  # not the server's: this machine's limit
-        return ("cannot start a thread: a limit on processes and threads (ulimit -u, a container's pids limit) "
-                "leaves the job none; raise it")
-    if "filesystem tracking backend" in text:  # MLflow 3 refuses new file stores: say what works
-        return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
-                "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
-    return f"tracking server {uri}: {first_line(e)}"

@@ -7,7 +7,8 @@ from concurrent.futures import wait
 
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import JOB_TAG, bound_http, start_error
+from trainer.tracking.runs import JOB_TAG, bound_http
+from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
 

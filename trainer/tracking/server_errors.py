@@ -1,0 +1,63 @@
+"""What a tracking server's failure means, in one line for the user: down, answering errors,
+refusing the credentials or a permission, TLS or a proxy failing, or this machine's own limits."""
+from __future__ import annotations
+
+import re
+
+from trainer.errors import first_line
+
+_SSL_REASON = r"\[SSL[^\]]*\].*?(?= \(_ssl\.c|['\"]\)|$)"  # [SSL: CERTIFICATE_VERIFY_FAILED] certificate ...
+_PROXY_REASON = (r"(?<=ProxyError\(')[^']*", r"Tunnel connection failed:[^'\")]*|\[Errno \d+\][^'\")]*")
+_UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Connection refused", "ConnectionError",
+                "NameResolutionError", "timed out", "RemoteDisconnected")
+
+
+def _caused_by(text: str, *patterns: str) -> str:
+    """What urllib3's 'Max retries exceeded ... (Caused by SSLError(...))' says of the cause: the
+    parts `patterns` find, else its first line."""
+    found = [m.group(0).strip() for p in patterns if (m := re.search(p, text))]
+    return ": ".join(found) or first_line(text)
+
+
+def _tls_advice(text: str) -> str:
+    if "WRONG_VERSION_NUMBER" in text:
+        return "it answers in plain HTTP: use an http:// URI"
+    if "mismatch" in text:
+        return "its certificate is for another host name: use the name it was issued for"
+    return ("MLFLOW_TRACKING_SERVER_CERT_PATH names a CA bundle that trusts its certificate, "
+            "MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
+
+
+def start_error(uri: str, e: BaseException) -> str:
+    """The one line a failed first call to the store at `uri` ends a job with."""
+    text = str(e)
+    if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
+        return (f"the tracking server at {uri} answers with HTTP {answered.group(1)} errors (see its log); "
+                "TRACKING.ENABLED false trains without tracking")
+    if "ProxyError" in text:  # first: a proxy's own TLS failure is the proxy's
+        return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
+                f"({_caused_by(text, *_PROXY_REASON, _SSL_REASON)}); NO_PROXY lists the hosts reached without it")
+    if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
+        return f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); {_tls_advice(text)}"
+    if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
+        return (f"cannot reach the tracking server at {uri} (is it running?); "
+                "TRACKING.ENABLED false trains without tracking")
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(e, MlflowException) and e.get_http_status_code() == 401:
+        return (f"the tracking server at {uri} refused the credentials "
+                "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
+    if isinstance(e, MlflowException) and e.get_http_status_code() == 403:  # some servers say so of a bad token too
+        return (f"the tracking server at {uri} refuses this user the job's experiment or run ({first_line(e)}): "
+                "a permission it lacks, or a token it does not accept; ask for the permission (or a valid token), "
+                "or name another TRACKING.EXPERIMENT")
+    if isinstance(e, Warning):  # PYTHONWARNINGS=error (or python -W error) made the client's warning an exception
+        return (f"tracking store {uri}: a warning raised as an error (PYTHONWARNINGS or python -W): "
+                f"{type(e).__name__}: {first_line(e)}")
+    if isinstance(e, RuntimeError) and "can't start new thread" in text:  # not the server's: this machine's limit
+        return ("cannot start a thread: a limit on processes and threads (ulimit -u, a container's pids limit) "
+                "leaves the job none; raise it")
+    if "filesystem tracking backend" in text:  # MLflow 3 refuses new file stores: say what works
+        return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
+                "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
+    return f"tracking server {uri}: {first_line(e)}"
