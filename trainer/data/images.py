@@ -3,10 +3,10 @@ images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not
 
 Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
 refused before anything is allocated, and a PNG is fully decoded by PIL too and its critical
-chunks' CRCs checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt PNG instead of
-raising. Then torchvision
-decodes it (the pixels every earlier model was trained on), except an animated image, whose first
-frame PIL decodes alone (torchvision would decode every frame).
+chunks' CRCs checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt
+PNG instead of raising. Then torchvision decodes it (the pixels every earlier model was trained
+on), except an animated image, whose first frame PIL decodes alone (torchvision would decode every
+frame).
 
 Training and evaluation read the pixels as stored, as COCO's tools and torchvision's references do:
 annotations are boxes on those. A photo for `predict` or the served model is turned upright

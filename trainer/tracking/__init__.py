@@ -64,6 +64,7 @@ def resend_advice(tracker: Tracker) -> str:
     from trainer.daemon_call import daemon_call
 
     usual = "The local files are intact; running the same command again sends what the run lacks"
+
     def state():
         run = tracker.client.get_run(tracker.run.run_id)
         return run, run.info.lifecycle_stage != "active" and _experiment_deleted(tracker.client, run)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 MLFLOW_URIS = ("runs:/", "models:/")
 WEIGHT_SUFFIXES = (".pth", ".pt")
+
+
 def _client(cfg):
     from mlflow import MlflowClient
 
