@@ -348,7 +348,8 @@ def test_keep_never_deletes_the_jobs_new_checkpoints_for_a_tag_of_a_later_iterat
 
 
 def _s3_checkpoints(s3_server, run_id: str) -> set[str]:
-    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket).get("Contents", [])]
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_server.bucket)
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]  # a page holds 1000 of the suite's
     return {k.rsplit("/", 1)[1] for k in keys if f"/{run_id}/artifacts/checkpoints/" in k}
 
 

@@ -56,7 +56,8 @@ def test_s3_failing_uploads_are_retried_until_it_is_back(tmp_path, data_dir, s3_
     assert "model_final.pth" in tagged
     for name in tagged:
         assert run.data.tags[sha_tag(name)] == sha256_of(out / name)
-    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket)["Contents"]]
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_server.bucket)
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]  # a page holds 1000 of the suite's
     assert any(k.endswith(f"{run.info.run_id}/artifacts/checkpoints/model_final.pth") for k in keys)
     assert_same_weights(reference, out / "model_final.pth")
 

@@ -40,8 +40,8 @@ def steps(client, run_id, key="loss"):
 
 
 def s3_keys(s3_server, prefix=""):
-    listing = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
-    return [o["Key"] for o in listing.get("Contents", [])]
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_server.bucket, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]  # a page holds 1000: the suite's bucket holds more
 
 
 def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir, mlflow_server, s3_server):

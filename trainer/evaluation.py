@@ -45,7 +45,7 @@ from trainer.inference import categories_of, category_key_of, checked_categories
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach, record_evaluation
 from trainer.tracking.logged_model import load_detector, load_local
-from trainer.tracking.model_uris import MLFLOW_URIS, pinned
+from trainer.tracking.model_uris import MLFLOW_URIS, followed
 from trainer.tracking.runs import download_uri
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, test
     if not weights.startswith(MLFLOW_URIS):
         return _load_file(cfg, weights, num_classes, num_keypoints, tests)
     with tempfile.TemporaryDirectory(prefix="tracktron-eval-") as tmp:
-        path = download_uri(cfg, pinned(cfg, weights), tmp, shown=weights)
+        path = download_uri(cfg, followed(cfg, weights), tmp, shown=weights)
         if path.is_dir():  # a logged model (models:/name@alias, runs:/<id>/model): weights, never a pickle
             return _of_detector(load_local(path, weights))
         return _load_file(cfg, str(path), num_classes, num_keypoints, tests, shown=weights)

@@ -17,7 +17,7 @@ import yaml
 from trainer.config import load_config
 from trainer.errors import UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.tracking.model_uris import MLFLOW_URIS, parent_of, pinned
+from trainer.tracking.model_uris import MLFLOW_URIS, followed, parent_of, pinned
 from trainer.tracking.runs import DETECTOR_TYPE, download_uri
 
 CODE = Path(__file__).with_name("detector_code.py")
@@ -80,7 +80,7 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
     if spec.startswith(MLFLOW_URIS):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
-            return load_local(download_uri(cfg, pinned(cfg, spec), tmp, option, shown=spec), spec, option, device)
+            return load_local(download_uri(cfg, followed(cfg, spec), tmp, option, shown=spec), spec, option, device)
     path = user_path(spec, option)
     if not path.exists():
         raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")

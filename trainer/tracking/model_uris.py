@@ -4,14 +4,17 @@
 check_source   before a training job creates anything: the URI is well formed and names something
                that exists (metadata only; the weights are downloaded when the model is built)
 pinned         an alias (or latest) as the version it names now, a checkpoint's LoggedModel as its
-               checkpoint file: what is downloaded and recorded
+               checkpoint file: what a fine-tune downloads and records
+followed       a checkpoint's LoggedModel as its checkpoint file: what --weights downloads
 parent_of      what a fine-tune records of the model its weights came from
 """
 from __future__ import annotations
 
 import logging
 import re
+from concurrent.futures import wait
 
+from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import (CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape, is_model_id, lists_artifact,
                                    registry_uri, tracking_uri)
@@ -45,12 +48,22 @@ def pinned(cfg, spec: str) -> str:
     if is_model_id(target) or not ("@" in target or target.lower().endswith("/latest")):
         return spec
     try:
-        found = model_version(_client(cfg), target)
+        with store_settled(tracking_uri(cfg)):
+            found = model_version(_client(cfg), target)
     except Exception:
         return spec
     if "@" in found.name:  # MLflow reads `models:/a@b/1` as an alias: such a name is downloaded as typed
         return spec
     return f"models:/{found.name}/{found.version}"
+
+
+def followed(cfg, spec: str) -> str:
+    """--weights as downloaded: a checkpoint's LoggedModel as its checkpoint file, else `spec`. The
+    lookup is left after 30 s (a server answering a byte at a time): the guarded download says why."""
+    if not spec.startswith(MLFLOW_URIS):
+        return spec
+    found = daemon_call(lambda: _checkpoint_named(cfg, spec), "weights-lookup")
+    return (wait([found], 30.0).done and found.exception() is None and found.result()) or spec
 
 
 def _checkpoint_named(cfg, spec: str) -> str | None:
@@ -61,8 +74,9 @@ def _checkpoint_named(cfg, spec: str) -> str | None:
     if not (is_model_id(target) or (spec.startswith("runs:/") and name and "/" not in name and "." not in name)):
         return None
     try:
-        client = _client(cfg)
-        model = client.get_logged_model(target) if is_model_id(target) else _run_logged_model(client, run_id, name)
+        with store_settled(tracking_uri(cfg)):  # a missing SQLite file is never made here
+            client = _client(cfg)
+            model = client.get_logged_model(target) if is_model_id(target) else _run_logged_model(client, run_id, name)
     except Exception:  # the download says why
         return None
     if model is None or model.model_type != CHECKPOINT_TYPE or not model.source_run_id:
