@@ -104,9 +104,9 @@ def _detector_folder(model_dir: Path, spec: str, option: str) -> Path:
     except (OSError, yaml.YAMLError, AttributeError) as e:
         raise UserError(f"{option} {spec}: unreadable MLmodel ({first_line(e)})") from None
     folder = model_dir / "artifacts" / ARTIFACT
-    if folder.is_dir() and not (folder / WEIGHTS).is_file():
-        raise UserError(f"{option} {spec}: a tracktron model without its {WEIGHTS} (deleted from its artifact store?)")
     if not (folder / WEIGHTS).is_file():
+        if folder.is_dir():  # tracktron's folder, its weights gone
+            raise UserError(f"{option} {spec}: a tracktron model without its {WEIGHTS} (deleted from its artifact store?)")
         kind = "a pickled PyTorch model" if "pytorch" in flavors else "not a tracktron model"
         raise UserError(f"{option} {spec}: {kind}; tracktron loads only models it logged as weights "
                         "(unpickling would run code from the file)")
