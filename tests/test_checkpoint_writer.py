@@ -140,3 +140,22 @@ def test_a_checkpoint_this_user_may_not_read_is_named_so_and_the_one_before_is_u
     assert path == older and state["iteration"] == 1
     assert f"{newer}: cannot be read (Permission denied)" in caplog.text
     assert "not a complete checkpoint archive" not in caplog.text
+
+
+@pytest.mark.parametrize("held, device, restored", [
+    (["own"], 3, "own"),                 # one state: this rank's own GPU, whichever it is here
+    (["gpu0", "gpu1"], 1, "gpu1"),       # an earlier checkpoint's every visible GPU: the current one's
+    (["gpu0", "gpu1"], 0, "gpu0"),
+])
+def test_a_gpu_random_state_goes_to_the_current_gpu_only(monkeypatch, held, device, restored):
+    """A job checkpointed where its process saw 2 GPUs (a workstation, no CUDA_VISIBLE_DEVICES) and
+    resumed where it sees 1 (a pod given one) failed on the device it lacks: every visible GPU's
+    state was put back. (No GPU here: torch.cuda's three calls are stood in for.)"""
+    from trainer.checkpoint import state as checkpoint_state
+    put, cpu = [], capture_rng()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": put.append(s))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state put back"))
+    checkpoint_state.restore_rng({**cpu, "cuda": held})
+    assert put == [restored]

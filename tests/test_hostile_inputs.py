@@ -235,6 +235,8 @@ UNRESTORABLE = {
     "rng of another kind": lambda s: s.update(rng=[{"python": 1}]),
     "the scheduler's iteration a word": lambda s: s["scheduler"].update(last_epoch="x"),  # helper-53
     "an lr that is a word": lambda s: s["optimizer"]["param_groups"][0].update(lr="x"),
+    "a GPU random state that is a word": lambda s: s["rng"][0].update(cuda=["x"]),  # a GPU host's set_rng_state fails
+    "an AMP scale that is a word": lambda s: s.update(scaler={"scale": "x", "_growth_tracker": 0}),
 }
 
 

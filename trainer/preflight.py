@@ -114,6 +114,7 @@ def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, di
 
 
 _NUMBERS = ("lr", "momentum", "weight_decay", "dampening")  # what SGD's step computes with
+_SCALER = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")  # GradScaler's
 
 
 def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> None:
@@ -145,9 +146,13 @@ def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> No
         if not (isinstance(state["rng"], list) and state["rng"]):
             raise ValueError("no random states")
         for rng in state["rng"]:
-            if not isinstance(rng.get("cuda"), list):
+            if not (isinstance(rng.get("cuda"), list)
+                    and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in rng["cuda"])):
                 raise ValueError("no CUDA random states")
             restore_rng({**rng, "cuda": []})
+        scaler = state.get("scaler") or {}
+        if not (isinstance(scaler, dict) and all(type(scaler.get(k, 0)) in (int, float) for k in _SCALER)):
+            raise ValueError(f"the AMP scaler's {'/'.join(_SCALER)} are not all numbers")
     except Exception as e:
         raise CheckpointError(f"{path}: it does not restore into this job's network and optimizer "
                               f"({type(e).__name__}: {first_line(e)})") from None

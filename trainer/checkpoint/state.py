@@ -51,7 +51,7 @@ def capture_rng() -> dict:
         "python": random.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],  # this rank's own GPU
     }
 
 
@@ -60,8 +60,12 @@ def restore_rng(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if torch.cuda.is_available() and cuda:
+        # One state, the current GPU's. Earlier checkpoints held every visible GPU's, so a host with
+        # fewer GPUs failed on a device it lacks: take the current one's from them.
+        here = torch.cuda.current_device()
+        torch.cuda.set_rng_state(cuda[here] if here < len(cuda) else cuda[0])
 
 
 def _as_tuple(x):
