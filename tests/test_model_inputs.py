@@ -65,6 +65,9 @@ def _corrupt_png(where: str = "payload") -> bytes:
         data[idat - 4:idat + 8 + length] = chunks
         data[idat - 4 + len(chunks) - 1] ^= 0xFF
         return bytes(data)
+    if where == "ihdr-crc":  # before any pixel: PIL calls the file no PNG at all
+        data[data.index(b"IHDR") + 4 + 13] ^= 0xFF
+        return bytes(data)
     idat = data.index(b"IDAT") + 4
     length = int.from_bytes(data[idat - 8:idat - 4], "big")
     data[idat + (20 if where == "payload" else length)] ^= 0xFF
@@ -158,8 +161,8 @@ def test_png_flaws_libpng_lets_pass_still_decode(image):
 
 
 @pytest.mark.parametrize("damaged", [_corrupt_png(), _corrupt_png("idat-crc"), _corrupt_png("second-idat-crc"),
-                                     _cut_gif(144), _cut_gif(152)],
-                         ids=["png-payload", "png-idat-crc", "png-second-idat-crc", "gif-cut-144", "gif-cut-152"])
+                                     _corrupt_png("ihdr-crc"), _cut_gif(144), _cut_gif(152)],
+                         ids=["png-payload", "png-idat-crc", "png-second-idat-crc", "png-ihdr-crc", "gif-cut-144", "gif-cut-152"])
 def test_a_damaged_image_is_a_value_error_not_a_crash(damaged):
     """torchvision's decode_png segfaults (exit -11) on a PNG whose IDAT CRC is wrong, even with the
     pixels intact: in the served model that killed `mlflow models serve` for every client. PIL checks
@@ -170,6 +173,14 @@ def test_a_damaged_image_is_a_value_error_not_a_crash(damaged):
                           timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"decode crashed the process (exit {done.returncode}): {done.stderr[-300:]!r}"
     assert done.stdout.startswith(b"VALUE_ERROR cannot decode the image (")
+
+
+@pytest.mark.parametrize("where, chunk", [("ihdr-crc", "IHDR"), ("idat-crc", "IDAT")])
+def test_a_png_with_a_bad_checksum_names_its_chunk(where, chunk):
+    """A bad CRC before the pixels (IHDR) was "no image format this reads", as if a JPEG were sent as
+    text: PIL's open() refuses such a PNG as none. Either place says the PNG is damaged, and where."""
+    with pytest.raises(ValueError, match=rf"^cannot decode the image \(a damaged PNG: the CRC of its {chunk} chunk"):
+        decode(_corrupt_png(where))
 
 
 # -------------------------------------------------------------- 2. the pyfunc model, as served

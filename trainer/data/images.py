@@ -90,28 +90,32 @@ def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:
                     by_pil = np.array((ImageOps.exif_transpose(probe) if upright else probe).convert("RGB"))
                 elif data.startswith(_PNG):
                     probe.load()
-                    _check_critical_crcs(data)
+                    if why := _png_damage(data):
+                        raise ValueError(why)
     except UnidentifiedImageError:
-        raise ValueError("the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
+        why = _png_damage(data) if data.startswith(_PNG) else None  # PIL calls a bad CRC before IDAT no PNG
+        raise ValueError(f"cannot decode the image ({why})" if why else
+                         "the bytes are no image format this reads (PNG, JPEG, GIF, WebP, ...)") from None
     except Exception as e:  # PIL parses in Python: a damaged file raises whatever its parser meets (IndexError...)
         raise ValueError(f"cannot decode the image ({first_line(e) or type(e).__name__})") from None
     check_size(*size)
     return by_pil
 
 
-def _check_critical_crcs(data: bytes) -> None:
-    """The CRC of each critical PNG chunk before IEND (IHDR, PLTE, IDAT): PIL's load() skips them,
-    and libpng kills the process on a bad one. An ancillary chunk's CRC, or no IEND, libpng lets
-    pass, and so does this (PIL's verify() refuses both)."""
+def _png_damage(data: bytes) -> str | None:
+    """Which critical PNG chunk before IEND (IHDR, PLTE, IDAT) has a CRC that does not match: PIL's
+    load() skips them, and libpng kills the process on a bad one. An ancillary chunk's CRC, or no
+    IEND, libpng lets pass, and so does this (PIL's verify() refuses both)."""
     view, pos = memoryview(data), len(_PNG)
     while pos + 12 <= len(data):
         length, kind = struct.unpack_from(">I4s", data, pos)
         end = pos + 12 + length
         if kind == b"IEND" or end > len(data):  # cut short: load() has said so where pixels are missing
-            return
+            return None
         if not kind[0] & 0x20 and zlib.crc32(view[pos + 4:end - 4]) != struct.unpack_from(">I", data, end - 4)[0]:
-            raise ValueError(f"a damaged PNG: the CRC of its {kind.decode('latin-1')} chunk does not match")
+            return f"a damaged PNG: the CRC of its {kind.decode('latin-1')} chunk does not match"
         pos = end
+    return None
 
 
 def _orientation(image) -> int:
