@@ -3,13 +3,16 @@
 `MlflowServer` runs `mlflow server` with a sqlite backend (artifacts on local disk, or on S3);
 `S3Server` runs moto's S3 server, reached through boto3. Both can be stopped and started again
 on the same port, so tests can take the tracking server away in the middle of a job.
-`MlflowServer(auth_admin=...)` runs MLflow's basic-auth app. `FaultProxy` sits between a client
-and a server on loopback and makes the server slow, hung or failing (HTTP 503), or holds one
-request (a checkpoint upload) so a test can kill the client in the middle of it.
+`MlflowServer(auth_admin=...)` runs MLflow's basic-auth app; `FileServer` serves a folder (weights by
+URL). `FaultProxy` sits between a client and a server on loopback and makes the server slow, hung
+or failing (HTTP 503), or holds one request (a checkpoint upload) so a test can kill the client in
+the middle of it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import os
 import re
 import select
@@ -25,6 +28,28 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class FileServer:
+    """http.server on 127.0.0.1 serving a folder, in a thread; it counts the requests."""
+
+    def __init__(self, folder: Path):
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):
+                outer.requests.append(self.path)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
 
 
 def free_port() -> int:

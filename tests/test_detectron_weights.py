@@ -11,7 +11,6 @@ kept small at run time: R-50 at 128 px, few proposals and detections, CPU, eval 
 from __future__ import annotations
 
 import contextlib
-import functools
 import http.server
 import io
 import os
@@ -32,6 +31,7 @@ from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from tests.conftest import DEMO, ROOT
+from tests.servers import FileServer
 from trainer.config import load_config
 from trainer.models import build_model, load_weights
 
@@ -666,28 +666,6 @@ def test_a_pickle_that_is_not_plain_arrays_is_refused_in_one_line(refusals, case
 # --- weights by URL
 
 
-class _Server:
-    """http.server on 127.0.0.1 serving a folder, in a thread; it counts the requests."""
-
-    def __init__(self, folder: Path):
-        self.requests: list[str] = []
-        outer = self
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def log_message(self, *args):
-                outer.requests.append(self.path)
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
-
-
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -701,7 +679,7 @@ def test_weights_url_is_downloaded_once_then_read_from_the_cache(tmp_path, data_
     pkl = write_py2_pickle(served / "R-50.pkl", stem)
     config, cache = write_config(tmp_path, "faster_fpn"), tmp_path / "cache"
     env = {"TRACKTRON_CACHE": str(cache), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
-    server = _Server(served)
+    server = FileServer(served)
     try:
         url = f"{server.url}/R-50.pkl"
         first = tracktron(*dry_run_args(config, url, data_dir, tmp_path / "out"), env=env)

@@ -13,6 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
+from tests.servers import FileServer
 from trainer.checkpoint.files import remove_stale_temps
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint, save_atomic
@@ -160,6 +161,38 @@ def test_a_fine_tune_resumes_after_its_parent_weights_are_gone(tmp_path, data_di
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     fresh = run_trainer(demo_overrides(tmp_path / "c", data_dir, **keys), cwd=tmp_path)  # nothing to resume
     assert fresh.returncode == 2 and f"TRAIN.WEIGHTS {parent}: no such file" in fresh.stderr.splitlines()[-1]
+
+
+def test_two_parents_at_urls_with_a_port_and_an_at_sign_are_two_jobs(tmp_path, data_dir):
+    """`http://host:port/a/parent@v1.pth` was taken for a password typed with a `/` (`host:port/a/parent`)
+    and hidden: every such parent was `http://***@v1.pth`, so a fine-tune of another parent found the
+    first one's finished run ("nothing to do") and got its model; the run's TRAIN.WEIGHTS said
+    `***`, and a job started before the redaction was not found again (helper-67's red team).
+    A weights URL carries no credentials (they are refused), so it is kept whole."""
+    parent = _parent_weights(tmp_path, data_dir)
+    served = tmp_path / "served"
+    for folder, scale in (("a", 1.0), ("b", 1.01)):
+        state = torch.load(parent, weights_only=True)
+        state["model"] = {k: v * scale if v.is_floating_point() else v for k, v in state["model"].items()}
+        (served / folder).mkdir(parents=True)
+        torch.save(state, served / folder / "parent@v1.pth")
+    server = FileServer(served)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"TRACKTRON_CACHE": str(tmp_path / "cache"), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    urls = {name: f"{server.url}/{name}/parent@v1.pth" for name in ("a", "b")}
+    try:
+        for name, url in urls.items():
+            done = run_trainer(demo_overrides(tmp_path / name, data_dir, **{"SOLVER.MAX_ITER": 3, "TRACKING.URI": uri,
+                                                                             "TRAIN.WEIGHTS": url}),
+                               cwd=tmp_path, env=env)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "nothing to train" not in done.stderr and "already exists" not in done.stderr, done.stderr[-3000:]
+    finally:
+        server.stop()
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert sorted(r.data.params["TRAIN.WEIGHTS"] for r in runs) == sorted(urls.values())
+    assert all(r.info.status == "FINISHED" for r in runs)
 
 
 def test_checkpoints_that_do_not_load_are_no_resume_and_missing_weights_stop_the_job_before_its_run(tmp_path,

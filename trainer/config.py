@@ -360,7 +360,11 @@ def redacted(cfg: dict) -> dict:
             return REDACTED
         if isinstance(value, list):
             return [clean("", v) for v in value]
-        return redact_urls(redact_typed_url(value)) if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        # A weights URL carries no credentials (downloads.py refuses them), so its `host:port/…@…` is
+        # a path with an `@` (parent@v1.pth): it names the parent, and the job with it.
+        return redact_urls(value if key == "WEIGHTS" else redact_typed_url(value))
 
     return clean("", json.loads(json.dumps(cfg)))
 

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from trainer.errors import UserError, first_line
-from trainer.redaction import redact_urls
+from trainer.redaction import forget_url_credentials, redact_urls
 
 log = logging.getLogger(__name__)
 URL_SCHEMES = ("http://", "https://")
@@ -37,6 +37,7 @@ def download(url: str, option: str) -> Path:
     name = re.sub(r"[^\w.-]", "_", os.path.basename(parts.path))[-100:].lstrip(".") or "weights"
     target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
     if os.path.isfile(target):  # a cached copy needs neither the network nor its settings (isfile never raises)
+        forget_url_credentials(url)  # it came from the host a parser reads in it: no password there
         return target
     window = _stall_window()
     try:
@@ -46,7 +47,8 @@ def download(url: str, option: str) -> Path:
     except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
         raise UserError(f"{option} {shown}: download failed ({type(e).__name__}: {first_line(e)}); fetch it where "
                         f"the network allows and set {option} to the local file's path") from None
-    log.info("downloaded %s to %s", shown, target)
+    forget_url_credentials(url)
+    log.info("downloaded %s to %s", redact_urls(url), target)
     return target
 
 

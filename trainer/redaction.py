@@ -51,6 +51,14 @@ def remember_url_credentials(text: str) -> None:
         remember(userinfo.partition(":")[2])
 
 
+def forget_url_credentials(url: str) -> None:
+    """A URL fetched from the host a URL parser reads in it had no password typed with a `/`: its
+    `host:port/path@…` was a path with an `@` (parent@v1.pth), to be shown whole from now on."""
+    for _, userinfo in _TYPED_USERINFO.findall(url) if "@" in url else ():
+        _values.discard(userinfo)
+        _values.discard(userinfo.partition(":")[2])
+
+
 def redact_typed_url(value: str) -> str:
     """One value the user gave, its URL's credentials as typed -> `***` (what config.yaml keeps)."""
     return _TYPED_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", value) if "@" in value else value
