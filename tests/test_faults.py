@@ -13,6 +13,7 @@ SOLVER.MAX_ITER 10, TRAIN.SNAPSHOT_ITERS 3, so checkpoints model_iter2, 5, 8 and
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from tests.conftest import run_trainer
@@ -692,6 +694,28 @@ def test_a_finished_job_whose_run_lacks_metrics_says_so_on_its_nothing_to_do(tmp
     run = only_run(MlflowClient(uri), "demo")
     assert "nothing to train; sent the run what it lacked: model_final.pth" in again.stdout
     assert f"run {run.info.run_id} has no metrics for iterations 0-5 " in again.stderr
+
+
+def test_a_model_final_without_categories_is_logged_with_the_training_sets(tmp_path, data_dir):
+    """A model_final written before checkpoints named their categories (2026-11-30), its run without
+    a model: the rerun ended 0 with a warning that no model could be logged, and nothing at the end
+    said so (helper-67's red team). The job's training set names them, and its network takes the
+    weights: the model is logged with them."""
+    keys = {"SOLVER.MAX_ITER": 4, "TRACKING.LOG_MODEL": "true"}
+    assert run_trainer(job_args(tmp_path, data_dir, **keys, **{"TRACKING.ENABLED": "false"}),
+                       cwd=tmp_path).returncode == 0
+    final = tmp_path / "output" / "model_final.pth"
+    state = torch.load(final, weights_only=True)
+    del state["categories"]
+    torch.save(state, final)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = run_trainer(job_args(tmp_path, data_dir, **keys, **{"TRACKING.URI": uri}), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "model_final.pth predates the categories a model keeps: the training set's are taken" in again.stderr
+    run = only_run(MlflowClient(uri), "demo")
+    assert "tracktron.model_id" in run.data.tags, again.stderr[-3000:]
+    logged = json.loads((tmp_path / "output" / "model" / "detector" / "categories.json").read_text())
+    assert [c["name"] for c in logged["categories"]] == ["square", "circle", "triangle"]
 
 
 def test_a_rerun_evaluates_model_final_when_its_run_lacks_the_evaluation(tmp_path, data_dir):

@@ -14,7 +14,7 @@ from trainer.config import Config
 from trainer.distributed import Context
 from trainer.errors import first_line
 from trainer.evaluation import evaluate
-from trainer.inference import save as save_model
+from trainer.inference import categories_of, save as save_model
 from trainer.lineage import dataset_inputs
 from trainer.preflight import check_same_categories
 from trainer.tracking import Tracker
@@ -81,12 +81,25 @@ def _from_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, devic
         sent.append(f"the evaluation of {FINAL}")  # chosen among every evaluation of the run
     if not logging_model:
         return sent
-    if "categories" not in state:
+    if (categories := state.get("categories") or _training_set_categories(state, prepared)) is None:
         log.warning("cannot log the final model: %s predates the categories a model needs", output_dir / FINAL)
         return sent
     log.info("the run lacks its logged model: logging it from %s", FINAL)
-    log_final_model(cfg, tracker, output_dir, state["model"], state["categories"])
+    log_final_model(cfg, tracker, output_dir, state["model"], categories)
     return sent + ["the model"]
+
+
+def _training_set_categories(state: dict, prepared) -> dict | None:
+    """A model_final of before 2026-12-01 names no categories: the job's training set does, when
+    its weights fit the network built for that set (as many classes)."""
+    if prepared is None:
+        return None
+    try:
+        prepared.model.load_state_dict(state["model"])
+    except Exception:  # other shapes or names: not the categories these weights were trained on
+        return None
+    log.info("%s predates the categories a model keeps: the training set's are taken", FINAL)
+    return categories_of(prepared.dataset)
 
 
 def _registration_due(tracker: Tracker, registered: str) -> list[str]:
