@@ -54,7 +54,7 @@ def _loop_state_for(cfg, num_classes: int, writer):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     categories = {"categories": [{"id": i, "name": f"class {i}"} for i in range(1, num_classes)],
                   "keypoint_names": []}  # what a checkpoint says its labels mean
-    return LoopState(model, optimizer, scheduler, scaler, None, None, writer, categories)
+    return LoopState(model, optimizer, scheduler, scaler, None, None, writer, categories, {"images": 0, "digest": ""})
 
 
 class _Capture:

@@ -28,7 +28,7 @@ from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, redacted, write_config
-from trainer.data import build_train_loader
+from trainer.data import build_train_loader, image_list_of
 from trainer.data.prefetch import Prefetcher
 from trainer.distributed import Context, all_mean, broadcast_object, gather_object
 from trainer.errors import SharedError, UserError, first_line
@@ -65,6 +65,7 @@ class LoopState:
     stats: TrainingStats
     writer: CheckpointWriter | None  # rank 0 writes the checkpoints; the other ranks have none
     categories: dict  # what the labels mean: {"categories": [{"id", "name"}], "keypoint_names": [...]}
+    images: dict  # which images the sampler draws from (data.image_list_of), kept with its position
 
 
 def train_model(job: Job) -> AlreadyFinished | None:
@@ -140,13 +141,14 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     optimizer = build_optimizer(cfg, model)
     scheduler = build_lr_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.SOLVER.AMP and ctx.device.type == "cuda")
+    images = image_list_of(prepared.dataset)
     if start.state is not None:
-        restore_training_state(start.state, optimizer, scheduler, scaler, ctx)
+        restore_training_state(start.state, optimizer, scheduler, scaler, ctx, images)
     stats = TrainingStats(cfg, start.iteration, job.output_dir / "json_stats.log" if ctx.is_main else None,
                           is_main=ctx.is_main)
     writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
     return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer,
-                     categories_of(prepared.dataset))
+                     categories_of(prepared.dataset), images)
 
 
 def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> str | None:
@@ -166,7 +168,12 @@ def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> str | Non
     return None
 
 
-def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context) -> None:
+def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context, images: dict) -> None:
+    held = state.get("sampler", {})
+    if ctx.is_main and held.get("digest", images["digest"]) != images["digest"]:  # none: an earlier tracktron's
+        log.warning("the training set is not the image list this checkpoint was trained on (%s images then, %d now, "
+                    "or others): the job goes on, but not with the batches the uninterrupted job would have seen",
+                    held.get("images"), images["images"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
@@ -236,7 +243,7 @@ def training_state(cfg: Config, s: LoopState, cur_iter: int, rngs: list) -> dict
         "config": redacted(cfg),  # checkpoints get shared: no secrets in them
         "categories": s.categories,
         "rng": rngs,
-        "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1},
+        "sampler": {"seed": cfg.RNG_SEED, "next_iter": cur_iter + 1, **s.images},
     }
 
 

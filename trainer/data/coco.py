@@ -7,7 +7,9 @@ import bisect
 import contextlib
 import difflib
 import functools
+import hashlib
 import io
+import json
 import logging
 import os
 import warnings
@@ -15,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from trainer.data.checks import category_difference, category_key, check, check_image_headers, read_json
 from trainer.data.images import MAX_PIXELS, decode, read_file
+from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
 from trainer.data.workers import forking, init_worker
@@ -182,7 +184,7 @@ class CocoDetection(Dataset):
             "iscrowd": np.asarray([a.get("iscrowd", 0) for a in anns], np.int64),
         }
         if self.masks:
-            record["segms"] = [_compact(a.get("segmentation"), im["height"], im["width"]) for a in anns]
+            record["segms"] = [compact(a.get("segmentation"), im["height"], im["width"]) for a in anns]
         if self.keypoints:
             record["keypoints"] = np.stack([_keypoints(a, k) for a in anns]) if anns else np.zeros((0, k, 3), np.float32)
         return record
@@ -196,7 +198,7 @@ class CocoDetection(Dataset):
                   "iscrowd": torch.tensor(record["iscrowd"])}
         if self.masks:
             h, w = record["height"], record["width"]
-            masks = [_segm_to_mask(s, h, w) for s in record["segms"]]
+            masks = [segm_to_mask(s, h, w) for s in record["segms"]]
             target["masks"] = torch.from_numpy(np.stack(masks) if masks else np.zeros((0, h, w), np.uint8))
         if self.keypoints:
             target["keypoints"] = torch.tensor(record["keypoints"])
@@ -224,7 +226,7 @@ def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
         if "area" not in ann:
             ann["area"] = float(ann["bbox"][2] * ann["bbox"][3])
         if masks:
-            ann["segmentation"] = _eval_mask(ann.get("segmentation"), images[ann["image_id"]])
+            ann["segmentation"] = eval_mask(ann.get("segmentation"), images[ann["image_id"]])
         if num_keypoints:
             ann["keypoints"] = _keypoints(ann, num_keypoints).reshape(-1).tolist()
             ann["num_keypoints"] = int(sum(v > 0 for v in ann["keypoints"][2::3]))
@@ -235,25 +237,6 @@ def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
     return coco
 
 
-def _eval_mask(segm, image: dict):
-    """An RLE as checks vetted it, the polygons of 3+ points (4 numbers read as a box), else empty."""
-    if isinstance(segm, dict):
-        return segm
-    polygons = [p for p in segm if len(p) >= 6] if isinstance(segm, list) else []
-    return polygons or mask_utils.encode(np.zeros((image["height"], image["width"]), np.uint8, order="F"))
-
-
-def _compact(segm, h: int, w: int):
-    """A segmentation as few Python objects (one array per polygon, an RLE's counts as bytes), the
-    same mask: a loader worker reading a list of floats writes to each one's refcount, so the pages
-    of the trainer's records it shares are copied, ~33 kB per COCO image read (helper-69)."""
-    if isinstance(segm, list):
-        return [np.asarray(p, np.float64) for p in segm]
-    if isinstance(segm, dict) and isinstance(segm.get("counts"), list):  # uncompressed RLE
-        return mask_utils.frPyObjects(segm, h, w)
-    return segm
-
-
 def _clip_xyxy(bbox, w: int, h: int) -> list:
     x, y, bw, bh = (float(v) for v in bbox)
     return [min(max(x, 0.0), w), min(max(y, 0.0), h), min(max(x + bw, 0.0), w), min(max(y + bh, 0.0), h)]
@@ -262,21 +245,6 @@ def _clip_xyxy(bbox, w: int, h: int) -> list:
 def _keypoints(ann: dict, k: int) -> np.ndarray:
     values = np.asarray(ann.get("keypoints") or [], np.float32)
     return values.reshape(k, 3) if values.size == 3 * k else np.zeros((k, 3), np.float32)
-
-
-def _segm_to_mask(segm, h: int, w: int) -> np.ndarray:
-    if isinstance(segm, list):  # polygons; one of 4 numbers would be read as a box, fewer is no area
-        polygons = [p for p in segm if len(p) >= 6]
-        if not polygons:
-            return np.zeros((h, w), np.uint8)
-        rle = mask_utils.merge(mask_utils.frPyObjects(polygons, h, w))
-    elif isinstance(segm, dict) and isinstance(segm.get("counts"), list):  # uncompressed RLE
-        rle = mask_utils.frPyObjects(segm, h, w)
-    elif isinstance(segm, dict):
-        rle = segm
-    else:
-        return np.zeros((h, w), np.uint8)
-    return mask_utils.decode(rle)
 
 
 def _hflip(image: torch.Tensor, target: dict, keypoint_perm: list):
@@ -315,6 +283,13 @@ class ConcatDetection(ConcatDataset):
         index, flip = key if isinstance(key, tuple) else (key, False)
         d = bisect.bisect_right(self.cumulative_sizes, index)
         return self.datasets[d][(index - (self.cumulative_sizes[d - 1] if d else 0), flip)]
+
+
+def image_list_of(dataset) -> dict:
+    """Which images the sampler draws from, in order (their count and a digest of their ids): kept with
+    its position, so a resume on another list (a file edited, boxes another tracktron drops) is said."""
+    ids = [d.image_ids for d in (dataset.datasets if isinstance(dataset, ConcatDetection) else [dataset])]
+    return {"images": len(dataset), "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
 
 
 def dataset_category_key(dataset) -> list:
