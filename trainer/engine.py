@@ -169,7 +169,7 @@ def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> str | Non
 
 
 def restore_training_state(state: dict, optimizer, scheduler, scaler, ctx: Context, images: dict) -> None:
-    held = state.get("sampler", {})
+    held = state.get("sampler") if isinstance(state.get("sampler"), dict) else {}
     if ctx.is_main and held.get("digest", images["digest"]) != images["digest"]:  # none: an earlier tracktron's
         log.warning("the training set is not the image list this checkpoint was trained on (%s images then, %d now, "
                     "or others): the job goes on, but not with the batches the uninterrupted job would have seen",
