@@ -184,7 +184,7 @@ class CocoDetection(Dataset):
             "iscrowd": np.asarray([a.get("iscrowd", 0) for a in anns], np.int64),
         }
         if self.masks:
-            record["segms"] = [compact(a.get("segmentation"), im["height"], im["width"]) for a in anns]
+            record["segms"] = [compact(a["segmentation"], im["height"], im["width"]) for a in anns]
         if self.keypoints:
             record["keypoints"] = np.stack([_keypoints(a, k) for a in anns]) if anns else np.zeros((0, k, 3), np.float32)
         return record

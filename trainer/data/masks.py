@@ -15,27 +15,16 @@ def eval_mask(segm, image: dict):
 
 
 def compact(segm, h: int, w: int):
-    """A segmentation as few Python objects (one array per polygon, an RLE's counts as bytes), the
-    same mask: a loader worker reading a list of floats writes to each one's refcount, so the pages
-    of the trainer's records it shares are copied, ~33 kB per COCO image read (helper-69)."""
+    """eval_mask's segmentation as few Python objects (one array per polygon, an RLE's counts as
+    bytes), the same mask: a loader worker reading a list of floats writes to each one's refcount,
+    so the pages of the trainer's records it shares are copied, ~33 kB per COCO image read (helper-69)."""
     if isinstance(segm, list):
         return [np.asarray(p, np.float64) for p in segm]
-    if isinstance(segm, dict) and isinstance(segm.get("counts"), list):  # uncompressed RLE
+    if isinstance(segm.get("counts"), list):  # uncompressed RLE
         return mask_utils.frPyObjects(segm, h, w)
     return segm
 
 
 def segm_to_mask(segm, h: int, w: int) -> np.ndarray:
-    """The HxW uint8 mask of polygons, an RLE (compressed or not), or nothing (empty)."""
-    if isinstance(segm, list):  # polygons; one of 4 numbers would be read as a box, fewer is no area
-        polygons = [p for p in segm if len(p) >= 6]
-        if not polygons:
-            return np.zeros((h, w), np.uint8)
-        rle = mask_utils.merge(mask_utils.frPyObjects(polygons, h, w))
-    elif isinstance(segm, dict) and isinstance(segm.get("counts"), list):  # uncompressed RLE
-        rle = mask_utils.frPyObjects(segm, h, w)
-    elif isinstance(segm, dict):
-        rle = segm
-    else:
-        return np.zeros((h, w), np.uint8)
-    return mask_utils.decode(rle)
+    """The HxW uint8 mask of a compact segmentation: its polygons (3+ points each), or its RLE."""
+    return mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(segm, h, w)) if isinstance(segm, list) else segm)
