@@ -564,7 +564,11 @@ def test_a_photo_is_turned_upright_for_inference_and_read_as_stored_for_training
 @pytest.mark.parametrize("polygons", [
     [[True, 0, 4, 0, 4, 4]], [[math.nan, 0, 4, 0, 4, 4]], [[math.inf, 0, 4, 0, 4, 4]], [["1", 0, 4, 0, 4, 4]],
     [[10 ** 400, 0, 4, 0, 4, 4]], [[1e39, 0, 4, 0, 4, 4]], [[[1, 2], 0, 4, 0, 4, 4]], [1, 0, 4, 0, 4, 4], [None],
-], ids=["a-boolean", "nan", "infinity", "a-string", "a-400-digit-int", "past-float32", "nested", "flat", "none"])
+    [[0, 0, 4, 0, 4, 4], [math.inf, 0, -math.inf, 0, 4, 4]], [[-1e39, 0.5, 4, 0, 4, 4]], [[10 ** 400, 0.5, 4, 0, 4, 4]],
+    [[1e308, 1e308, 4, 0, 4, 4]], [[-math.inf, 0, 4, 0, 4, 4]],
+], ids=["a-boolean", "nan", "infinity", "a-string", "a-400-digit-int", "past-float32", "nested", "flat", "none",
+        "both-infinities-in-a-second-polygon", "below-float32", "a-400-digit-int-beside-a-float", "summing-past-float64",
+        "minus-infinity"])
 def test_a_polygon_of_anything_but_numbers_is_refused_up_front(tmp_path, polygons):
     """What JSON can hold in a polygon and no rasteriser takes (helper-69's COCO-sized set had 57 M
     numbers in its polygons, each checked at every start: a faster check must refuse these still)."""

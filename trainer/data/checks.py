@@ -134,7 +134,7 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         bbox = ann.get("bbox")
         if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
             raise UserError(f"{what} has no [x, y, w, h] bbox")
-        if not all(_is_number(v) for v in bbox):
+        if not _all_numbers(bbox):
             raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers (float32)")
         if "area" in ann and not _is_number(ann["area"]):
             raise UserError(f"{what} has area {_short(ann['area'])}, not a number")
@@ -144,7 +144,7 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
             _check_segmentation(what, ann.get("segmentation"), image_ids[image])
         if keypoints and ann.get("keypoints") is not None:
             kp = ann["keypoints"]
-            if not isinstance(kp, list) or len(kp) % 3 or not all(_is_number(v) for v in kp):
+            if not isinstance(kp, list) or len(kp) % 3 or not _all_numbers(kp):
                 raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
             if len(kp) != 3 * num_keypoints:  # COCOeval and the keypoint head both assume the count
                 raise UserError(f"{what} has {len(kp) // 3} keypoints; its categories name {num_keypoints}")
@@ -237,12 +237,13 @@ def _check_segmentation(what: str, segm, image: dict) -> None:
     if segm is None:
         return
     if isinstance(segm, list):
-        if all(isinstance(p, list) and all(_is_number(v) for v in p) for p in segm):
-            reach = max((abs(v) for p in segm for v in p), default=0)
+        if all(isinstance(p, list) and _all_numbers(p) for p in segm):
+            reach = max((max(-min(p), max(p)) for p in segm if p), default=0)
             if reach > MAX_COORDINATE:  # pycocotools' rasteriser crashes the process far beyond the image
                 raise UserError(f"{what} has a polygon reaching {reach:g} pixels from the origin, on an image of "
                                 f"{image['height']}x{image['width']}")
-            if (length := sum(map(_outline, segm))) > MAX_OUTLINE:
+            # no edge is longer than 2 * reach: the exact outline only for polygons that could pass the cap
+            if sum(map(len, segm)) * reach > MAX_OUTLINE and (length := sum(map(_outline, segm))) > MAX_OUTLINE:
                 raise UserError(f"{what} has polygons {length:,.0f} pixels long, on an image of "
                                 f"{image['height']}x{image['width']} (at most {MAX_OUTLINE:,.0f})")
             return
@@ -301,6 +302,19 @@ def _rle_pixels(counts) -> int:
 def _is_number(v) -> bool:
     """Finite, and within float32 (what the tensors hold; a JSON integer may have 400 digits)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_NUMBER <= v <= MAX_NUMBER
+
+
+def _all_numbers(values: list) -> bool:
+    """all(map(_is_number, values)) in C's loops: COCO's polygons hold tens of millions of numbers,
+    checked at every start. A NaN or an infinity makes the sum no finite number; past that, min and
+    max are exact."""
+    if not set(map(type, values)) <= {int, float}:  # bool is a type of its own
+        return False
+    try:
+        finite = math.isfinite(sum(values))
+    except OverflowError:  # a 400-digit integer, which no float holds
+        return False
+    return finite and (not values or (-MAX_NUMBER <= min(values) and max(values) <= MAX_NUMBER))
 
 
 def _is_int(v) -> bool:
