@@ -477,6 +477,7 @@ def test_dry_run_checks_everything_says_what_it_would_do_and_writes_nothing(tmp_
     lines = plan.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines[1:]] == ["model", "train", "test", "schedule", "tracking", "output"]
     assert "parameters, from random initialisation" in lines[1] and "64 images" in lines[2]
+    assert lines[3] == "test: synth_shapes_val: 16 images; evaluated after model_final"
     assert "8 iterations" in lines[4] and "a checkpoint every 3 iterations (2 model_iter files" in lines[4]
     assert lines[5].endswith("a new store, experiment demo, a new run") and lines[6].endswith("no checkpoint here")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no OUTPUT_DIR, no store

@@ -9,7 +9,6 @@ from trainer.checkpoint.files import FINAL, local_checkpoints
 from trainer.config import Config
 from trainer.job_identity import job_hash
 from trainer.logs import held_while_checking
-from trainer.data.coco import CocoDetection, resolve_dataset
 from trainer.output_lock import OutputLock
 from trainer.preflight import check_local, load_initial_weights, prepare
 from trainer.redaction import printable, redact_text
@@ -35,18 +34,17 @@ def plan(cfg: Config, resume_run_id: str | None, new_run: bool, world_size: int)
              f"{redact_text(cfg.TRAIN.WEIGHTS) or 'random initialisation'}",
              f"train: {', '.join(cfg.TRAIN.DATASETS)}: {len(dataset.aspect_ratios)} images, "
              f"{cfg.TRAIN.IMS_PER_BATCH} per batch and process",
-             f"test: {_test_sets(cfg)}",
+             f"test: {_test_sets(cfg, prepared.test_sizes)}",
              _schedule(cfg),
              tracking,
              f"output: {cfg.OUTPUT_DIR}: {_local_start(cfg, local)}"]
     return "\n".join(printable(line) for line in lines)  # NAME, paths and dataset names are anyone's to choose
 
 
-def _test_sets(cfg: Config) -> str:
+def _test_sets(cfg: Config, sizes: dict) -> str:
     if not cfg.TEST.DATASETS:
         return "none"
-    sizes = [f"{name}: {len(CocoDetection(*resolve_dataset(cfg, name), train=False))} images"
-             for name in cfg.TEST.DATASETS]
+    sizes = [f"{name}: {sizes[name]} images" for name in cfg.TEST.DATASETS]
     when = f"every {cfg.TEST.EVAL_PERIOD} iterations and " if cfg.TEST.EVAL_PERIOD else ""
     return f"{'; '.join(sizes)}; evaluated {when}after model_final"
 

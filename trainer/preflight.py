@@ -40,6 +40,7 @@ class Prepared:
     parent: dict = field(default_factory=dict)  # ... and the model in MLflow they came from, for the run
     local: tuple[Path, dict] | None = None  # the newest checkpoint in OUTPUT_DIR (this job's) ...
     local_checked: bool = False  # ... when check_local looked (rank 0 of a resumable job)
+    test_sizes: dict = field(default_factory=dict)  # TEST.DATASETS' numbers of images, by name
 
 
 def seed_everything(cfg: Config) -> None:
@@ -60,7 +61,7 @@ def prepare(cfg: Config) -> Prepared:
     check_devices()
     seed_everything(cfg)
     dataset = build_train_dataset(cfg)
-    check_test_datasets(cfg, dataset)
+    test_sizes = check_test_datasets(cfg, dataset)
     check_batch_size(cfg, dataset)
     model = build_model(cfg, dataset.num_classes, getattr(dataset, "num_keypoints", 0))
     if unread := unread_keys(cfg):  # said, not refused: a config shared across model types is no mistake
@@ -69,7 +70,7 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.TRACKING.REGISTERED_MODEL and not cfg.TRACKING.LOG_MODEL and cfg.TRACKING.ENABLED:
         log.warning("TRACKING.REGISTERED_MODEL %r is ignored: TRACKING.LOG_MODEL is false, so no model is logged "
                     "to register", cfg.TRACKING.REGISTERED_MODEL)
-    return Prepared(dataset, model)
+    return Prepared(dataset, model, test_sizes=test_sizes)
 
 
 def load_initial_weights(cfg: Config, prepared: Prepared) -> None:

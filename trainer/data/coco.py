@@ -343,13 +343,13 @@ def check_batch_size(cfg, dataset) -> None:
                         f"{len(dataset.aspect_ratios)} usable images")
 
 
-def check_test_datasets(cfg, train_dataset) -> None:
+def check_test_datasets(cfg, train_dataset) -> dict:
     """Every TEST.DATASETS entry resolves, its annotations are sound, its categories are the training
     set's and its images readable, before training: what is wrong there is not found only after the
     whole training (a rerun would then have nothing to do). Training sets' images are not opened: a
     COCO-sized set would take tens of seconds, and a bad one fails the job in one line, its
-    checkpoints kept."""
-    ours = dataset_category_key(train_dataset)
+    checkpoints kept. Returns each test set's number of images, by name."""
+    ours, sizes = dataset_category_key(train_dataset), {}
     for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
         test = CocoDetection(*resolve_dataset(cfg, name), train=False, sizes=input_sizes(cfg, False),
                              **model_needs(cfg))
@@ -357,6 +357,8 @@ def check_test_datasets(cfg, train_dataset) -> None:
             raise UserError(f"test set {test.ann_file} has other categories than the training set "
                             f"{train_dataset.ann_file} ({category_difference(theirs, ours)})")
         check_image_headers(test.ann_file, test.image_dir, test._records)
+        sizes[name] = len(test)
+    return sizes
 
 
 def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int = 1, dataset=None):
