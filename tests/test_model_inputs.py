@@ -355,6 +355,35 @@ def test_a_logged_model_whose_weights_are_gone_says_so(trained, tmp_path):
         load_local(folder, "models:/rt@final")
 
 
+def test_a_checkpoint_or_model_from_mlflow_that_does_not_load_is_named_by_its_uri(trained, tmp_path):
+    """`predict`/`eval --weights runs:/...` of a checkpoint of before 2026-12-01 (no categories in it)
+    or of a model folder whose categories.json lists none named the temporary folder it had been
+    downloaded to, deleted by the time the message was read (helper-67)."""
+    from trainer.hashing import sha256_of
+    from trainer.tracking.logged_model import load_detector
+    from trainer.tracking.runs import sha_tag
+
+    client = trained["client"]
+    holder = client.create_run(client.create_experiment("old-files", artifact_location=str(tmp_path / "a"))).info.run_id
+    state = torch.load(trained["tmp"] / "output" / "model_final.pth", weights_only=False)
+    del state["categories"]
+    (tmp_path / "ckpt").mkdir()
+    torch.save(state, tmp_path / "ckpt" / "model_iter3.pth")
+    client.log_artifact(holder, str(tmp_path / "ckpt" / "model_iter3.pth"), "checkpoints")
+    client.set_tag(holder, sha_tag("model_iter3.pth"), sha256_of(tmp_path / "ckpt" / "model_iter3.pth"))
+    model = tmp_path / "detector"
+    shutil.copytree(trained["folder"], model)
+    (model / "categories.json").write_text('{"categories": []}')
+    client.log_artifacts(holder, str(model), "detector")
+    cfg = load_config(DEMO, ["TRACKING.URI", trained["uri"]])
+    for spec, says in ((f"runs:/{holder}/checkpoints/model_iter3.pth", "names no categories"),
+                       (f"runs:/{holder}/detector", "its categories.json lists no categories")):
+        with pytest.raises(UserError) as caught:
+            load_detector(cfg, spec)
+        assert str(caught.value).startswith(f"{spec}") and says in str(caught.value), caught.value
+        assert "tracktron-model-" not in str(caught.value) and str(tmp_path) not in str(caught.value)
+
+
 def _final_registered_as(trained, name: str):
     """The trained job's @final, registered again as `name` with @best on it: (that version, its number)."""
     import mlflow

@@ -118,8 +118,10 @@ class Detector:
         self.model.eval().to(self.device)
 
     @classmethod
-    def load(cls, folder: Path, device: str | torch.device = "cpu") -> Detector:
+    def load(cls, folder: Path, device: str | torch.device = "cpu", shown=None) -> Detector:
+        """`shown`: what messages call the model (the URI a temporary download of it came from)."""
         folder = Path(folder)
+        shown = shown or folder
         try:
             cfg = load_config(folder / CONFIG)
             meta = json.loads((folder / CATEGORIES).read_text())
@@ -127,24 +129,27 @@ class Detector:
         except UserError:  # a config.yaml of unknown keys or values of the wrong type says which
             raise
         except Exception as e:  # missing files, bad json, a tampered or truncated weights file
-            raise UserError(f"{folder} is not a usable tracktron model ({type(e).__name__}: {first_line(e)})") from None
-        return cls(cfg, state, *checked_categories(meta, folder / CATEGORIES), device)
+            raise UserError(f"{shown} is not a usable tracktron model ({type(e).__name__}: {first_line(e)})") from None
+        return cls(cfg, state, *checked_categories(meta, f"{shown}: its {CATEGORIES}" if shown != folder
+                                                   else folder / CATEGORIES), device)
 
     @classmethod
-    def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu") -> Detector:
-        """A training checkpoint (model_iter*.pth, model_final.pth): it carries its config and categories."""
+    def from_checkpoint(cls, path: Path, device: str | torch.device = "cpu", shown=None) -> Detector:
+        """A training checkpoint (model_iter*.pth, model_final.pth): it carries its config and categories.
+        `shown`: what messages call it (the URI a temporary download of it came from)."""
+        name = shown or path
         try:
             state = torch_load.load(path)
         except Exception as e:  # not a zip, a tampered pickle, a truncated file
-            raise UserError(f"{path} {load_error(e)}") from None
+            raise UserError(f"{name} {load_error(e)}") from None
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
-            raise UserError(f"{path} is not a tracktron checkpoint (no model and config in it)")
+            raise UserError(f"{name} is not a tracktron checkpoint (no model and config in it)")
         if "categories" not in state:
-            raise UserError(f"{path} names no categories (written by an older tracktron): evaluate it with "
+            raise UserError(f"{name} names no categories (written by an older tracktron): evaluate it with "
                             "`tracktron eval --config FILE --weights PATH`, whose dataset names them")
         if not isinstance(state["config"], dict):
-            raise UserError(f"{path}: its config is not a mapping of config keys")
-        return cls(config_from_dict(state["config"]), state["model"], *checked_categories(state["categories"], path),
+            raise UserError(f"{name}: its config is not a mapping of config keys")
+        return cls(config_from_dict(state["config"]), state["model"], *checked_categories(state["categories"], name),
                    device)
 
     @torch.inference_mode()

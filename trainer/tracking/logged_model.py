@@ -89,12 +89,13 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
 
 def load_local(path: Path, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
     """A Detector from a local file or folder; messages name `spec`, what the user gave."""
+    shown = spec if spec.startswith(MLFLOW_URIS) else None  # not the temporary folder it was downloaded to
     if path.is_file():
-        return Detector.from_checkpoint(path, device)
+        return Detector.from_checkpoint(path, device, shown)
     if (path / "MLmodel").is_file():
-        return Detector.load(_detector_folder(path, spec, option), device)
+        return Detector.load(_detector_folder(path, spec, option), device, shown)
     if (path / WEIGHTS).is_file() and (path / CONFIG).is_file():
-        return Detector.load(path, device)
+        return Detector.load(path, device, shown)
     raise UserError(f"{option} {spec}: neither a checkpoint nor a tracktron model")
 
 
