@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench.common import Env, Section, loadavg, machine_info, md_table, quiet_logging, verdict
 
-BENCHMARKS = ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline", "big_checkpoint"]
+BENCHMARKS = ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline", "dataset_start",
+              "big_checkpoint"]
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
@@ -130,7 +131,7 @@ def merge(old: str, fresh: str, stamp: str) -> str:
         elif name in new_sections:
             parts[i] = _stamped(new_sections.pop(name), stamp)
     parts += [_stamped(part, stamp) for part in new_sections.values()]
-    return "\n## ".join(parts) + "\n"
+    return "\n## ".join(part.rstrip("\n") + "\n" for part in parts).rstrip("\n") + "\n"  # a blank line before each
 
 
 def _row_name(line: str) -> str:

@@ -66,12 +66,23 @@ def test_gpu_sh_without_a_gpu_says_so_in_one_line_and_exits_2():
 
 
 @pytest.mark.parametrize("name", ["tracking_cost", "loop_overhead", "checkpoint_stall", "resume", "data_pipeline",
-                                  "eval_bench", "big_checkpoint"])
+                                  "dataset_start", "eval_bench", "big_checkpoint"])
 def test_every_benchmark_module_imports(name):
     from bench.run import BENCHMARKS
 
     module = importlib.import_module(f"bench.{name}")
     assert callable(getattr(module, "run" if name in BENCHMARKS else "main"))
+
+
+def test_dataset_start_times_a_set_a_mask_model_trains_on(tmp_path):
+    """Its COCO-sized set, small: every annotation kept, polygons and all (a set the checks refused
+    would time an error)."""
+    from bench.dataset_start import _write_coco
+    from trainer.data import CocoDetection
+
+    image_dir, ann = _write_coco(tmp_path, 20, 60)
+    dataset = CocoDetection(image_dir, ann, train=True, masks=True, sizes=(800, 1333, "keys"))
+    assert sum(len(r["boxes"]) for r in dataset._records) == 60 and dataset.num_classes == 81
 
 
 def test_checkpoint_stall_builds_the_loop_state_the_engine_checkpoints(tmp_path):
@@ -122,6 +133,7 @@ def test_a_subset_run_replaces_its_sections_and_summary_rows_and_keeps_the_other
     assert "how a" in merged.split("## a: A")[1].split("## b")[0] and "_rerun now_" not in merged.split("## b")[0]
     assert merged.split("## b: B")[1].split("## c")[0].startswith("\n\n_rerun now_\n\nhow b")
     assert "| t |" in merged and "_rerun now_" in merged.split("## c: C")[1]
+    assert "\n## " not in merged.replace("\n\n## ", ""), "a section's title right under the last one's text"
 
 
 def test_a_subset_run_over_a_file_it_did_not_write_says_so_instead_of_merging():
