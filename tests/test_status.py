@@ -450,3 +450,27 @@ def test_a_store_whose_name_holds_a_percent_escape_is_the_one_mlflow_opens(empty
     out = _status("--uri", f"sqlite:///{tmp_path}/my%20store.db", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "no tracktron jobs found", out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my store.db"]
+
+
+def test_a_store_a_killed_process_left_mid_write_is_rolled_back_and_read(empty_store, tmp_path):
+    """helper-70: a trainer SIGKILLed inside a write leaves the store's hot journal, which SQLite
+    rolls back only on a read-write open: the read-only look before MLflow's made every command
+    (`status`, a resume, `--dry-run`) say `attempt to write a readonly database`, for good."""
+    from mlflow.entities import Metric
+
+    path, uri = _copy(empty_store, tmp_path)
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("killed"), tags={"tracktron.job": "j"}).info.run_id
+    client.log_batch(run, metrics=[Metric("loss", 1.0, 0, step) for step in range(3000)])
+    writer = ("import os, signal, sqlite3, sys\n"
+              "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+              "db.execute('PRAGMA cache_size=1')\n"  # the change spills into the file: the journal is hot
+              "db.execute('BEGIN IMMEDIATE')\n"
+              "db.execute('UPDATE metrics SET value = value + 1')\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", writer, str(path)], timeout=60)
+    assert killed.returncode == -9 and (tmp_path / "store.db-journal").is_file()
+    out = _status("--uri", uri, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip().splitlines()) == 2 and not (tmp_path / "store.db-journal").exists()
+    assert {m.value for m in client.get_metric_history(run, "loss")} == {1.0}  # the half write undone

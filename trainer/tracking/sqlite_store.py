@@ -1,6 +1,7 @@
 """SQLite tracking stores, which MLflow creates and migrates as soon as it opens one: a job's first
 use of a store is one process at a time (a flock beside the database), a reader waits for it and
-checks the file is an MLflow store before MLflow sees it, so that reading never writes."""
+checks the file is an MLflow store before MLflow sees it, so that reading never writes (but to roll back
+a write a killed process left unfinished, as any SQLite client does)."""
 from __future__ import annotations
 
 import contextlib
@@ -142,8 +143,7 @@ def check_store(uri: str) -> None:
     if not path.is_file():
         raise UserError(f"no tracking store at {uri} ({path} does not exist)")
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = _tables(path)
     except sqlite3.OperationalError as e:  # a database that another process is writing to
         if "locked" not in str(e):
             raise UserError(f"cannot read the tracking store {path}: {e}") from None
@@ -156,6 +156,26 @@ def check_store(uri: str) -> None:
     if missing := sorted(_mlflow_tables() - tables):  # MLflow would run every migration on it, unasked
         raise UserError(f"{path} is a tracking store of an older MLflow (it lacks the {missing[0]} table); "
                         f"`mlflow db upgrade {uri}` brings it up to date (back it up first)")
+
+
+def _tables(path: Path) -> set[str]:
+    """The file's tables, read-only. A write cut short by a kill leaves a hot journal that only a
+    read-write connection may roll back (read-only, SQLite refuses to read the file at all): the
+    rollback any SQLite client makes on opening it, MLflow's included, is made first."""
+    import sqlite3
+
+    def read(mode: str) -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode={mode}", uri=True)) as db:
+            return {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    try:
+        return read("ro")
+    except sqlite3.OperationalError as e:
+        if "readonly" not in str(e) or not Path(f"{path}-journal").is_file():
+            raise
+    read("rw")  # rolls the interrupted write back, as its journal says
+    log.info("%s: rolled back a write that a killed process left unfinished", path)
+    return read("ro")
 
 
 def _mlflow_tables() -> set[str]:
