@@ -33,7 +33,7 @@ def tiny_cfg(model_type="fasterrcnn_resnet50_fpn", **model_keys):
         keys = {"BACKBONE": "mobilenet_v3_large", "BACKBONE_WIDTH": 0.5, "ANCHOR_SIZES": [16, 32, 64]}
     else:
         keys = {"BACKBONE": "resnet18", "ANCHOR_SIZES": [16, 32, 64, 128, 256]}
-    keys |= {"FPN_CHANNELS": 32, "REPRESENTATION_SIZE": 64}
+    keys |= {"FPN_CHANNELS": 64 if model_type.startswith("fcos") else 32, "REPRESENTATION_SIZE": 64}
     return make_cfg(model_type, **{**keys, **model_keys})
 
 
@@ -132,6 +132,13 @@ def test_bad_model_keys_are_user_errors():
         build_model(make_cfg(FPN_CHANNELS=64), num_classes=3)
     with pytest.raises(UserError, match="multiple of 32"):
         build_model(tiny_cfg("fcos_resnet50_fpn", FPN_CHANNELS=16), num_classes=3)
+    # helper-70: at 32, GroupNorm's 32 groups held one value each on a 1x1 map: `predict`, a served
+    # image and a batch of one failed with a traceback, and the model was logged and registered so
+    with pytest.raises(UserError, match="at least 64"):
+        build_model(tiny_cfg("fcos_resnet50_fpn", FPN_CHANNELS=32), num_classes=3)
+    model = build_model(tiny_cfg("fcos_resnet50_fpn", FPN_CHANNELS=64), num_classes=3).eval()
+    with torch.no_grad():
+        assert set(model([torch.rand(3, 64, 64)])[0]) == {"boxes", "scores", "labels"}  # a 1x1 top map
     with pytest.raises(UserError, match="keypoints"):
         build_model(tiny_cfg("keypointrcnn_resnet50_fpn"), num_classes=2)
 
@@ -255,7 +262,7 @@ def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
 
 
 def test_test_size_and_back():
-    cfg = make_cfg("fcos_resnet50_fpn", BACKBONE="resnet18", FPN_CHANNELS=32)
+    cfg = make_cfg("fcos_resnet50_fpn", BACKBONE="resnet18", FPN_CHANNELS=64)
     model = build_model(cfg, num_classes=3)
     set_test_size(model, cfg)
     assert model.transform.min_size == (80,) and model.transform.max_size == 120

@@ -128,8 +128,11 @@ def _check_keys(cfg, family: str) -> None:
         raise UserError("MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only")
     if m.FPN_CHANNELS <= 0 or m.REPRESENTATION_SIZE <= 0 or any(s <= 0 for s in m.ANCHOR_SIZES):
         raise UserError("MODEL.FPN_CHANNELS, REPRESENTATION_SIZE and ANCHOR_SIZES must be positive")
-    if family == "fcos" and m.FPN_CHANNELS % 32:  # its head normalises with GroupNorm(32 groups)
-        raise UserError(f"fcos needs MODEL.FPN_CHANNELS a multiple of 32, got {m.FPN_CHANNELS}")
+    # Its head normalises with GroupNorm(32 groups), which refuses a group of one value: at 32 channels,
+    # a 1x1 top map (a small image, or any at a small TEST.SCALE) of a lone image (predict, a served request)
+    if family == "fcos" and (m.FPN_CHANNELS % 32 or m.FPN_CHANNELS < 64):
+        raise UserError(f"fcos needs MODEL.FPN_CHANNELS a multiple of 32 and at least 64 (its head's GroupNorm has "
+                        f"32 groups), got {m.FPN_CHANNELS}")
     check_architecture(m, family)
 
 
