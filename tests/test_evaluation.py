@@ -178,6 +178,28 @@ def test_tiny_models_evaluate_and_training_is_unchanged(shapes, tmp_path, model_
     sum(losses.values()).backward()
 
 
+@pytest.mark.parametrize("model_type, scored, config_type", [
+    ("maskrcnn_resnet50_fpn", "segm", "fasterrcnn_resnet50_fpn"),  # README's `eval --config configs/demo.yaml`
+    ("keypointrcnn_resnet50_fpn", "keypoints", "maskrcnn_resnet50_fpn"),
+])
+def test_a_model_folder_is_scored_on_its_own_tasks_whatever_the_configs_type(shapes, tmp_path, model_type, scored,
+                                                                              config_type):
+    """helper-70: the network of a model folder (or `models:/`, `runs:/<id>/model`) is built from its
+    own config, but what was scored came from --config's MODEL.TYPE: a Mask R-CNN got no segm row, a
+    Keypoint R-CNN a made-up `segm 0.0000` and no keypoints row, exit 0."""
+    from trainer.evaluation import eval_command
+    from trainer.inference import save
+
+    own = make_cfg(shapes, model_type)
+    torch.manual_seed(0)
+    dataset = CocoDetection(shapes / "images", shapes / "annotations.json", train=False, keypoints=True)
+    model = build_model(own, num_classes=dataset.num_classes, num_keypoints=dataset.num_keypoints)
+    folder = save(tmp_path / "detector", own, model.state_dict(), dataset.categories, dataset.keypoint_names)
+    metrics = eval_command(make_cfg(shapes, config_type, OUTPUT_DIR=str(tmp_path / "out")), str(folder))
+    assert {"bbox/AP", f"{scored}/AP"} <= set(metrics) and not set(metrics) - {
+        k for k in metrics if k.split("/")[0] in ("bbox", scored)}, sorted(metrics)
+
+
 def test_evaluations_fall_on_the_period_but_not_on_the_last_iteration(shapes):
     """The last iteration is model_final's, which the engine evaluates once after saving it."""
     cfg = make_cfg(shapes, SOLVER={"MAX_ITER": 10}, TEST={"EVAL_PERIOD": 4})

@@ -12,6 +12,7 @@ run when it scores the run's own test sets (tracking.attach).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -252,8 +253,9 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
 
 
 def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, tests: list = ()):
-    """(model, iteration, the categories it was trained on or None); those of a checkpoint file are
-    checked against the test sets before the model is built."""
+    """(model, iteration, the categories it was trained on or None, the MODEL.TYPE of a model that
+    carries its own config or None); the categories of a checkpoint file are checked against the test
+    sets before the model is built from `cfg`."""
     if not weights.strip():
         raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if user_path(weights, "--weights").is_dir():  # a model folder tracktron wrote (output/model/detector)
@@ -268,7 +270,8 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, test
 
 
 def _of_detector(detector):
-    return detector.model, None, {"categories": detector.categories, "keypoint_names": detector.keypoint_names}
+    return (detector.model, None, {"categories": detector.categories, "keypoint_names": detector.keypoint_names},
+            detector.cfg.MODEL.TYPE)
 
 
 def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list = (), shown: str | None = None):
@@ -285,7 +288,7 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list
         raise UserError(f"weights {shown or path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
                         f"{len(report.skipped)} tensors differ in shape, {len(report.missing)} missing "
                         f"(e.g. {', '.join(bad)})")
-    return model, iteration, categories
+    return model, iteration, categories, None
 
 
 def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
@@ -328,8 +331,14 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     ctx = ctx or Context(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     with held_while_checking():  # a refused job ends in its error line, not after the weights' news
         # Classes from the test sets: the training sets need not exist on an evaluation machine.
-        tests = [CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg)) for name in cfg.TEST.DATASETS]
-        model, iteration, categories = _load_for_eval(cfg, weights, tests[0].num_classes, tests[0].num_keypoints, tests)
+        tests = _test_sets(cfg)
+        model, iteration, categories, own_type = _load_for_eval(cfg, weights, tests[0].num_classes,
+                                                                tests[0].num_keypoints, tests)
+        if own_type and own_type != cfg.MODEL.TYPE:  # its network is its own config's: so are its tasks
+            log.info("%s is a %s model (--config says %s): scored as one", weights, own_type, cfg.MODEL.TYPE)
+            cfg = copy.deepcopy(cfg)
+            cfg.MODEL.TYPE = own_type
+            tests = _test_sets(cfg)  # with the masks or keypoints its tasks score
         check_categories(weights, categories, tests)
         _check_ranks_agree(ctx, cfg, model)
     if ctx.is_main:
@@ -352,6 +361,11 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics
+
+
+def _test_sets(cfg) -> list:
+    """TEST.DATASETS with what the model's tasks score (the training sets need not exist here)."""
+    return [CocoDetection(*resolve_dataset(cfg, name), train=False, **model_needs(cfg)) for name in cfg.TEST.DATASETS]
 
 
 def _check_ranks_agree(ctx: Context, cfg, model) -> None:
