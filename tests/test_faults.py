@@ -773,10 +773,13 @@ def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_p
     start, stopped and run again, took it for its own (nothing to do) and closed its new run with
     the earlier job's model."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 40})
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 40, "TRACKING.LOG_MODEL": "true",
+                                           "TEST.DATASETS": "('synth_shapes_val',)"})
     assert run_trainer(args, cwd=tmp_path).returncode == 0
     out = tmp_path / "output"
     earlier_final = sha256_of(out / "model_final.pth")
+    earlier_model = sha256_of(out / "model" / "detector" / "weights.pt")
+    assert (out / "eval" / "synth_shapes_val" / "detections.json").is_file()
     plan = run_trainer(["--no-resume", "--dry-run", *args], cwd=tmp_path)
     assert plan.stdout.strip().endswith("starts over: its 11 checkpoints move to earlier-<time>/"), plan.stdout
     again = jobs(["--no-resume", *args], tmp_path)
@@ -786,6 +789,9 @@ def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_p
     [aside] = list(out.glob("earlier-*"))
     assert sha256_of(aside / "model_final.pth") == earlier_final and (aside / "json_stats.log").is_file()
     assert "model_final.pth" not in os.listdir(out)
+    # helper-70: `predict --weights output/model/detector` used the earlier job's model until the new one's end
+    assert sha256_of(aside / "model" / "detector" / "weights.pt") == earlier_model and (aside / "eval").is_dir()
+    assert not {"model", "eval"} & set(os.listdir(out))
     rerun = run_trainer(args, cwd=tmp_path)
     assert rerun.returncode == 0 and "training finished" in rerun.stdout, rerun.stderr[-2000:]
     assert re.search(r"resuming from .*model_iter\d+\.pth.* at iteration", rerun.stderr)  # the new start's own

@@ -145,15 +145,17 @@ def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset())
 
 def set_aside(output_dir: Path) -> Path | None:
     """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
-    they move to `earlier-<time>/` with json_stats.log (and the metrics its run never got), kept but
-    out of the way. Left in place, a later resume of the new start took their model_final for its
-    own (nothing to do) or their newest model_iter for its newest. The folder, or None when there was
-    nothing to move."""
+    they move to `earlier-<time>/` with json_stats.log (and the metrics its run never got), the model
+    folder and the evaluations, kept but out of the way. Left in place, a later resume of the new
+    start took their model_final for its own (nothing to do) or their newest model_iter for its
+    newest, and until the new start finished, `predict --weights OUTPUT_DIR/model/detector` used the
+    earlier job's model. The folder, or None when there was nothing to move."""
     found = local_checkpoints(output_dir)
     if not found:
         return None
-    return move_aside(output_dir, [*found, *(p for p in (output_dir / "json_stats.log", output_dir / UNSENT_METRICS)
-                                             if p.is_file())])
+    files = [p for p in (output_dir / "json_stats.log", output_dir / UNSENT_METRICS) if p.is_file()]
+    folders = [p for p in (output_dir / "model", output_dir / "eval") if p.is_dir() or p.is_symlink()]
+    return move_aside(output_dir, [*found, *files, *folders])
 
 
 def move_aside(output_dir: Path, paths: list[Path]) -> Path:
