@@ -875,3 +875,22 @@ def test_an_annotation_file_with_a_utf8_bom_is_read(tmp_path):
     ann.write_bytes("\ufeff".encode() + ann.read_text().encode())
     ds = CocoDetection(image_dir, ann, train=False)
     assert len(ds) == 1 and ds.class_names == ["__background__", "dé"] and len(ds.coco.anns) == 1
+
+
+def test_a_mask_model_is_refused_a_training_set_without_one_segmentation(tmp_path, caplog):
+    """helper-70: Mask R-CNN trained on a box-only set exited 0, its mask head taught empty masks and
+    registered with a segm AP of 0; a keypoint model on a set without keypoints is refused likewise.
+    A test set without segmentations still scores the boxes, with a warning."""
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}]
+    for segmentation in ({}, {"segmentation": []}):
+        image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 8, 8], **segmentation),
+                                                        _ann(2, 1, [4, 2, 8, 6], **segmentation)])
+        with pytest.raises(UserError, match=r"a mask model needs segmentations, and none of its 2 annotations has one"):
+            CocoDetection(image_dir, ann, train=True, masks=True)
+        assert len(CocoDetection(image_dir, ann, train=True)) == 1  # a box model trains on it
+        with caplog.at_level("WARNING"):
+            assert len(CocoDetection(image_dir, ann, train=False, masks=True)) == 1
+        assert "has no segmentation: a mask model's segm scores on it are of empty masks" in caplog.text
+    image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 8, 8]),
+                                                    _ann(2, 1, [4, 2, 8, 6], segmentation=[[4, 2, 12, 2, 12, 8]])])
+    assert len(CocoDetection(image_dir, ann, train=True, masks=True)) == 1  # one is enough (row 88: the rest empty)

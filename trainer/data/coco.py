@@ -107,6 +107,11 @@ class CocoDetection(Dataset):
         self.train, self.masks, self.keypoints = train, masks, keypoints
         data = read_json(self.ann_file)
         check(self.ann_file, data, self.image_dir, masks=masks, keypoints=keypoints, sizes=sizes, max_pixels=MAX_PIXELS)
+        if masks and data["annotations"] and not any(a.get("segmentation") for a in data["annotations"]):
+            if train:  # its mask head would learn empty masks, and be registered so (a keypoint model is refused too)
+                raise UserError(f"{self.ann_file}: a mask model needs segmentations, and none of its "
+                                f"{len(data['annotations']):,} annotations has one")
+            log.warning("%s has no segmentation: a mask model's segm scores on it are of empty masks", self.ann_file)
         self.categories = sorted(data["categories"], key=lambda c: c["id"])  # label i = categories[i - 1]
         self.label_to_cat_id = {i + 1: c["id"] for i, c in enumerate(self.categories)}
         self.cat_id_to_label = {c: label for label, c in self.label_to_cat_id.items()}
