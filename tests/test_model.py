@@ -112,6 +112,14 @@ def test_the_best_checkpoint_is_found_through_mlflow_and_registered_as_best(job)
     name = job["name"]
     final, best_version = (client.get_model_version_by_alias(name, a) for a in ("final", "best"))
     assert final.run_id == run.info.run_id == best_version.run_id
+    # helper-71: logged within the run, MLflow copied the run's step-0 metrics (the warm-up's loss and
+    # lr) onto each servable model, reading every metric's whole history for them (minutes at 90k)
+    for version in (final, best_version):
+        servable = client.get_logged_model(version.source.removeprefix("models:/"))
+        assert servable.source_run_id == run.info.run_id and str(servable.status) == "READY"
+        assert not servable.metrics, [m.key for m in servable.metrics]
+    assert {o.model_id for o in client.get_run(run.info.run_id).outputs.model_outputs} >= {
+        final.source.removeprefix("models:/"), best_version.source.removeprefix("models:/")}  # the run's models
     # The version called best holds exactly the weights of the best checkpoint.
     os.environ.update(job["env"])
     cfg = load_config(None, ["TRACKING.URI", job["server"].url])

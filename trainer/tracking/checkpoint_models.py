@@ -12,6 +12,7 @@ training thread of a job that has nothing left to train).
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,11 +26,17 @@ MODEL_TAG = "tracktron.model_id"  # on the run: its servable model is logged (an
 BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.best_metric")
 
 
-def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | None = None) -> list:
-    """The run's checkpoint models, the best first when `order_by` names a metric."""
+def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | None = None,
+                      checkpoint: str | None = None) -> list:
+    """The run's checkpoint models (only `checkpoint`'s, when given: the server filters, where a run
+    of hundreds of evaluations would be listed whole at each), the best first when `order_by` names
+    a metric."""
     order = [{"field_name": f"metrics.{order_by}", "ascending": False}] if order_by else None
-    return every_page(client.search_logged_models, experiment_ids=[experiment_id], order_by=order,
-                      filter_string=f"source_run_id = '{run_id}' AND model_type = '{CHECKPOINT_TYPE}'")
+    name = checkpoint and _name(checkpoint)
+    named = f" AND name = '{name}'" if name and re.fullmatch(r"[\w.-]+", name) else ""  # eval's is anyone's
+    found = every_page(client.search_logged_models, experiment_ids=[experiment_id], order_by=order,
+                       filter_string=f"source_run_id = '{run_id}' AND model_type = '{CHECKPOINT_TYPE}'{named}")
+    return [m for m in found if not name or m.name == name]
 
 
 def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, metrics: dict, step: int) -> str:
@@ -37,7 +44,7 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
     evaluation's metrics logged into the run under its id. Returns the model id."""
     from mlflow.entities import Metric
 
-    model = next((m for m in checkpoint_models(client, experiment_id, run_id) if m.name == _name(checkpoint)), None)
+    model = next(iter(checkpoint_models(client, experiment_id, run_id, checkpoint=checkpoint)), None)
     if model is None:
         model = client.create_logged_model(
             experiment_id, name=_name(checkpoint), source_run_id=run_id, model_type=CHECKPOINT_TYPE,
@@ -53,8 +60,8 @@ def evaluation_due(client, experiment_id: str, run, checkpoint: str, datasets: l
     """Whether a rerun of a finished job evaluates the run's `checkpoint` into it: the run lacks that
     evaluation (no READY LoggedModel of it: one is made READY once the metrics are in), and its
     scores on `datasets` would be the run's own (runs.takes_scores)."""
-    if any(m.name == _name(checkpoint) and str(m.status) == "READY"
-           for m in checkpoint_models(client, experiment_id, run.info.run_id)):
+    if any(str(m.status) == "READY" for m in checkpoint_models(client, experiment_id, run.info.run_id,
+                                                               checkpoint=checkpoint)):
         return False
     return takes_scores(client, run, datasets, refused=f"{checkpoint} is not evaluated into")
 
