@@ -22,15 +22,18 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import RunTag
 
 from tests.conftest import DEMO, demo_overrides
 from tests.faultkit import (  # noqa: F401 - jobs is a fixture
     jobs, only_run, sha_tag, steps, wait_until)
 from tests.servers import FaultProxy, MlflowServer
-from trainer.checkpoint.files import checkpoint_name
+from trainer.checkpoint.files import checkpoint_name, iteration_of
 from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
+from trainer.tracking.pruning import PRUNE_BATCH
+from trainer.tracking.runs import checkpoints_from
 from trainer.tracking.transfers import download, file_identity, repository, run_repository, upload
 
 MB = 1024**2
@@ -345,6 +348,50 @@ def test_keep_never_deletes_the_jobs_new_checkpoints_for_a_tag_of_a_later_iterat
     tags = MlflowClient(url).get_run(run_id).data.tags
     assert _stored(url, run_id) == {"model_iter3.pth", "model_iter5.pth"}  # keep 2 of this job's own
     assert _tagged(tags) == {"model_iter3.pth", "model_iter5.pth", "model_iter999.pth"}  # the user's tag, untouched
+
+
+def test_a_keep_set_late_on_a_run_of_many_checkpoints_lets_a_new_one_go_up_between_its_deletes(tmp_path, mlflow_server,
+                                                                                                 s3_server):
+    """helper-71's red team: TRACKING.CHECKPOINTS_KEEP set on a run that holds hundreds of checkpoints.
+    Their deletes ran as one job on the uploader thread (194 in 13 s), so a checkpoint written meanwhile,
+    a preemption's with its grace period running, went up only after the last of them."""
+    url, exp = mlflow_server.url, f"late-keep-{uuid.uuid4().hex[:6]}"
+    first = _tracker(tmp_path, url, exp)
+    run_id = first.run.run_id
+    assert first.finish(None, timeout=30) == []
+    old = tmp_path / "old"  # 120 complete checkpoints, as a run of KEEP 0 leaves them
+    old.mkdir()
+    for it in range(120):
+        (old / f"model_iter{it}.pth").write_bytes(b"%d" % it)
+    client = MlflowClient(url)
+    client.log_artifacts(run_id, str(old), "checkpoints")
+    tags = [RunTag(sha_tag(p.name), sha256_of(p)) for p in old.iterdir()]
+    for i in range(0, len(tags), 100):
+        client.log_batch(run_id, tags=tags[i:i + 100])
+
+    second = _tracker(tmp_path, url, exp, resume=run_id)
+    for it in (200, 201):
+        path = tmp_path / checkpoint_name(it)
+        path.write_bytes(os.urandom(200_000))
+        second.log_metrics({"loss": 1.0}, it)
+        second.log_checkpoint(path, sha256_of(path))
+        if it == 200:  # 201 is written while the deletes that 200's upload began are going on
+            _poll(lambda: len(_stored(url, run_id)) < 120)
+    tags = _poll(lambda: (t := client.get_run(run_id).data.tags).get(sha_tag("model_iter201.pth")) and t)
+    left = [n for n in checkpoints_from(tags) if iteration_of(n) < 120]
+    assert len(left) >= 120 - 3 * PRUNE_BATCH  # 201 went up between two passes, not after them all
+    assert second.finish(None, timeout=120) == []
+    expected = {"model_iter200.pth", "model_iter201.pth"}  # and the passes went on to the end
+    assert _stored(url, run_id) == expected and _tagged(client.get_run(run_id).data.tags) == expected
+    assert _s3_checkpoints(s3_server, run_id) == expected
+
+
+def _poll(predicate, timeout: float = 120):
+    end = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+    return value
 
 
 def _s3_checkpoints(s3_server, run_id: str) -> set[str]:

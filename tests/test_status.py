@@ -126,8 +126,10 @@ def test_status_lists_the_job_with_iteration_checkpoint_and_loss(finished_job):
                          cwd=tmp)
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.strip().splitlines()
-    assert header.split()[:6] == ["RUN", "NAME", "EXPERIMENT", "STATUS", "ITERATION", "CHECKPOINT"]
-    assert row.split()[:6] == [run.info.run_id, run.info.run_name, "demo", "FINISHED", "12/12", "model_final.pth"]
+    assert header.split()[:7] == ["RUN", "NAME", "EXPERIMENT", "MODEL", "STATUS", "ITERATION", "CHECKPOINT"]
+    assert row.split()[:7] == [run.info.run_id, run.info.run_name, "demo", run.data.params["MODEL.TYPE"], "FINISHED",
+                               "12/12", "model_final.pth"]
+    assert run.data.params["MODEL.TYPE"] == load_config(DEMO, []).MODEL.TYPE  # the family, as the job's config has it
     assert f"{run.data.metrics['loss']:.4f}" in row
 
 

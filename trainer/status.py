@@ -25,6 +25,7 @@ def _row(run, exp, uri: str) -> dict:
         "run": run.info.run_id,
         "name": run.info.run_name or "",
         "experiment": exp.name,
+        "model": run.data.params.get("MODEL.TYPE", "-"),  # the family: a sweep over several reads apart
         "status": status,
         "iteration": f"{'-' if step < 0 else step + 1}/{run.data.params.get('SOLVER.MAX_ITER', '?')}",
         "checkpoint": run.data.tags.get(LATEST_TAG, "-"),

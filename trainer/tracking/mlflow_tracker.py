@@ -23,6 +23,7 @@ from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_e
 from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
+from trainer.tracking.pruning import prune_run
 from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
 from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
@@ -70,8 +71,7 @@ class MlflowTracker(Tracker):
 
     # ---- start: find or create the job's run ----
 
-    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False,
-              wait_for_checks: bool = False) -> None:
+    def start(self, cfg: Config, resume_run_id: str | None = None, new_run: bool = False, wait_for_checks: bool = False) -> None:
         if self._opening is None:
             # MLflow's import (a second of Python) before the caller imports torch: the lookup and a
             # resumed job's download start a second sooner, and wait on the network while torch loads.
@@ -254,16 +254,16 @@ class MlflowTracker(Tracker):
 
     def _prune(self) -> None:
         """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only (logged)."""
-        from trainer.tracking.pruning import prune_run
-
         newest = max((iteration_of(n) for n in list(self._uploaded) if n != FINAL), default=-1)  # this job's own
         try:
-            gone = prune_run(self.client, self._artifacts(), self._run.run_id, self._experiment_id(),
-                             self._keep_on_server, self._evaluated, newest)
+            gone, more = prune_run(self.client, self._artifacts(), self._run.run_id, self._experiment_id(),
+                                   self._keep_on_server, self._evaluated, newest)
         except Exception as e:  # the server refused or failed a delete: everything is still there
             log.warning("tracking: older checkpoints stay on the server for now: %s", first_line(e, 300))
             return
         self._uploaded.difference_update(gone)
+        if more:  # the next pass goes behind what was queued meanwhile (a preemption's checkpoint)
+            self._uploader.submit(PRUNE_JOB, self._prune)
 
     def log_image(self, image, key: str, step: int) -> None:
         self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))

@@ -1,6 +1,9 @@
 """TRACKING.CHECKPOINTS_KEEP: a run keeps its newest N complete `model_iter` checkpoints on the server.
 
-Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete.
+Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete,
+PRUNE_BATCH deletes a pass: a KEEP set late on a run of hundreds of checkpoints is worked off in
+passes queued behind the uploads that arrive meanwhile, so a preemption's checkpoint never waits
+for more than one pass.
 An older `model_iter` goes (its artifact, then its sha256 tag) unless something still names it:
 the run's best-checkpoint tag, a LoggedModel of the run (an evaluated checkpoint), a registered
 model version whose source is that file, or an evaluation of this process not linked yet.
@@ -22,16 +25,19 @@ from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
 
+PRUNE_BATCH = 16  # deletes a pass: about a second against a server; its caller queues the next pass
+
 
 def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluated: set[str],
-              newest: float) -> list[str]:
+              newest: float, limit: int = PRUNE_BATCH) -> tuple[list[str], bool]:
     """Delete the run's complete model_iter checkpoints past the newest `keep` up to `newest` (the
-    one this process has just uploaded) that nothing names; returns their names. keep 0 keeps all.
+    one this process has just uploaded) that nothing names, the oldest `limit` of them; returns
+    their names and whether more are left for another pass. keep 0 keeps all.
     A tag of a later iteration is no newer checkpoint of this job: one whose file failed its sha256
     (the job went on from an earlier one), or a hand-made tag; counted first, it had every checkpoint
     this job uploaded deleted as it arrived. Such a tag is left to the user."""
     if keep <= 0:
-        return []
+        return [], False
     tags = client.get_run(run_id).data.tags
     ours = [n for n in checkpoints_from(tags) if n != FINAL and iteration_of(n) <= newest]
     older = ours[keep:]  # newest first: the one just uploaded is never here
@@ -39,11 +45,12 @@ def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluate
     if doomed:
         named = _named_by_models(client, experiment_id, run_id) | _registered(client, run_id)
         doomed = [n for n in doomed if n not in named]
-    for name in reversed(doomed):  # oldest first
+    batch = doomed[::-1][:limit]  # oldest first
+    for name in batch:
         repo.delete_artifacts(f"checkpoints/{name}")  # the proxy: DELETE mlflow-artifacts; S3, disk: directly
         _delete_tag(client, run_id, sha_tag(name))
         log.info("deleted %s from the run (TRACKING.CHECKPOINTS_KEEP %d)", name, keep)
-    return doomed
+    return batch, len(doomed) > len(batch)
 
 
 def _named_by_models(client, experiment_id: str, run_id: str) -> set[str]:
