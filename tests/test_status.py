@@ -393,7 +393,7 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
         run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
         client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
     out = _status("--uri", uri, cwd=tmp_path)
-    rows = {line.split()[1]: " ".join(line.split()[3:]) for line in out.stdout.strip().splitlines()[1:]}
+    rows = {line.split()[1]: " ".join(line.split()[4:]) for line in out.stdout.strip().splitlines()[1:]}
     assert rows["live"] == "RUNNING -/? - - 0:10:00", out.stdout
     killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
     assert killed and 100 <= int(killed[1]) < 400, out.stdout
