@@ -396,6 +396,28 @@ def test_a_flush_timeout_too_short_for_the_model_still_ends_the_run(tmp_path, da
     assert "tracktron.model_id" in only_run(client, exp).data.tags
 
 
+def test_a_job_waiting_for_its_last_uploads_still_beats(tmp_path, data_dir, mlflow_server, jobs):
+    """helper-72's red team: the heartbeat rode on the metric sender, which was closed before the
+    uploader's last jobs; while a model uploaded (minutes for a real detector) `status` called the
+    job LOST, and the same job started elsewhere would take its run as free after 20 s. The sender
+    now beats until those jobs are done."""
+    exp = f"flush-beat-{uuid.uuid4().hex[:6]}"
+    with FaultProxy(mlflow_server.url) as proxy:
+        proxy.delay_requests(rb"^PATCH /api/2\.0/mlflow/logged-models/", 20.0)  # the model's finalize
+        job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": proxy.url, "TRACKING.EXPERIMENT": exp,
+                                                   "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "true"}), tmp_path)
+        wait_until(lambda: "Validating input example" in job.stderr, job, "the model being logged", poll=0.05)
+        client = MlflowClient(mlflow_server.url)
+        beats = [json.loads(only_run(client, exp).data.tags["tracktron.heartbeat"])["time"]]
+        time.sleep(12)  # more than two of the sender's intervals (METRICS_INTERVAL_S)
+        run = only_run(client, exp)
+        beats.append(json.loads(run.data.tags["tracktron.heartbeat"])["time"])
+        assert run.info.status == "RUNNING" and beats[1] > beats[0], job.stderr[-2000:]
+        assert job.wait(120) == 0, job.stderr[-3000:]
+    run = only_run(client, exp)
+    assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+
+
 def test_sigterm_while_the_tracking_server_hangs_exits_within_the_grace_period(tmp_path, data_dir, mlflow_server,
                                                                               jobs):
     grace = 10

@@ -369,13 +369,13 @@ class MlflowTracker(Tracker):
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        if self._sender:
-            self._sender.close(timeout)
+        self._sender.wait_sent(float("inf"), timeout)  # the metrics first; the sender beats on while the uploads go
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
         if status is not None and not self._status_set:  # queued behind uploads that ran out of time: one direct try
             wait([daemon_call(lambda: self.last_words(status, reason), "run-status")], max(floor, deadline - time.monotonic()))
+        self._sender.close(max(0.0, deadline - time.monotonic()))  # and the evaluations' late scores
         kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         return list(dict.fromkeys([d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept))
