@@ -77,12 +77,30 @@ def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: 
     registered model the job would move the aliases of is checked too."""
     try:
         found = _find_run(client, uri, cfg, resume_run_id, new_run)
+        _check_artifacts_reachable(client, uri, found)
         check_registered_model(client, cfg)
         return found
     except UserError:
         raise
     except Exception as e:  # nothing was written yet: say why in one line
         raise UserError(start_error(uri, e)) from None
+
+
+def _check_artifacts_reachable(client, uri: str, found: FoundRun) -> None:
+    """An experiment made through an `mlflow server` that serves artifacts keeps them at
+    `mlflow-artifacts:/...`, which only that server's clients reach: a job on the store itself
+    (`sqlite:///mlflow.db` beside the server) trained, then failed every upload (helper-72)."""
+    if uri.lower().startswith(("http://", "https://")):
+        return
+    if found.run is not None:
+        where, location = f"run {found.run.info.run_id}", found.run.info.artifact_uri
+    elif found.experiment_id:
+        where, location = f"experiment {found.experiment}", client.get_experiment(found.experiment_id).artifact_location
+    else:
+        return
+    if (location or "").startswith("mlflow-artifacts:"):
+        raise UserError(f"{where} keeps its artifacts on an mlflow server ({location}), which this job reaches only "
+                        "through that server: set TRACKING.URI to its http:// address, not to its store")
 
 
 def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) -> OpenedRun:
