@@ -92,6 +92,33 @@ def test_system_metrics_are_sampled_by_mlflows_monitor_thread_per_node(tmp_path,
     assert start_monitor(auto, run_id, local_rank=0, world_size=1, on_gpu=False) is None
 
 
+def test_system_metrics_go_on_after_the_tracking_server_was_down_a_moment(tmp_path, mlflow_server, monkeypatch, caplog):
+    """helper-73's soak test: MLflow's monitor loop ends for good at the first request that fails, so
+    a 12 s blip of the server ended a days-long job's CPU, memory and GPU curves, with no word."""
+    from tests.servers import FaultProxy
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the trainer bounds them (runs.bound_http)
+    client, key = MlflowClient(mlflow_server.url), "system/cpu_utilization_percentage"
+    run_id = client.create_run(client.create_experiment(f"sysmetrics-blip-{tmp_path.name}")).info.run_id
+    with FaultProxy(mlflow_server.url) as proxy:
+        monitor = start_monitor(load_config(DEMO, ["TRACKING.SYSTEM_METRICS", "true", "TRACKING.URI", proxy.url]),
+                                run_id, local_rank=0, world_size=1)
+        try:
+            assert _system_metrics_on_server(mlflow_server.url, run_id, key)
+            proxy.set_mode("error")  # every request answered 503, as a server restarting
+            time.sleep(4)
+            down = max(m.step for m in client.get_metric_history(run_id, key))
+            proxy.set_mode("pass")
+            end = time.monotonic() + 60
+            while max(m.step for m in client.get_metric_history(run_id, key)) <= down + 2:
+                assert time.monotonic() < end, "no system metrics since the server came back"
+                time.sleep(0.5)
+        finally:
+            stop_monitor(monitor, timeout_s=30)
+    assert caplog.text.count("system metrics: the tracking server did not answer") == 1  # once, not once a second
+
+
 def test_stopping_the_monitor_sends_the_last_interval_and_never_holds_the_exit(tmp_path, mlflow_server, monkeypatch,
                                                                                caplog):
     """MLflow's monitor drops the samples of the interval a job ends in: a job shorter than one

@@ -6,6 +6,8 @@ apart: MLflow's own SystemMetricsMonitor, a thread of the training process that 
 library) turns system metrics off with a warning; the job trains on. `stop_monitor` sends the
 last, partial interval too (MLflow's monitor drops it, so a job shorter than one interval had none)
 and never holds the job's exit longer than a few seconds on a tracking server that is down.
+MLflow's loop ends for good at the first request that fails; here it starts again an interval
+later, so a server's blip does not end a days-long job's system metrics (helper-73).
 """
 from __future__ import annotations
 
@@ -38,14 +40,44 @@ def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: 
     except ImportError as e:  # psutil missing: say so, train anyway
         log.warning("system metrics off: %s", e)
         return None
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not its start and stop
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)  # not its start, stop, or each failed retry
     try:
-        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node, tracking_uri=tracking_uri(cfg))
+        monitor = _restarting(SystemMetricsMonitor)(run_id, resume_logging=True, node_id=node,
+                                                    tracking_uri=tracking_uri(cfg))
     except Exception as e:  # no GPU library, a server that fails: the job trains on
         log.warning("system metrics off: %s", e)
         return None
     monitor.start()
     return monitor
+
+
+def _restarting(base):
+    """MLflow's monitor whose loop, ended by a failed request, runs again an interval later."""
+    class RestartingMonitor(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.stopping = threading.Event()
+            self.sent = True  # a sample went out since the last warning: one warning an outage, not one a retry
+
+        def monitor(self):
+            while True:
+                super().monitor()  # returns on finish(), a failed request, or a run no longer RUNNING
+                if self.stopping.wait(self.sampling_interval):
+                    return
+                if self.sent:
+                    log.warning("system metrics: the tracking server did not answer; sampling again every %g s",
+                                self.sampling_interval)
+                self.sent = False
+
+        def publish_metrics(self, metrics):
+            super().publish_metrics(metrics)
+            self.sent = True
+
+        def finish(self):
+            self.stopping.set()
+            super().finish()
+
+    return RestartingMonitor
 
 
 def stop_monitor(monitor, timeout_s: float = 5.0) -> None:
