@@ -4,9 +4,11 @@ up (a newer checkpoint supersedes an older one not yet started), and tells a rej
 from a server that is down (retried until it is back)."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from pathlib import Path
 
 from mlflow import MlflowClient
 
@@ -292,3 +294,27 @@ def test_a_run_made_before_the_job_could_go_on_is_failed_not_left_running(tmp_pa
         tracker.run  # noqa: B018 (the property waits for the run to be opened)
     (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name(f"tracker-{tmp_path.name}").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["tracktron.status_reason"].startswith("cannot start a thread")
+
+
+def test_a_long_jobs_evaluation_tables_all_arrive_and_nothing_is_said_to_have_failed(tmp_path, monkeypatch):
+    """helper-73's soak test: MLflow's log_table lists each table in the run's mlflow.loggedArtifacts
+    tag, which MLflow cut at 8,000 characters (about 97 evaluations of one test set) into JSON that no
+    later log_table read: the job ended 1 naming tables that had arrived, and a rerun did not mend it."""
+    monkeypatch.chdir(tmp_path)  # the store's artifacts: ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = new_tracker(tmp_path, uri)
+    run_id = tracker.run.run_id
+    table = {"category": ["circle", "square"], "AP": [0.5, None], "AP50": [0.75, None], "instances": [3, 0]}
+    names = [f"eval/synth_shapes_val/per_category_ap_iter{i * 2000 + 1999}.json" for i in range(110)]
+    for name in names:
+        tracker.log_table(table, name)
+    assert tracker.finish("FINISHED") == []  # the job's last line names nothing the server lacks
+    client = MlflowClient(uri)
+    listed = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])  # still JSON: the UI reads it
+    assert 90 <= len(listed) < 110 and [e["path"] for e in listed] == names[:len(listed)]
+    stored = {f.path for f in client.list_artifacts(run_id, "eval/synth_shapes_val")}
+    assert stored == set(names)
+    first, last = (json.loads(Path(client.download_artifacts(run_id, n, str(tmp_path / "dl"))).read_text())
+                   for n in (names[0], names[-1]))
+    assert first == last == {"columns": ["category", "AP", "AP50", "instances"],
+                             "data": [["circle", 0.5, 0.75, 3], ["square", None, None, 0]]}  # one layout

@@ -30,6 +30,7 @@ from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkp
                                    make_client, retryable, run_url, sha_tag, tracking_uri)
 from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
+from trainer.tracking.tables import log_table
 from trainer.tracking.first_upload import send_first
 from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
@@ -235,8 +236,7 @@ class MlflowTracker(Tracker):
                 raise TimeoutError(f"metrics up to {path.name} not delivered yet")
             upload_file(self._artifacts(), path, "checkpoints", written)  # still that file; parts, timeouts: transfers.py
             # The tags say "complete": set only after the bytes are on the artifact store.
-            self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256),
-                                                           RunTag(LATEST_TAG, path.name)])
+            self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256), RunTag(LATEST_TAG, path.name)])
             self._newest_uploaded = max(self._newest_uploaded, iteration)
             self._uploaded.add(path.name)
             self._queued.discard(path.name)
@@ -269,7 +269,7 @@ class MlflowTracker(Tracker):
         self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))
 
     def log_table(self, table: dict, artifact_file: str) -> None:
-        self._uploader.submit(f"table {artifact_file}", lambda: self.client.log_table(self.run.run_id, table, artifact_file))
+        self._uploader.submit(f"table {artifact_file}", lambda: log_table(self.client, self.run.run_id, table, artifact_file))
 
     def log_inputs(self, datasets: list[dict], parent: dict) -> None:
         inputs, models, tags = input_entities(datasets, parent)
