@@ -26,8 +26,9 @@ class FinalModel(NamedTuple):
 
 
 def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, registered: str) -> FinalModel:
-    """The model folder as the run's servable model, registered @final when asked. One an earlier
-    process logged in full (killed before the run's MODEL_TAG was set) is taken, not logged again."""
+    """The model folder as the run's servable model, registered when asked (set_aliases makes it
+    @final). One an earlier process logged in full (killed before the run's MODEL_TAG was set) is
+    taken, not logged again."""
     from trainer.tracking.logged_model import log_detector  # torch: imported once training is over
 
     fail_unfinished(client, experiment_id, run_id)
@@ -38,9 +39,16 @@ def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, r
     else:
         info = log_detector(uri, run_id, folder, name=FINAL_NAME, registered_model_name=registered)
         final = FinalModel(info.model_id, info.registered_model_version)
-    if registered:
-        set_alias(client, registered, "final", final.version)
     return final
+
+
+def set_aliases(client, registered: str, final: str | None, best: str | None) -> None:
+    """@final and @best one right after the other, once both versions exist. Set apart (the best
+    checkpoint's copy logged in between), two jobs registering into one name at the same time left
+    them naming two jobs' models (helper-72)."""
+    for alias, version in (("final", final), ("best", best)):
+        if version is not None:
+            set_alias(client, registered, alias, version)
 
 
 def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
@@ -57,13 +65,18 @@ def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
 def registration_due(client, run_id: str, registered: str) -> list[str]:
     """The aliases of `registered` a rerun of the finished job sets: both when no version comes from
     this run (REGISTERED_MODEL set only now), the missing ones when a registration was cut short or
-    an alias deleted; none while both name a version (another job's newer model keeps them)."""
+    an alias deleted, the other one when one alone names this run's model (the two were set by two
+    jobs at once, or this job was killed between them); none while both name another job's (its newer
+    model keeps them)."""
     if not registered:
         return []
-    if not _versions(client, run_id, registered):
+    ours = {str(v.version) for v in _versions(client, run_id, registered)}
+    if not ours:
         return ["final", "best"]
     aliases = client.get_registered_model(registered).aliases
-    return [alias for alias in ("final", "best") if alias not in aliases]
+    missing = [alias for alias in ("final", "best") if alias not in aliases]
+    mine = [alias for alias in ("final", "best") if str(aliases.get(alias)) in ours]
+    return missing or ([alias for alias in ("final", "best") if alias not in mine] if len(mine) == 1 else [])
 
 
 def register_logged(uri: str, client, run_id: str, model_id: str, registered: str) -> str:
@@ -84,8 +97,8 @@ def _versions(client, run_id: str, registered: str) -> list:
 
 
 def register_best(uri: str, client, experiment_id: str, run_id: str, best, metric: str, output_dir: Path,
-                  registered: str, final_version: str) -> None:
-    """@best: the run's best checkpoint (`best`, or found now), registered. The final model's version
+                  registered: str, final_version: str) -> str:
+    """The version for @best: the run's best checkpoint (`best`, or found now), registered. The final model's version
     when it is best or when nothing was evaluated (so that @best never names another job's model).
     A servable copy of that checkpoint logged before (another name, a registration cut short) is
     registered again rather than logged twice."""
@@ -99,7 +112,7 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
         version = register_logged(uri, client, run_id, logged.model_id, registered)
     else:
         version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
-    set_alias(client, registered, "best", version)
+    return version
 
 
 def _ready_model(client, experiment_id: str, run_id: str, name: str):

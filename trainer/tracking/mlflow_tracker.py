@@ -19,8 +19,8 @@ from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
-from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, set_alias, update_best
-from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due
+from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, update_best
+from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due, set_aliases
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
 from trainer.tracking.pruning import prune_run
@@ -309,8 +309,8 @@ class MlflowTracker(Tracker):
         return self._run.experiment_id
 
     def log_model(self, folder: Path, cfg: Config) -> None:
-        """Three queued steps, each retried alone: the model (registered @final), the best checkpoint
-        registered @best, then the run's MODEL_TAG, which says that both are done."""
+        """Three queued steps, each retried alone: the model (registered), the best checkpoint registered
+        and @final and @best set together, then the run's MODEL_TAG, which says that both are done."""
         registered, logged = cfg.TRACKING.REGISTERED_MODEL, {}
 
         def log():
@@ -318,7 +318,8 @@ class MlflowTracker(Tracker):
 
         def best():
             if "info" in logged:
-                self._register_best(registered, logged["info"].version)
+                final = logged["info"].version
+                set_aliases(self.client, registered, final, self._register_best(registered, final))
                 logged["best"] = True
 
         def mark_logged():  # not when a step failed: a rerun of the job then does it again
@@ -338,15 +339,13 @@ class MlflowTracker(Tracker):
         def register():
             fail_unfinished(self.client, self._experiment_id(), self._run.run_id)  # a registration cut short
             version = register_logged(self.uri, self.client, self._run.run_id, self._tags[MODEL_TAG], registered)
-            if "final" in aliases:
-                set_alias(self.client, registered, "final", version)
-            if "best" in aliases:
-                self._register_best(registered, version)
+            best = self._register_best(registered, version) if "best" in aliases else None
+            set_aliases(self.client, registered, version if "final" in aliases else None, best)
 
         self._uploader.submit(f"register the model as {registered}", register)
 
-    def _register_best(self, registered: str, final_version: str) -> None:
-        register_best(self.uri, self.client, self._experiment_id(), self._run.run_id, self._best, self._best_metric,
+    def _register_best(self, registered: str, final_version: str) -> str:
+        return register_best(self.uri, self.client, self._experiment_id(), self._run.run_id, self._best, self._best_metric,
                       self._output_dir, registered, final_version)
 
     def wait(self, timeout: float) -> bool:
