@@ -34,7 +34,7 @@ def finished_job(tmp_path_factory, data_dir):
 def test_runs_are_named_described_and_in_a_training_experiment(finished_job):
     _, uri, _, exp, run, result = finished_job
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
-    assert run.info.run_name.startswith("demo-2")  # config name + start time
+    assert re.fullmatch(r"demo-\d{8}-\d{6}-" + run.data.tags["tracktron.job"][:6], run.info.run_name)  # a sweep's apart
     note = run.data.tags["mlflow.note.content"]
     assert "fasterrcnn_resnet50_fpn" in note and "synth_shapes_train" in note and "12 iterations" in note
     assert f"see it with: mlflow ui --backend-store-uri {uri}" in result.stderr

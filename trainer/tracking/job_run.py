@@ -371,4 +371,5 @@ def _newest_job_run(client, exp_ids: list, cfg: Config):
 
 
 def _run_name(cfg: Config) -> str:
-    return redact_urls(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
+    """The job's hash ends it: a sweep's jobs start in the same second (helper-72)."""
+    return redact_urls(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}-{job_hash(cfg)[:6]}")
