@@ -716,7 +716,9 @@ def test_an_experiment_name_mlflow_refuses_is_one_line_and_no_store(train, tmp_p
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
-def test_a_job_on_a_servers_store_whose_experiment_keeps_its_artifacts_on_the_server_is_refused(train, tmp_path, dry_run):
+@pytest.mark.parametrize("location", ["mlflow-artifacts:/1", "MLflow-Artifacts:/1"])  # MLflow reads either (helper-74)
+def test_a_job_on_a_servers_store_whose_experiment_keeps_its_artifacts_on_the_server_is_refused(train, tmp_path, dry_run,
+                                                                                                location):
     """helper-72's red team: `mlflow server` on sqlite:///mlflow.db made the experiment (artifacts at
     `mlflow-artifacts:/1`), and a job used the file itself, as README's default URI does: it trained
     to the end with every upload failing, waited out FLUSH_TIMEOUT_S and exited 1, as did every rerun."""
@@ -724,10 +726,10 @@ def test_a_job_on_a_servers_store_whose_experiment_keeps_its_artifacts_on_the_se
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    client.create_experiment("served", artifact_location="mlflow-artifacts:/1")
+    client.create_experiment("served", artifact_location=location)
     result = train("TRACKING.URI", uri, "TRACKING.EXPERIMENT", "served", *(["--dry-run"] if dry_run else []),
                    tracking=True)
-    assert_exit_2(result, "error: experiment served keeps its artifacts on an mlflow server (mlflow-artifacts:/1), "
+    assert_exit_2(result, f"error: experiment served keeps its artifacts on an mlflow server ({location}), "
                           "which this job reaches only through that server: set TRACKING.URI to its http:// address, "
                           "not to its store")
     assert client.search_runs([client.get_experiment_by_name("served").experiment_id]) == []

@@ -770,11 +770,12 @@ def test_a_rerun_registers_a_logged_model_when_the_registered_model_is_named_onl
         assert client.get_run(run.info.run_id).data.tags["tracktron.model_id"] not in ("", "../m-1/x")
 
 
-def test_a_rerun_mends_final_and_best_left_naming_two_jobs_models(tmp_path, data_dir):
-    """helper-72's red team: two jobs registering into one name at once (or one killed between its
-    @final and @best) left one alias on each job's model, and the rerun said "nothing to do" for
-    good. The two are set one right after the other now, and a rerun moves the one alias that names
-    another job's model to its own."""
+def test_final_and_best_split_by_a_kill_between_them_are_mended_and_a_pin_by_hand_stays(tmp_path, data_dir):
+    """helper-72's red team: one job killed between its @final and @best (or two jobs registering into
+    one name at once) left the aliases naming two jobs' models. The two are now set one right after
+    the other, once both versions exist; a kill between them leaves the run without its model tag, so
+    the rerun sets both. An alias moved by hand while the run holds its tag stays where it was put
+    (helper-74: a rerun must not undo a user's choice, nor move @final back to an older model)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.URI": uri, "TEST.DATASETS": "[]",
                                                  "TRACKING.REGISTERED_MODEL": "shared"})
@@ -784,22 +785,22 @@ def test_a_rerun_mends_final_and_best_left_naming_two_jobs_models(tmp_path, data
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     ours = client.get_model_version_by_alias("shared", "final")
-    assert client.get_model_version_by_alias("shared", "best").version == ours.version  # nothing evaluated
-    exp_id = client.get_run(ours.run_id).info.experiment_id
-    other_run = client.create_run(exp_id, tags={"tracktron.job": "another-job"}).info.run_id
+    run = client.get_run(ours.run_id)
+    other_run = client.create_run(run.info.experiment_id, tags={"tracktron.job": "another-job"}).info.run_id
     other = client.create_model_version("shared", f"runs:/{other_run}/model", run_id=other_run)  # its model
-    for alias in ("best", "final"):
-        client.set_registered_model_alias("shared", alias, other.version)  # the other job's, set last
-        again = run_trainer(args, cwd=tmp_path, timeout=240)
-        assert again.returncode == 0, again.stderr[-2000:]
-        assert again.stdout.strip().splitlines()[-1].endswith(
-            f"sent the run what it lacked: the model's registration as shared (@{alias})")
-        assert {client.get_model_version_by_alias("shared", a).run_id for a in ("final", "best")} == {ours.run_id}
-    for alias in ("best", "final"):  # both on the other job's newer model: it keeps them
-        client.set_registered_model_alias("shared", alias, other.version)
+
+    client.set_registered_model_alias("shared", "best", other.version)  # a pin by hand: nothing to do
     again = run_trainer(args, cwd=tmp_path, timeout=240)
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1].startswith("nothing to do"), again.stdout
-    assert {client.get_model_version_by_alias("shared", a).version for a in ("final", "best")} == {other.version}
+    assert client.get_model_version_by_alias("shared", "best").version == other.version
+
+    client.delete_tag(run.info.run_id, "tracktron.model_id")  # the same, left by a kill between the two aliases
+    again = run_trainer(args, cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1].endswith("sent the run what it lacked: the model")
+    assert {client.get_model_version_by_alias("shared", a).version for a in ("final", "best")} == {ours.version}
+    said = [line for line in again.stderr.splitlines() if "registered model shared version" in line]
+    assert [line.rsplit(" ", 1)[-1] for line in said] == ["@final", "@best"]  # one right after the other
 
 
 def test_a_rerun_registering_under_another_name_reuses_the_best_checkpoints_servable_copy(tmp_path, data_dir):

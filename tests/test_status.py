@@ -114,9 +114,14 @@ def test_system_metrics_go_on_after_the_tracking_server_was_down_a_moment(tmp_pa
             while max(m.step for m in client.get_metric_history(run_id, key)) <= down + 2:
                 assert time.monotonic() < end, "no system metrics since the server came back"
                 time.sleep(0.5)
+            client.set_terminated(run_id)  # an ended run: the monitor stops, as MLflow's does (helper-74)
+            while any(t.name == "SystemMetricsMonitor" for t in threading.enumerate()):
+                assert time.monotonic() < end + 30, "the monitor of an ended run goes on"
+                time.sleep(0.5)
         finally:
             stop_monitor(monitor, timeout_s=30)
     assert caplog.text.count("system metrics: the tracking server did not answer") == 1  # once, not once a second
+    assert "Failed to get mlflow run" not in caplog.text  # MLflow's own line for each retry
 
 
 def test_stopping_the_monitor_sends_the_last_interval_and_never_holds_the_exit(tmp_path, mlflow_server, monkeypatch,

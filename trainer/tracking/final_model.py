@@ -65,18 +65,14 @@ def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
 def registration_due(client, run_id: str, registered: str) -> list[str]:
     """The aliases of `registered` a rerun of the finished job sets: both when no version comes from
     this run (REGISTERED_MODEL set only now), the missing ones when a registration was cut short or
-    an alias deleted, the other one when one alone names this run's model (the two were set by two
-    jobs at once, or this job was killed between them); none while both name another job's (its newer
-    model keeps them)."""
+    an alias deleted; none while both name a version (another job's newer model keeps them, and an
+    alias set by hand stays)."""
     if not registered:
         return []
-    ours = {str(v.version) for v in _versions(client, run_id, registered)}
-    if not ours:
+    if not _versions(client, run_id, registered):
         return ["final", "best"]
     aliases = client.get_registered_model(registered).aliases
-    missing = [alias for alias in ("final", "best") if alias not in aliases]
-    mine = [alias for alias in ("final", "best") if str(aliases.get(alias)) in ours]
-    return missing or ([alias for alias in ("final", "best") if alias not in mine] if len(mine) == 1 else [])
+    return [alias for alias in ("final", "best") if alias not in aliases]
 
 
 def register_logged(uri: str, client, run_id: str, model_id: str, registered: str) -> str:

@@ -98,7 +98,7 @@ def _check_artifacts_reachable(client, uri: str, found: FoundRun) -> None:
         where, location = f"experiment {found.experiment}", client.get_experiment(found.experiment_id).artifact_location
     else:
         return
-    if (location or "").startswith("mlflow-artifacts:"):
+    if (location or "").lower().startswith("mlflow-artifacts:"):  # MLflow reads schemes in any case
         raise UserError(f"{where} keeps its artifacts on an mlflow server ({location}), which this job reaches only "
                         "through that server: set TRACKING.URI to its http:// address, not to its store")
 

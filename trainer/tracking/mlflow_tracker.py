@@ -345,8 +345,8 @@ class MlflowTracker(Tracker):
         self._uploader.submit(f"register the model as {registered}", register)
 
     def _register_best(self, registered: str, final_version: str) -> str:
-        return register_best(self.uri, self.client, self._experiment_id(), self._run.run_id, self._best, self._best_metric,
-                      self._output_dir, registered, final_version)
+        return register_best(self.uri, self.client, self._experiment_id(), self._run.run_id, self._best,
+                             self._best_metric, self._output_dir, registered, final_version)
 
     def wait(self, timeout: float) -> bool:
         return self._uploader.wait(timeout)

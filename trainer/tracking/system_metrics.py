@@ -40,10 +40,10 @@ def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: 
     except ImportError as e:  # psutil missing: say so, train anyway
         log.warning("system metrics off: %s", e)
         return None
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)  # not its start, stop, or each failed retry
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not its start and stop
+    logging.getLogger(SystemMetricsMonitor.__module__).addFilter(_not_each_retry)  # the monitor's own logger
     try:
-        monitor = _restarting(SystemMetricsMonitor)(run_id, resume_logging=True, node_id=node,
-                                                    tracking_uri=tracking_uri(cfg))
+        monitor = _restarting(SystemMetricsMonitor)(run_id, tracking_uri(cfg), resume_logging=True, node_id=node)
     except Exception as e:  # no GPU library, a server that fails: the job trains on
         log.warning("system metrics off: %s", e)
         return None
@@ -51,23 +51,38 @@ def start_monitor(cfg: Config, run_id: str | None, local_rank: int, world_size: 
     return monitor
 
 
+def _not_each_retry(record: logging.LogRecord) -> bool:
+    """MLflow's monitor says each failed request; RestartingMonitor says an outage once."""
+    return not record.getMessage().startswith(("Failed to get mlflow run", "Failed to log system metrics"))
+
+
 def _restarting(base):
     """MLflow's monitor whose loop, ended by a failed request, runs again an interval later."""
     class RestartingMonitor(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, run_id: str, uri: str, **kwargs):
+            super().__init__(run_id, tracking_uri=uri, **kwargs)
+            self.run_id, self.uri = run_id, uri
             self.stopping = threading.Event()
             self.sent = True  # a sample went out since the last warning: one warning an outage, not one a retry
 
         def monitor(self):
             while True:
                 super().monitor()  # returns on finish(), a failed request, or a run no longer RUNNING
-                if self.stopping.wait(self.sampling_interval):
+                if self.stopping.wait(self.sampling_interval) or not self.running():
                     return
                 if self.sent:
                     log.warning("system metrics: the tracking server did not answer; sampling again every %g s",
                                 self.sampling_interval)
                 self.sent = False
+
+        def running(self) -> bool:
+            """The run is RUNNING, or the server does not say (down): MLflow's loop stops at an ended run."""
+            from mlflow import MlflowClient
+
+            try:
+                return MlflowClient(self.uri).get_run(self.run_id).info.status == "RUNNING"
+            except Exception:  # down: sampling goes on once it answers
+                return True
 
         def publish_metrics(self, metrics):
             super().publish_metrics(metrics)
