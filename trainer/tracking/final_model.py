@@ -94,8 +94,9 @@ def _versions(client, run_id: str, registered: str) -> list:
 
 def register_best(uri: str, client, experiment_id: str, run_id: str, best, metric: str, output_dir: Path,
                   registered: str, final_version: str) -> str:
-    """The version for @best: the run's best checkpoint (`best`, or found now), registered. The final model's version
-    when it is best or when nothing was evaluated (so that @best never names another job's model).
+    """The version for @best: the run's best checkpoint (`best`, or found now), registered. The final
+    model's version when it is best or when nothing was evaluated (so that @best never names another
+    job's model).
     A servable copy of that checkpoint logged before (another name, a registration cut short) is
     registered again rather than logged twice."""
     best = best or update_best(client, experiment_id, run_id, metric)

@@ -1,9 +1,10 @@
 """TRACKING.CHECKPOINTS_KEEP: a run keeps its newest N complete `model_iter` checkpoints on the server.
 
-Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete,
-PRUNE_BATCH deletes a pass: a KEEP set late on a run of hundreds of checkpoints is worked off in
-passes queued behind the uploads that arrive meanwhile, so a preemption's checkpoint never waits
-for more than one pass.
+Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete.
+A pass deletes PRUNE_BATCH at most, and the tracker queues the next one behind the uploads that
+came meanwhile: a KEEP set late on a run of hundreds of checkpoints never holds a preemption's
+checkpoint for more than one pass.
+
 An older `model_iter` goes (its artifact, then its sha256 tag) unless something still names it:
 the run's best-checkpoint tag, a LoggedModel of the run (an evaluated checkpoint), a registered
 model version whose source is that file, or an evaluation of this process not linked yet.
