@@ -75,6 +75,10 @@ def resend_advice(tracker: Tracker) -> str:
     if (e := asked.exception()) is not None:
         if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
             return f"The tracking server now refuses the credentials ({first_line(e)}): renew them; {usual[0].lower()}{usual[1:]}"
+        if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":  # deleted, then `mlflow gc`: no restoring
+            return (f"Run {tracker.run.run_id} no longer exists on the tracking server (deleted for good while the "
+                    "job ran): what it lacks cannot be sent; the local files are intact, and running the same "
+                    "command again logs the job into a new run")
         return usual
     run, experiment_deleted = asked.result()
     if run.info.lifecycle_stage == "active":
