@@ -90,6 +90,8 @@ def test_format_eta_is_detectrons_timedelta_string():
     assert format_eta(200.9) == "0:03:20"  # int(), not round()
     assert format_eta(25 * 3600 + 61.5) == "1 day, 1:01:01"
     assert format_eta(-3) == "0:00:00"
+    for no_time in (float("nan"), float("inf"), 1e20):  # a process stopped for days, with a billion iterations to go
+        assert format_eta(no_time) == "-"
 
 
 def test_json_stats_only_on_log_iterations(tmp_path, clock):

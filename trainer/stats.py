@@ -91,8 +91,15 @@ class Timer:
         return self.total / self.calls if self.calls else 0.0
 
 
+_MAX_ETA_S = datetime.timedelta.max.total_seconds()
+
+
 def format_eta(seconds: float) -> str:
-    """Detectron's str(timedelta(seconds=int(eta))): '0:03:20', '1 day, 1:08:29'."""
+    """Detectron's str(timedelta(seconds=int(eta))): '0:03:20', '1 day, 1:08:29'; '-' when there is
+    no such time (NaN, or past timedelta's range: a process stopped for days, a billion iterations
+    to go). An ETA never stops the job."""
+    if not seconds < _MAX_ETA_S:  # NaN compares false too
+        return "-"
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
 
