@@ -65,7 +65,7 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     zombie = _beat(pid=ended.pid, started=ended_start)
     no_start = _beat(pid=2**22 + 7, started=None)  # hand-edited: no start time to match a process by
     for free in (None, "", "not json", "[1, 2]", '{"time": "soon"}', _beat(), gone_here, zombie, no_start,
-                 _beat(machine="another-boot:1", time=time.time() - 3600)):
+                 _beat(machine="another-boot:1", time=time.time() - 2 * 86400)):  # forgotten
         heartbeat.check_not_held(_Store(free), _run(free))  # nothing to watch: returns at once
     heartbeat.check_not_held(_Store(live_here), _run(live_here, status="KILLED"))  # it ended and said so
     with pytest.raises(UserError, match=f"run r1 of this job is being trained right now by .* \\(pid {parent}\\)"):
@@ -75,6 +75,10 @@ def test_a_heartbeat_tells_a_live_trainer_from_a_gone_one(monkeypatch):
     assert time.monotonic() - started >= 0.6
     with pytest.raises(UserError, match="is being trained right now"):  # it beat again meanwhile
         heartbeat.check_not_held(_Store(elsewhere, _beat(machine="another-boot:1", pid=parent)), _run(elsewhere))
+    # A live trainer on a machine whose clock is 10 minutes slow: its beats look old, yet they change.
+    slow = _beat(machine="another-boot:1", time=time.time() - 600)
+    with pytest.raises(UserError, match="is being trained right now"):
+        heartbeat.check_not_held(_Store(slow, _beat(machine="another-boot:1", time=time.time() - 595)), _run(slow))
     odd = _beat(pid=parent, started=heartbeat._process_start(parent), host="evil\n\x1b[2Jhost" * 50)
     with pytest.raises(UserError) as refused:  # a hand-edited host: still one printable line
         heartbeat.check_not_held(_Store(odd), _run(odd))

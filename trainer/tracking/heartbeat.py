@@ -23,8 +23,9 @@ from trainer.redaction import printable
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TAG = "tracktron.heartbeat"
-STALE_S = 60.0  # a beat older than this by this machine's clock: its trainer is gone (clocks may differ a little)
-WATCH_S = 20.0  # a newer one that does not change for this long (4 missed beats): gone too
+STALE_S = 60.0  # what `status` takes for a stopped beat; a second trainer watches instead (clocks differ)
+WATCH_S = 20.0  # a beat from another machine that does not change for this long (4 missed beats): gone
+FORGOTTEN_S = 86400.0  # one older than this is not watched: no clock is a day off, no trainer that quiet
 POLL_S = 1.0
 
 
@@ -99,8 +100,10 @@ def check_not_held(client, run, stop: threading.Event | None = None) -> None:
         if alive and other.get("pid") != me["pid"]:
             raise _held(run, other)
         return
+    # Its age is read on two clocks: one slow by minutes makes a live trainer's beat look old. Only
+    # a change seen while watching tells; a start after a crash elsewhere waits WATCH_S for it.
     age = time.time() - other["time"]
-    if age > STALE_S:
+    if age > FORGOTTEN_S:
         return
     log.warning("run %s was being trained by %s %.0f s ago: watching it for up to %.0f s to see whether it still is",
                 run.info.run_id, _who(other), max(age, 0), WATCH_S)
