@@ -85,6 +85,19 @@ def kill_tree(pid: int) -> None:
                 process.kill()
 
 
+@contextlib.contextmanager
+def locked_by_another_process(path: Path):
+    """`path` under an exclusive flock that a process of its own holds until the block ends."""
+    code = "import fcntl, sys; f = open(sys.argv[1], 'ab'); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"\n", "the holder could not lock"
+        yield holder
+    finally:
+        holder.stdin.close()  # its read ends, and the lock with the process
+        holder.wait(10)
+
+
 def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run of a launcher (torchrun) whose workers start sessions of their own: on a
     timeout every process under it is killed too, not left training after the test failed."""

@@ -3,6 +3,8 @@ TRACKTRON_CACHE (default ~/.cache/tracktron) and read from there afterwards. No 
 fetches them before a run is made for the job."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import math
@@ -23,7 +25,9 @@ URL_SCHEMES = ("http://", "https://")
 # A server that sends a byte now and then never trips a socket's timeout: less than this many bytes
 # in a window of TRACKTRON_DOWNLOAD_STALL_S seconds (default 60) gives the download up.
 MIN_BYTES_PER_WINDOW = 64 * 1024
-STALE_PART_S = 3600  # a `.part-*` untouched this long is a download killed before it could clean up
+# A running download holds a flock on its `.part-*`; where the file system has no flock (some network
+# file systems), a part untouched this long is taken for a download killed before it could clean up.
+UNLOCKABLE_PART_STALE_S = 24 * 3600
 
 
 def download(url: str, option: str) -> Path:
@@ -65,19 +69,42 @@ def _stall_window() -> float:
 
 def _fetch(url: str, cache: Path, target: Path, window: float) -> None:
     """Into a temporary file, renamed to `target` only when every byte the server announced came."""
-    with tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False) as part:
+    with _new_part(cache) as part:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            size = int(response.headers.get("Content-Length") or -1)
+            if size > shutil.disk_usage(cache).free:
+                raise OSError(f"{size:,} bytes do not fit in {cache}")
+            _copy(response, part, window)
+        part.flush()
+        if size >= 0 and part.tell() != size:
+            raise OSError(f"the server sent {part.tell():,} of {size:,} bytes")
+        os.replace(part.name, target)
+
+
+@contextlib.contextmanager
+def _new_part(cache: Path):
+    """A new `.part-*` in `cache`, locked while it is open (so while it is written), removed after
+    unless renamed."""
+    while True:
+        part = tempfile.NamedTemporaryFile(dir=cache, prefix=".part-", delete=False)
+        if _hold(part):
+            break
+        part.close()
+    with part:
         try:
-            with urllib.request.urlopen(url, timeout=60) as response:
-                size = int(response.headers.get("Content-Length") or -1)
-                if size > shutil.disk_usage(cache).free:
-                    raise OSError(f"{size:,} bytes do not fit in {cache}")
-                _copy(response, part, window)
-            part.flush()
-            if size >= 0 and part.tell() != size:
-                raise OSError(f"the server sent {part.tell():,} of {size:,} bytes")
-            os.replace(part.name, target)
+            yield part
         finally:
             Path(part.name).unlink(missing_ok=True)
+
+
+def _hold(part) -> bool:
+    """An exclusive flock on `part` until it is closed: _drop_stale_parts leaves it alone. False when
+    another job dropped it between its making and the lock (it unlinks while holding the lock)."""
+    try:
+        fcntl.flock(part.fileno(), fcntl.LOCK_EX)  # waits only while another job's _drop_stale_parts unlinks it
+    except OSError:  # no flock on this file system: the part is kept by its age instead
+        return True
+    return os.fstat(part.fileno()).st_nlink > 0
 
 
 def _copy(response, part, window: float) -> None:
@@ -94,10 +121,32 @@ def _copy(response, part, window: float) -> None:
 
 
 def _drop_stale_parts(cache: Path) -> None:
-    """What a download killed by a signal left (a running one keeps writing to its part)."""
+    """What a download killed before it could clean up left: a part that no process holds a lock on
+    (whatever its age: clocks differ between hosts sharing a cache, and jump), or where there are no
+    locks, one untouched for a day."""
     for part in cache.glob(".part-*"):
         try:
-            if time.time() - part.stat().st_mtime > STALE_PART_S:
+            if _drop_unlocked(part) is None and time.time() - part.lstat().st_mtime > UNLOCKABLE_PART_STALE_S:
                 part.unlink()
         except OSError:  # another job dropped it first
             pass
+
+
+def _drop_unlocked(part: Path) -> bool | None:
+    """Unlink `part` unless a running download holds its lock: True when dropped, False when held,
+    None when it cannot be locked here (no flock on this file system, or not ours to open)."""
+    try:  # NFS emulates flock with POSIX locks, which want a file open for writing; a FIFO must not block
+        fd = os.open(part, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    else:
+        part.unlink()  # while locked: a download that made it just now sees it gone once it has the lock
+        return True
+    finally:
+        os.close(fd)
