@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -100,3 +101,49 @@ def test_where_there_is_no_flock_a_part_is_dropped_after_a_day(tmp_path, monkeyp
         os.utime(part, (time.time() - age, time.time() - age))
     downloads._drop_stale_parts(tmp_path)
     assert hours.exists() and not days.exists()
+
+
+# The clock reads an hour ahead as the process starts, then is set back (an NTP step, a VM resumed):
+# what the process writes afterwards has an mtime before its start. It writes a checkpoint's temporary
+# file and starts a checkpoint's download, then a leftover of an earlier life of its pid (a container's
+# PID 1, restarted) turns up; then the job's start cleans OUTPUT_DIR up.
+_CLOCK_SET_BACK = """
+import json, os, sys, time
+from pathlib import Path
+real = time.time
+time.time = lambda: real() + 3600
+from trainer.atomic_write import HOST, temp_name
+from trainer.checkpoint.files import download_folder, remove_stale_temps
+time.time = real
+out = Path(sys.argv[1])
+with open(temp_name(out / "model_iter8.pth"), "wb") as writing:
+    writing.write(b"half")
+    folder = download_folder(out)
+    earlier = out / f".model_iter3.pth.tmp.{HOST}.{os.getpid()}"
+    earlier.write_bytes(b"half")
+    os.utime(earlier, (real() - 7200, real() - 7200))
+    removed = sorted(p.name for p in remove_stale_temps(out))
+    print(json.dumps({"removed": removed, "kept": sorted(p.name for p in out.iterdir()), "pid": os.getpid(),
+                      "folder": folder.name}))
+"""
+
+
+def test_what_a_process_writes_survives_its_own_cleanup_after_the_clock_was_set_back(tmp_path):
+    """A temporary file with this process's pid was kept only if its mtime was after the process's
+    start: once the clock was set back, the checkpoint being written, and the download folder of the
+    resume's checkpoint, were deleted under the writer. Now the process knows the names it made; a
+    leftover of an earlier life of its pid still goes, another live process's stays, a dead one's goes."""
+    from trainer.atomic_write import HOST
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live, gone = tmp_path / f".json_stats.log.tmp.{HOST}.{os.getpid()}", tmp_path / f".config.yaml.tmp.{HOST}.{dead.pid}"
+    for path in (live, gone):
+        path.write_bytes(b"half")
+    result = subprocess.run([sys.executable, "-c", _CLOCK_SET_BACK, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    writing = f".model_iter8.pth.tmp.{HOST}.{seen['pid']}"
+    assert seen["removed"] == sorted([gone.name, f".model_iter3.pth.tmp.{HOST}.{seen['pid']}"])
+    assert seen["kept"] == sorted([writing, seen["folder"], live.name])

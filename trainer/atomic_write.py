@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: the disk, the quota, the file size limit
@@ -32,9 +33,41 @@ HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 def temp_name(path: Path) -> Path:
     """`.<name>.tmp.<host>.<pid>` beside `path`: whose it is, so a later job knows when it is stale.
-    A name near the system's 255 bytes (an image's, for predict) is cut to leave room for the suffix."""
+    A name near the system's 255 bytes (an image's, for predict) is cut to leave room for the suffix.
+    Recorded as made here until forget()."""
     suffix = f".tmp.{HOST}.{os.getpid()}".encode()
-    return path.with_name(os.fsdecode(b"." + os.fsencode(path.name)[:255 - 1 - len(suffix)] + suffix))
+    return made_here(path.with_name(os.fsdecode(b"." + os.fsencode(path.name)[:255 - 1 - len(suffix)] + suffix)))
+
+
+# The temporary files and folders this process is writing now. Their names carry its pid, which an
+# earlier life of the same pid (a container's PID 1, restarted) left too; an mtime before this process
+# started does not tell them apart once the clock was set back (NTP, a VM resumed).
+_MADE: set[str] = set()
+_MADE_LOCK = threading.Lock()
+
+
+def made_here(path: Path) -> Path:
+    """Record `path` as this process's, before it is made: a cleanup that runs meanwhile keeps it."""
+    with _MADE_LOCK:
+        _MADE.add(_key(path))
+    return path
+
+
+def forget(path: Path) -> None:
+    """`path` was renamed or removed: its name is no longer this process's to keep."""
+    with _MADE_LOCK:
+        _MADE.discard(_key(path))
+
+
+def is_made_here(path: Path) -> bool:
+    with _MADE_LOCK:
+        return _key(path) in _MADE
+
+
+def _key(path: Path) -> str:
+    """The folder resolved (OUTPUT_DIR given through a link, or relative), the name itself not followed."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(os.path.realpath(folder), name)
 
 
 def free_space(folder: Path) -> str:
@@ -58,4 +91,6 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
         if error is not None:
             raise error from e
         raise
+    finally:
+        forget(tmp)
     return path

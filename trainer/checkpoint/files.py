@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from trainer.atomic_write import HOST
+from trainer.atomic_write import HOST, forget, is_made_here, made_here
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,25 @@ _STARTED = time.time()  # about when this process started: it writes no temporar
 
 
 def download_folder(output_dir: Path) -> Path:
-    """A hidden folder for a checkpoint being downloaded: named like no checkpoint, and whose."""
+    """A hidden folder for a checkpoint being downloaded: named like no checkpoint, and whose. Recorded
+    as made here before it exists, so that remove_stale_temps never sees it as an earlier life's."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".download.{HOST}.{os.getpid()}.", dir=output_dir))
+    while True:
+        folder = made_here(output_dir / f".download.{HOST}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            folder.mkdir(mode=0o700)
+            return folder
+        except FileExistsError:
+            forget(folder)
+        except BaseException:
+            forget(folder)
+            raise
+
+
+def drop_download_folder(folder: Path) -> None:
+    """The folder and what is in it gone, and no longer this process's."""
+    shutil.rmtree(folder, ignore_errors=True)
+    forget(folder)
 
 
 def local_checkpoints(output_dir: Path) -> list[Path]:
@@ -121,7 +138,7 @@ def remove_stale_temps(output_dir: Path) -> list[Path]:
 
 def _pid_alive(pid: int, path: Path) -> bool:
     if pid == os.getpid():  # ours, or from an earlier life of this pid: a container's PID 1, restarted
-        return path.stat().st_mtime >= _STARTED - 1.0
+        return is_made_here(path) or path.stat().st_mtime >= _STARTED - 1.0  # the clock may have gone back since
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from trainer import torch_load
-from trainer.atomic_write import WriteError, temp_name
+from trainer.atomic_write import WriteError, forget, temp_name
 from trainer.checkpoint.files import local_checkpoints
 from trainer.errors import first_line
 
@@ -137,6 +137,8 @@ def save_atomic(state: dict, path: Path) -> str:
         if error is not None:
             raise error from e
         raise
+    finally:
+        forget(tmp)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import shutil
 import threading
 import time
 from concurrent.futures import Future, wait
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, download_folder, iteration_of
+from trainer.checkpoint.files import FINAL, download_folder, drop_download_folder, iteration_of
 from trainer.config import Config
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
@@ -180,7 +179,7 @@ class MlflowTracker(Tracker):
         try:
             return path.replace(dest_dir / name) if path else None
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            drop_download_folder(folder)
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
         try:

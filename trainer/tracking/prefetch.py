@@ -8,12 +8,11 @@ resume moves it into place, anything else drops it.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, download_folder, iteration_of, local_checkpoints
+from trainer.checkpoint.files import FINAL, download_folder, drop_download_folder, iteration_of, local_checkpoints
 from trainer.checkpoint.state import CheckpointError
 from trainer.errors import first_line
 from trainer.tracking.runs import checkpoints_from, sha_tag
@@ -70,7 +69,7 @@ class Prefetch:
 
     def drop(self) -> None:
         self._dropped = True
-        shutil.rmtree(self.folder, ignore_errors=True)
+        drop_download_folder(self.folder)
 
     def _download(self, repo) -> None:
         try:
@@ -81,4 +80,4 @@ class Prefetch:
         except BaseException as e:  # handed to whoever asks for the result
             self._done.set_exception(e)
         if self._dropped:  # dropped while it ran: MLflow may have made the folder again
-            shutil.rmtree(self.folder, ignore_errors=True)
+            drop_download_folder(self.folder)
