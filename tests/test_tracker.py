@@ -5,6 +5,7 @@ from a server that is down (retried until it is back)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -100,6 +101,26 @@ def test_a_checkpoint_superseded_before_its_upload_starts_is_not_uploaded(tmp_pa
     tags = MlflowClient(mlflow_server.url).get_run(run_id).data.tags
     assert tags["tracktron.ckpt.latest"] == "model_final.pth"
     assert {n for n in stored if sha_tag(n) in tags} == stored  # what is there is complete
+
+
+def test_a_checkpoint_superseded_while_its_metrics_go_up_is_not_uploaded(tmp_path, mlflow_server, caplog):
+    """A slow server: checkpoint 4's upload waits for its iterations' metrics, and checkpoint 9 is
+    written meanwhile. 4's bytes would only delay 9's: it is skipped once its metrics are there."""
+    caplog.set_level(logging.INFO, logger="trainer.tracking")
+    with FaultProxy(mlflow_server.url) as proxy:
+        tracker = new_tracker(tmp_path, proxy.url, **{"TRACKING.FLUSH_TIMEOUT_S": 60})
+        run_id = tracker.run.run_id
+        assert tracker.wait(30)  # the run's params and tags are in: the uploader is idle
+        proxy.delay_requests(rb"/runs/log-batch", 3.0)
+        log_steps(tracker, range(0, 5))
+        checkpoint(tmp_path, tracker, 4)
+        time.sleep(1.0)  # its upload began: it waits for the metrics of iterations 0-4
+        log_steps(tracker, range(5, 10))
+        checkpoint(tmp_path, tracker, 9)
+        assert tracker.finish("FINISHED") == []
+    assert stored_checkpoints(mlflow_server.url, run_id) == {"model_iter9.pth"}
+    assert "not uploading model_iter4.pth: a newer checkpoint supersedes it" in caplog.text
+    assert_on_server(mlflow_server.url, run_id, 9, ["model_iter9.pth"])
 
 
 def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_one_did(tmp_path, mlflow_server):

@@ -18,20 +18,20 @@ from trainer.errors import UserError, first_line
 from trainer.redaction import redact_text
 from trainer.tracking.base import RunInfo, Tracker
 from trainer.tracking.background import MetricSender, Uploader
+from trainer.tracking.checkpoint_uploads import PRUNE_JOB, CheckpointUploads, Destination
 from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, update_best
 from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due, set_aliases
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
 from trainer.tracking.prefetch import Prefetch, verified
-from trainer.tracking.pruning import prune_run
 from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
-from trainer.tracking.runs import (LATEST_TAG, STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
+from trainer.tracking.runs import (STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
                                    make_client, retryable, run_url, sha_tag, tracking_uri)
 from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.tables import log_table
 from trainer.tracking.first_upload import send_first
-from trainer.tracking.transfers import file_identity, run_repository, upload as upload_file
+from trainer.tracking.transfers import run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ METRICS_INTERVAL_S = 5.0  # one log_batch every few seconds: the UI lags that mu
 STATUS_JOB = "set the run's status"
 STATUS_RESERVE_S = 1.0  # of finish()'s time, kept for the status when the queue ahead of it is slow
 STATUS_FLOOR_S = 5.0  # the status's own request, even at a FLUSH_TIMEOUT_S of 0 (a signal's grace is its own)
-PRUNE_JOB = "prune older checkpoints on the server"  # never a failure: what it would delete stays
 
 
 class MlflowTracker(Tracker):
@@ -59,14 +58,12 @@ class MlflowTracker(Tracker):
         self._sender: MetricSender | None = None
         self._unsent: UnsentMetrics | None = None  # OUTPUT_DIR's metrics that an earlier start could not send
         self._uploader = Uploader(retryable)
-        self._newest_checkpoint = self._newest_uploaded = -1.0  # handed to log_checkpoint; tagged complete on the server
-        self._uploaded: set[str] = set()  # checkpoint files this process put on the server
+        self._checkpoints = CheckpointUploads(self._uploader, cfg.TRACKING.CHECKPOINTS_KEEP, Destination(
+            client=lambda: self.client, run_id=lambda: self._run.run_id, artifacts=self._artifacts,
+            experiment_id=self._experiment_id, metrics_sent=lambda step, timeout: self._sender.wait_sent(step, timeout)))
         self._attached = False
-        self._evaluated: set[str] = set()  # checkpoints evaluated: uploaded even when superseded
-        self._queued: set[str] = set()  # checkpoint files whose upload has not succeeded or been skipped
         self._best_metric, self._best = cfg.TEST.BEST_METRIC, None  # the run's best checkpoint model so far (update_best)
         self._output_dir = Path(cfg.OUTPUT_DIR)
-        self._keep_on_server = cfg.TRACKING.CHECKPOINTS_KEEP  # model_iter checkpoints kept in the run (0: all)
         self._repo = None  # MLflow's artifact repository of the run, made on the uploader thread
 
     # ---- start: find or create the job's run ----
@@ -215,54 +212,16 @@ class MlflowTracker(Tracker):
             self._uploader.submit(f"upload {path.name}", job)
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
-        from mlflow.entities import RunTag
-
-        iteration, written = iteration_of(path.name), file_identity(path)  # the file its upload must still find
-        self._newest_checkpoint = max(self._newest_checkpoint, iteration)
-        self._queued.add(path.name)
         if self._unsent:  # the server down: what it lacks of this checkpoint's iterations, kept beside it
-            self._unsent.spill(self._sender, iteration, path.name)
+            self._unsent.spill(self._sender, iteration_of(path.name), path.name)
+        self._checkpoints.submit(path, sha256)
 
-        def upload():
-            if iteration < self._newest_checkpoint and path.name not in self._evaluated:  # a newer one is on its way
-                log.info("not uploading %s: a newer checkpoint supersedes it", path.name)
-                self._queued.discard(path.name)
-                return
-            # Complete means resumable without a hole: the metrics of every iteration it holds
-            # are on the server too, or a job killed now would resume past unsent points. They go
-            # first (not after the file): a job killed during the upload keeps them as well.
-            if not self._sender.wait_sent(iteration, timeout=60.0):
-                raise TimeoutError(f"metrics up to {path.name} not delivered yet")
-            upload_file(self._artifacts(), path, "checkpoints", written)  # still that file; parts, timeouts: transfers.py
-            # The tags say "complete": set only after the bytes are on the artifact store.
-            self.client.log_batch(self._run.run_id, tags=[RunTag(sha_tag(path.name), sha256), RunTag(LATEST_TAG, path.name)])
-            self._newest_uploaded = max(self._newest_uploaded, iteration)
-            self._uploaded.add(path.name)
-            self._queued.discard(path.name)
-            if self._keep_on_server > 0:  # a job of its own: a slow or failing delete is no failed upload
-                self._uploader.submit(PRUNE_JOB, self._prune)
-
-        self._uploader.submit(f"upload checkpoint {path.name}", upload)
-
-    def uploading(self) -> set[str]:  # list(): a copy, the uploader thread changes the set
-        return {n for n in list(self._queued) if n in self._evaluated or iteration_of(n) >= self._newest_checkpoint}
+    def uploading(self) -> set[str]:
+        return self._checkpoints.uploading()
 
     def _artifacts(self):
         self._repo = self._repo or run_repository(self.client, self.uri, self._run.run_id)
         return self._repo
-
-    def _prune(self) -> None:
-        """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only (logged)."""
-        newest = max((iteration_of(n) for n in list(self._uploaded) if n != FINAL), default=-1)  # this job's own
-        try:
-            gone, more = prune_run(self.client, self._artifacts(), self._run.run_id, self._experiment_id(),
-                                   self._keep_on_server, self._evaluated, newest)
-        except Exception as e:  # the server refused or failed a delete: everything is still there
-            log.warning("tracking: older checkpoints stay on the server for now: %s", first_line(e, 300))
-            return
-        self._uploaded.difference_update(gone)
-        if more:  # the next pass goes behind what was queued meanwhile (a preemption's checkpoint)
-            self._uploader.submit(PRUNE_JOB, self._prune)
 
     def log_image(self, image, key: str, step: int) -> None:
         self._uploader.submit(f"image {key}", lambda: self.client.log_image(self.run.run_id, image, key=key, step=step))
@@ -281,11 +240,12 @@ class MlflowTracker(Tracker):
         self._uploader.submit("log the inputs", log)
 
     def log_evaluation(self, metrics: dict, step: int, checkpoint: str) -> None:
-        self._evaluated.add(checkpoint)
+        self._checkpoints.evaluated.add(checkpoint)
         final, linked = checkpoint == FINAL, []  # model_final's: evaluated again by the job's next start, into its model
 
         def link():
-            on_server = checkpoint in self._uploaded or self._attached or checkpoint in self._run.checkpoints  # a rerun's
+            on_server = (checkpoint in self._checkpoints.uploaded or self._attached
+                         or checkpoint in self._run.checkpoints)  # a rerun's
             if not on_server:  # its upload failed: no model to link
                 log.warning("%s is not on the server: its evaluation is %s", checkpoint,
                             "left to the job's next start" if final else "logged without a model")
@@ -376,7 +336,8 @@ class MlflowTracker(Tracker):
         self._sender.close(max(0.0, deadline - time.monotonic()))  # and the evaluations' late scores
         kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
-        return list(dict.fromkeys([d for d in self._uploader.failed if not self._superseded(d) and d not in done] + kept))
+        lost = [d for d in self._uploader.failed if not self._checkpoints.superseded(d) and d not in done]
+        return list(dict.fromkeys(lost + kept))
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag
@@ -392,7 +353,3 @@ class MlflowTracker(Tracker):
                 self._set_status(status, reason)
         except Exception as e:  # the server is down: the status stays as it was
             log.warning("tracking: could not set the run's status: %s", first_line(e, 300))
-
-    def _superseded(self, description: str) -> bool:  # an older checkpoint lost nothing when a newer one reached the server
-        name = description.removeprefix("upload checkpoint ")
-        return name != description and iteration_of(name) < self._newest_uploaded
