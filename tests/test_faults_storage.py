@@ -189,6 +189,7 @@ def test_a_run_deleted_for_good_while_the_job_trains_is_said_and_the_rerun_makes
     assert job.last_line.endswith(f"Run {run_id} no longer exists on the tracking server (deleted for good while the "
                                   "job ran): what it lacks cannot be sent; the local files are intact, and running "
                                   "the same command again logs the job into a new run"), job.last_line
+    assert "model_final.pth" in job.last_line and "model_iter" not in job.last_line  # not 60 failed uploads
     again = jobs(args, tmp_path, name="again")
     assert again.wait(600) == 0, again.stderr[-3000:]
     run = only_run(client, exp)

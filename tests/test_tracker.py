@@ -138,6 +138,13 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
     alone.log_checkpoint(gone, "0" * 64)
     assert alone.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
 
+    # Both failed (a run deleted mid-job fails them all): the newest is named, which the next start sends.
+    both = new_tracker(tmp_path / "both", mlflow_server.url)
+    for name in ("model_iter4.pth", "model_iter9.pth"):
+        both.log_checkpoint(tmp_path / name, "0" * 64)
+        assert both.wait(30)  # one at a time: the older is not superseded before its upload starts
+    assert both.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter9.pth"]
+
 
 
 def test_a_checkpoint_whose_file_changed_before_its_upload_is_never_tagged_complete(tmp_path, mlflow_server, caplog):

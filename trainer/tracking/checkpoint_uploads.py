@@ -85,10 +85,17 @@ class CheckpointUploads:
         """The checkpoints still to be sent (not the superseded ones): the local pruning spares them."""
         return {n for n in list(self._queued) if n in self.evaluated or iteration_of(n) >= self._newest}
 
-    def superseded(self, description: str) -> bool:
-        """A failed upload that lost nothing: a newer checkpoint reached the server."""
-        name = description.removeprefix(UPLOAD_JOB)
-        return name != description and iteration_of(name) < self._newest_uploaded
+    def lost(self, failed: list[str]) -> list[str]:
+        """Of the Uploader's failed jobs, those that lost something. A checkpoint lost nothing when a
+        newer one reached the server, or failed too and is named instead: the job's next start sends
+        its newest (an evaluated one is named all the same: its model was linked to it)."""
+        def checkpoint(description: str) -> str | None:
+            name = description.removeprefix(UPLOAD_JOB)
+            return name if name != description and name not in self.evaluated else None
+
+        newest_failed = max((iteration_of(n) for d in failed if (n := checkpoint(d))), default=-1.0)
+        newest = max(newest_failed, self._newest_uploaded)
+        return [d for d in failed if (n := checkpoint(d)) is None or iteration_of(n) >= newest]
 
     def _prune(self) -> None:
         """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only (logged)."""

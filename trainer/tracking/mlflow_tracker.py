@@ -336,7 +336,7 @@ class MlflowTracker(Tracker):
         self._sender.close(max(0.0, deadline - time.monotonic()))  # and the evaluations' late scores
         kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
-        lost = [d for d in self._uploader.failed if not self._checkpoints.superseded(d) and d not in done]
+        lost = self._checkpoints.lost([d for d in self._uploader.failed if d not in done])
         return list(dict.fromkeys(lost + kept))
 
     def _set_status(self, status: str, reason: str) -> None:
