@@ -417,6 +417,27 @@ def test_eval_of_test_sets_without_annotations_says_there_is_nothing_to_score(sh
     assert "no metric (the test sets have no annotations to score against)" in capsys.readouterr().out
 
 
+def test_scores_do_not_depend_on_how_many_test_images_a_batch_holds(tmp_path):
+    """helper-80: torchvision pads a batch to its largest image, so with TEST.IMS_PER_BATCH 2 (the
+    default) an image batched with a larger one got other detections than the served model and
+    `predict` give it alone: bbox/AP 0.0097 against their 0.0076, and another score per world size."""
+    data = write_synthetic_dataset(tmp_path / "mixed", num_images=8, image_size=96, seed=3)
+    sizes = {(im["width"], im["height"]) for im in json.loads((data / "annotations.json").read_text())["images"]}
+    assert len(sizes) > 1  # neighbours of other sizes
+    torch.manual_seed(0)
+    model = build_model(make_cfg(data), num_classes=4)
+    found = {}
+    for batch in (1, 4):
+        out = tmp_path / f"batch{batch}"
+        metrics = evaluate(make_cfg(data, TEST={"IMS_PER_BATCH": batch}), model, Context(), out)
+        found[batch] = metrics, json.loads((out / "eval" / "mixed" / "detections.json").read_text())
+    flat = {b: ([(d["image_id"], d["category_id"]) for d in dets], [[*d["bbox"], d["score"]] for d in dets])
+            for b, (_, dets) in found.items()}
+    assert flat[4][0] == flat[1][0] and flat[1][0]
+    assert np.allclose(flat[4][1], flat[1][1], atol=1e-3)
+    assert found[4][0] == pytest.approx(found[1][0])
+
+
 # ---- torchrun: every rank infers its shard, rank 0 gets them all ----
 
 def test_distributed_evaluation_equals_single_process(shapes, tmp_path):

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import itertools
 import json
 import logging
 import sys
@@ -92,7 +93,7 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
     with _eval_mode(model) as net, torch.inference_mode():
         try:
             for images, targets in loader:
-                outputs = net([im.to(device, non_blocking=True) for im in images])
+                outputs = _infer(net, images, device)
                 ids = [t["image_id"] for t in targets]
                 results.extend(detections_to_coco(outputs, ids, dataset.label_to_cat_id))
         except UserError as e:  # an image a loader worker could not read: its one line
@@ -105,6 +106,16 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
     if ctx is None or not ctx.distributed:
         return results
     return [r for part in gather_object(ctx, results) for r in part]  # shards are disjoint
+
+
+def _infer(net, images: list, device) -> list[dict]:
+    """The network's outputs, in order, for runs of images of one size: torchvision pads a batch to
+    its largest image, which changes a smaller one's detections. Each image is then detected as the
+    served model and `predict` detect it, whatever TEST.IMS_PER_BATCH, the world size or its neighbours."""
+    outputs = []
+    for _, run in itertools.groupby(images, key=lambda im: tuple(im.shape)):
+        outputs += net([im.to(device, non_blocking=True) for im in run])
+    return outputs
 
 
 def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: dict) -> list[dict]:
