@@ -400,7 +400,7 @@ def test_detections_of_labels_past_the_datasets_categories_are_dropped():
     scores (a KeyError after the whole training, found by the red team)."""
     out = {"boxes": torch.tensor([[0.0, 0, 4, 4], [1, 1, 5, 5]]), "labels": torch.tensor([2, 7]),
            "scores": torch.tensor([0.9, 0.8])}
-    from trainer.evaluation import detections_to_coco
+    from trainer.inference import detections_to_coco
 
     (only,) = detections_to_coco([out], [11], {1: 5, 2: 6, 3: 9})
     assert (only["image_id"], only["category_id"], only["bbox"]) == (11, 6, [0.0, 0.0, 4.0, 4.0])

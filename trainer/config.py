@@ -115,7 +115,7 @@ _DEFAULTS: dict = {
         "DATASETS": [],
         "SCALE": 600,
         "MAX_SIZE": 1000,
-        "IMS_PER_BATCH": 2,
+        "IMS_PER_BATCH": 2,  # images loaded together; the network sees runs of one size (evaluation.py)
         "EVAL_PERIOD": 0,  # 0 = only after the final model
         "BEST_METRIC": "bbox/AP",  # which evaluated checkpoint is best (higher is better)
         "VIS_IMAGES": 4,  # validation images drawn with their detections at each evaluation

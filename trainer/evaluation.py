@@ -43,7 +43,7 @@ from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.output_dir import make_writable
 from trainer.eval_images import drawings, per_category_rows
-from trainer.inference import categories_of, category_key_of, checked_categories, encode_masks
+from trainer.inference import categories_of, category_key_of, checked_categories, detections_to_coco
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach, record_evaluation
 from trainer.tracking.logged_model import load_detector, load_local
@@ -116,28 +116,6 @@ def _infer(net, images: list, device) -> list[dict]:
     for _, run in itertools.groupby(images, key=lambda im: tuple(im.shape)):
         outputs += net([im.to(device, non_blocking=True) for im in run])
     return outputs
-
-
-def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: dict) -> list[dict]:
-    """torchvision detections (boxes already in original image pixels) -> COCO results entries."""
-    results = []
-    for out, image_id in zip(outputs, image_ids):
-        out = {k: v.detach().cpu() for k, v in out.items()}
-        boxes = out["boxes"].clone()
-        boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh
-        # A label past the dataset's categories (MODEL.NUM_CLASSES set above them) is no category
-        # COCOeval scores: dropped, as it would ignore it.
-        cats = [label_to_cat_id.get(int(label)) for label in out["labels"].tolist()]
-        entries = [{"image_id": image_id, "category_id": c, "bbox": b, "score": s}
-                   for c, b, s in zip(cats, boxes.tolist(), out["scores"].tolist())]
-        if "masks" in out:
-            for entry, rle in zip(entries, encode_masks(out["masks"])):
-                entry["segmentation"] = rle
-        if "keypoints" in out:
-            for entry, kp in zip(entries, out["keypoints"].flatten(1).tolist()):
-                entry["keypoints"] = kp
-        results.extend(e for e in entries if e["category_id"] is not None)
-    return results
 
 
 # ------------------------------------------------------------------------------------------ metrics

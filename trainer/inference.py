@@ -54,6 +54,28 @@ def detections_of(output: dict, categories: list[dict]) -> dict:
     return found
 
 
+def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: dict) -> list[dict]:
+    """torchvision detections (boxes already in original image pixels) -> COCO results entries."""
+    results = []
+    for out, image_id in zip(outputs, image_ids):
+        out = {k: v.detach().cpu() for k, v in out.items()}
+        boxes = out["boxes"].clone()
+        boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh
+        # A label past the dataset's categories (MODEL.NUM_CLASSES set above them) is no category
+        # COCOeval scores: dropped, as it would ignore it.
+        cats = [label_to_cat_id.get(int(label)) for label in out["labels"].tolist()]
+        entries = [{"image_id": image_id, "category_id": c, "bbox": b, "score": s}
+                   for c, b, s in zip(cats, boxes.tolist(), out["scores"].tolist())]
+        if "masks" in out:
+            for entry, rle in zip(entries, encode_masks(out["masks"])):
+                entry["segmentation"] = rle
+        if "keypoints" in out:
+            for entry, kp in zip(entries, out["keypoints"].flatten(1).tolist()):
+                entry["keypoints"] = kp
+        results.extend(e for e in entries if e["category_id"] is not None)
+    return results
+
+
 def categories_of(dataset) -> dict:
     """What a dataset's labels mean, kept with every checkpoint and model so that detections can be
     named without the dataset: {"categories": [{"id", "name"}], "keypoint_names": [...]}."""
