@@ -207,8 +207,10 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
         job.in_its_folder = lock.still_here
     try:
         done = train_model(job)
-    except (Preempted, StopRequested) as e:
+    except Preempted as e:
         _stopped(tracker, e)
+    except StopRequested as e:  # before the loop (setting up, a finished job's rerun): this start trained nothing
+        _stopped(tracker, e, before_training=True, finished=(job.output_dir / FINAL).is_file())
     except NonFiniteLoss as e:
         tracker.finish("FAILED", str(e))
         click.echo(f"error: {e}", err=True)
@@ -246,13 +248,16 @@ class Stopped(SystemExit):
     can abort the process: "terminate called without an active exception", seen in CI)."""
 
 
-def _stopped(tracker, e: Preempted | StopRequested, before_training: bool = False, world_size: int = 1):
+def _stopped(tracker, e: Preempted | StopRequested, before_training: bool = False, world_size: int = 1,
+             finished: bool = False):
     """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
     missing = tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
     if missing:  # the server down at the stop: where the metrics the run lacks are kept, too
         log.warning("the tracking server did not get: %s", ", ".join(missing))
     if not before_training:
         log.warning("%s; the job resumes from its last checkpoint", e)
+    elif finished:  # a rerun of a finished job, sending its run what it lacked
+        log.warning("%s; model_final.pth is saved: the next start sends the run what it still lacks", e)
     elif world_size > 1:  # torchrun's agent stops every rank once one fails: that one's error is the cause
         log.warning("%s before training began (torchrun stops every process of a job when one of them fails: "
                     "its error above says why)", e)
