@@ -60,8 +60,6 @@ def test_a_running_downloads_part_outlives_another_jobs_cleanup_whatever_its_mti
     weights = tmp_path / "cache" / "weights"
     weights.mkdir(parents=True)
     killed = weights / ".part-killed"
-    killed.write_bytes(b"half")
-    os.utime(killed, (time.time() - 1, time.time() - 1))
     body = os.urandom(3 << 20)
     server = _GatedServer(body)
     for name, value in {"TRACKTRON_CACHE": str(tmp_path / "cache"), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}.items():
@@ -71,9 +69,11 @@ def test_a_running_downloads_part_outlives_another_jobs_cleanup_whatever_its_mti
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (parts := [p for p in weights.glob(".part-*") if p != killed and p.stat().st_size]):
+        while not (parts := [p for p in weights.glob(".part-*") if p.stat().st_size]):
             assert other.poll() is None and time.monotonic() < deadline, other.communicate()
             time.sleep(0.02)
+        killed.write_bytes(b"half")  # a killed download's, a second old: for this job's cleanup to find
+        os.utime(killed, (time.time() - 1, time.time() - 1))
         two_days_ago = time.time() - 2 * DAY  # what another host's clock, or this one set forward, makes of it
         os.utime(parts[0], (two_days_ago, two_days_ago))
         mine = downloads.download(f"{server.url}/now.pkl", "TRAIN.WEIGHTS")  # cleans up before it fetches

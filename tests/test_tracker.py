@@ -135,15 +135,21 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
     assert stored_checkpoints(mlflow_server.url, run_id) == {"model_final.pth"}
 
     alone = new_tracker(tmp_path / "alone", mlflow_server.url)  # the same without a newer one: reported
+    assert alone.run.run_id  # opened, as a job's is before its first checkpoint
     alone.log_checkpoint(gone, "0" * 64)
     assert alone.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
 
     # Both failed (a run deleted mid-job fails them all): the newest is named, which the next start sends.
-    both = new_tracker(tmp_path / "both", mlflow_server.url)
-    for name in ("model_iter4.pth", "model_iter9.pth"):
-        both.log_checkpoint(tmp_path / name, "0" * 64)
-        assert both.wait(30)  # one at a time: the older is not superseded before its upload starts
-    assert both.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter9.pth"]
+    # model_final evaluated too, as a job with test sets has it: it is the one named, not model_iter9 as well.
+    for evaluated in (False, True):
+        every = new_tracker(tmp_path / f"every-{evaluated}", mlflow_server.url)
+        assert every.run.run_id
+        for name in ("model_iter4.pth", "model_iter9.pth", "model_final.pth"):
+            if evaluated and name == "model_final.pth":
+                every.log_evaluation({"bbox/AP": 0.5}, 10, name)
+            every.log_checkpoint(tmp_path / "none" / name, "0" * 64)  # no such files: every upload fails
+            assert every.wait(30)  # one at a time: none is superseded before its upload starts
+        assert every.finish("FINISHED", timeout=30) == ["upload checkpoint model_final.pth"]
 
 
 

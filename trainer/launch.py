@@ -210,7 +210,8 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
     except Preempted as e:
         _stopped(tracker, e)
     except StopRequested as e:  # before the loop (setting up, a finished job's rerun): this start trained nothing
-        _stopped(tracker, e, before_training=True, finished=(job.output_dir / FINAL).is_file())
+        finished = cfg.TRAIN.AUTO_RESUME and (job.output_dir / FINAL).is_file()  # --no-resume sets it aside
+        _stopped(tracker, e, before_training=True, finished=finished)
     except NonFiniteLoss as e:
         tracker.finish("FAILED", str(e))
         click.echo(f"error: {e}", err=True)

@@ -88,14 +88,11 @@ class CheckpointUploads:
     def lost(self, failed: list[str]) -> list[str]:
         """Of the Uploader's failed jobs, those that lost something. A checkpoint lost nothing when a
         newer one reached the server, or failed too and is named instead: the job's next start sends
-        its newest (an evaluated one is named all the same: its model was linked to it)."""
-        def checkpoint(description: str) -> str | None:
-            name = description.removeprefix(UPLOAD_JOB)
-            return name if name != description and name not in self.evaluated else None
-
-        newest_failed = max((iteration_of(n) for d in failed if (n := checkpoint(d))), default=-1.0)
-        newest = max(newest_failed, self._newest_uploaded)
-        return [d for d in failed if (n := checkpoint(d)) is None or iteration_of(n) >= newest]
+        its newest, and only that (an older one evaluated meanwhile keeps its scores, logged without
+        a model, as its warning said)."""
+        names = {d: n for d in failed if (n := d.removeprefix(UPLOAD_JOB)) != d}
+        newest = max([self._newest_uploaded, *(iteration_of(n) for n in names.values())])
+        return [d for d in failed if d not in names or iteration_of(names[d]) >= newest]
 
     def _prune(self) -> None:
         """TRACKING.CHECKPOINTS_KEEP, once a checkpoint is complete: a failure costs disk space only (logged)."""
