@@ -327,3 +327,26 @@ def test_a_stop_signal_during_an_iteration_stops_the_job_after_that_iteration():
     losses, stop = train_step(job, s, [], [], lambda: bool(signalled))
     assert stop and losses == {"loss": 4.0, "loss_a": 2.0, "loss_b": 2.0}
     assert train_step(job, s, [], [], lambda: False)[1] is False
+
+
+def test_a_step_right_after_a_resume_is_logged_and_none_after_the_last_iteration(caplog):
+    """The change was found by comparing with the scheduler's previous call: a resumed scheduler's
+    was factor(0), so a step at the first iteration after the resumed one went unsaid; and the
+    scheduler's step past the last iteration logged a change `at iter MAX_ITER`, an iteration that
+    never runs (Detectron logged only as an iteration began). Found by helper-82's red team."""
+    caplog.set_level("INFO", logger="trainer.solver")
+    cfg = cfg_of(**SMALL)  # steps at 6 and 8, MAX_ITER 10
+    _, _, sched = built(cfg)
+    for _ in range(5):
+        sched.step()
+    saved = sched.state_dict()  # model_iter4's: the job resumes at iteration 5
+    _, _, resumed = built(cfg)
+    resumed.load_state_dict(saved)
+    caplog.clear()
+    resumed.step()  # the LR of iteration 6, the step
+    assert caplog.messages == ["Changing learning rate 0.020000 -> 0.002000 at iter 6"]
+    caplog.clear()
+    _, _, ending = built(cfg_of(**{**SMALL, "LR_POLICY": "step", "STEP_SIZE": 5, "WARM_UP_ITERS": 0}))  # 5, MAX_ITER
+    for _ in range(10):  # iterations 0-9, the scheduler stepped after each
+        ending.step()
+    assert caplog.messages == ["Changing learning rate 0.020000 -> 0.002000 at iter 5"]

@@ -74,16 +74,20 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr * group.get("lr_factor", 1.0)  # LambdaLR scales initial_lr
 
-    last = {}  # the iteration and LR of the previous call
-
     def factor(it: int) -> float:
         lr = lr_at_iter(cfg, it)
-        if last.get("it") == it - 1 and _change_ratio(last["lr"], lr) > LOG_LR_CHANGE_RATIO:
-            log.info("Changing learning rate %.6f -> %.6f at iter %d", last["lr"], lr, it)  # Detectron's line
-        last.update(it=it, lr=lr)
+        # The previous LR comes from the schedule, not from an earlier call: a resumed scheduler's
+        # first call was factor(0). Iteration MAX_ITER never runs (the scheduler steps past the last).
+        if 0 < it < cfg.SOLVER.MAX_ITER:
+            _log_change(lr_at_iter(cfg, it - 1), lr, it)
         return lr / base_lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _log_change(old: float, new: float, it: int) -> None:
+    if _change_ratio(old, new) > LOG_LR_CHANGE_RATIO:
+        log.info("Changing learning rate %.6f -> %.6f at iter %d", old, new, it)  # Detectron's line
 
 
 def _change_ratio(old: float, new: float) -> float:
