@@ -255,6 +255,14 @@ def test_gn_everywhere_and_scratch_trains_every_stage(tmp_path):
     assert all(p.requires_grad for p in model.parameters())  # TRAIN.FREEZE_AT 0, no weights
 
 
+def test_a_frozen_c4_body_trains_its_res5_head_alone(tmp_path):
+    """FREEZE_CONV_BODY on C4, where Detectron's conv body ends at res4: refused with FPN only."""
+    text = CONFIGS["e2e_mask_rcnn_R-50-C4"].replace("  MAX_SIZE: 1333\n", "  MAX_SIZE: 1333\n  FREEZE_CONV_BODY: True\n", 1)
+    model = build_model(load_config(write(tmp_path, "frozen", text)), 81)
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+    assert all(p.requires_grad for p in model.roi_heads.box_head.parameters())
+
+
 def test_retinanet_p6_from_c5_and_detectron_anchors(tmp_path):
     model = _built(tmp_path, "retinanet_R-50-FPN")
     assert model.backbone.fpn.extra_blocks.p6.in_channels == 2048  # EXTRA_CONV_LEVELS: from C5
@@ -315,6 +323,9 @@ REFUSED = [  # (what the file changes, words the one error line must hold)
     ("  RESOLUTION: 28\n", "  RESOLUTION: 56\n", "MRCNN.RESOLUTION"),
     ("  STEM_FUNC: basic_gn_stem\n", "  STEM_FUNC: basic_bn_stem\n", "all be GN or all BN"),
     ("  RPN_MIN_LEVEL: 3\n", "  RPN_MIN_LEVEL: 2\n", "FPN.RPN_MIN_LEVEL"),
+    # Detectron froze the FPN too (the conv body's output); torchvision's trainable layers left it training.
+    # Found by helper-82's red team.
+    ("  MAX_SIZE: 1333\n", "  MAX_SIZE: 1333\n  FREEZE_CONV_BODY: True\n", "TRAIN.FREEZE_CONV_BODY True"),
 ]
 _SOURCE = {0: "scratch_e2e_mask_rcnn_R-50-FPN_gn", 5: "e2e_mask_rcnn_X-101-32x8d-FPN", 6: "e2e_mask_rcnn_X-101-32x8d-FPN",
            7: "e2e_keypoint_rcnn_R-50-FPN", 8: "retinanet_R-50-FPN", 10: "e2e_mask_rcnn_X-101-32x8d-FPN",

@@ -156,6 +156,10 @@ def _backbone(d: dict, t: Translation, family: str) -> None:
                                       f"here, got {', '.join(f'{k} {d[k]}' for k in gn)}")
     t.set("MODEL.BACKBONE_NORM", "GN" if gn["RESNETS.TRANS_FUNC"] else "", *_GN)
     _need(d["RESNETS.RES5_DILATION"] == 1, f"RESNETS.RES5_DILATION {d['RESNETS.RES5_DILATION']} is not supported (1)")
+    # Detectron's FREEZE_CONV_BODY stops the gradient at the conv body's output, which for an FPN body
+    # is the FPN's: torchvision's trainable layers would freeze the ResNet and leave the FPN training.
+    _need(not (d["TRAIN.FREEZE_CONV_BODY"] and features == "fpn"), "TRAIN.FREEZE_CONV_BODY True is not supported "
+          "with an FPN body (Detectron froze the FPN with the ResNet; here only the ResNet would be)")
     frozen = 5 if d["TRAIN.FREEZE_CONV_BODY"] else d["TRAIN.FREEZE_AT"]
     _need(0 <= frozen <= 5, f"TRAIN.FREEZE_AT must be 0 to 5, got {frozen}")
     t.set("MODEL.TRAINABLE_BACKBONE_LAYERS", 5 - frozen, "TRAIN.FREEZE_AT", "TRAIN.FREEZE_CONV_BODY")
