@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from trainer.cli import main
+from trainer.cli import main, set_num_gpus
 from trainer.config import load_config
 from trainer.models import build_model
 
@@ -290,6 +290,24 @@ def test_detectron_solver_and_input_conventions(tmp_path):
     assert cfg.MODEL.ROI_BATCH_SIZE_PER_IMAGE == 512 and cfg.TRAIN.SNAPSHOT_ITERS == 20000  # was 80000: wrong
     model = build_model(cfg, 81)
     assert model.transform.image_std == [1 / 255] * 3  # 0-255 pixels minus the mean, as Detectron
+
+
+def test_a_zoo_config_on_fewer_ranks_than_its_num_gpus_says_its_batch_is_smaller(tmp_path, caplog):
+    """As in one process (test_distributed.py): a zoo config (NUM_GPUS 8) on 2 torchrun ranks took
+    NUM_GPUS 2 and trained at a quarter of its schedule's batch and the 8-GPU BASE_LR, said in an
+    info line alone. Found by helper-82's red team."""
+    caplog.set_level("INFO", logger="trainer.cli")
+    cfg = load_config(write(tmp_path, "e2e_faster_rcnn_R-50-FPN"))  # NUM_GPUS 8, 2 images each
+    set_num_gpus(cfg, 2)
+    assert cfg.NUM_GPUS == 2
+    assert ("NUM_GPUS 8, but this job is 2 processes: each iteration takes 4 images (TRAIN.IMS_PER_BATCH x 2), not "
+            "the 16 its schedule") in caplog.text
+    assert "set NUM_GPUS 2 and scale the schedule (Detectron's linear rule: BASE_LR x 2/8, STEPS and MAX_ITER x 8/2)" \
+        in caplog.text
+    for num_gpus, world, rank in ((8, 8, 0), (1, 2, 0), (1, 1, 0), (8, 2, 1)):  # its own world; one warning a job
+        caplog.clear()
+        set_num_gpus(load_config(write(tmp_path, "e2e_faster_rcnn_R-50-FPN"), ["NUM_GPUS", str(num_gpus)]), world, rank)
+        assert "but this job is" not in caplog.text, (num_gpus, world, rank)
 
 
 def test_keys_without_meaning_are_listed_once(tmp_path, capsys):

@@ -72,15 +72,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     rank, world_size = torchrun_environment()
     _setup_logging(rank)
     cfg = load_config(config_file, _overrides(opts, opts_text))
-    if world_size > 1 and cfg.NUM_GPUS != world_size:
-        log.info("NUM_GPUS set to the world size, %d", world_size)
-        cfg.NUM_GPUS = world_size
-    elif world_size == 1 and cfg.NUM_GPUS > 1:  # Detectron's zoo configs: NUM_GPUS 8 in one process
-        n, ims = cfg.NUM_GPUS, cfg.TRAIN.IMS_PER_BATCH
-        log.warning("NUM_GPUS %d, but this job is one process: each iteration takes %d images (TRAIN.IMS_PER_BATCH), "
-                    "not the %d its schedule (SOLVER.BASE_LR, STEPS, MAX_ITER) is made for; start it with `torchrun "
-                    "--nproc-per-node %d -m trainer train ...`, or set NUM_GPUS 1 and scale the schedule (Detectron's "
-                    "linear rule: BASE_LR / %d, STEPS and MAX_ITER x %d)", n, ims, ims * n, n, n, n)
+    set_num_gpus(cfg, world_size, rank)
     if no_resume:
         cfg.TRAIN.AUTO_RESUME = False
     if resume_run_id is not None and not resume_run_id.strip():  # an unset $RUN_ID in a script
@@ -88,6 +80,23 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
     if resume_run_id and (no_resume or not cfg.TRACKING.ENABLED):
         raise UserError("--resume RUN_ID continues a tracked run: it needs TRACKING.ENABLED true and no --no-resume")
     train_job(cfg, config_file, resume_run_id, no_resume, dry_run, rank, world_size)
+
+
+def set_num_gpus(cfg, world_size: int, rank: int = 0) -> None:
+    """NUM_GPUS follows the world size. A config made for another number of GPUs (Detectron's zoo:
+    NUM_GPUS 8) keeps its schedule, made for another batch: said for any world size, as Detectron's
+    NUM_GPUS was the user's to change with the schedule, and here torchrun changes it."""
+    n, ims = cfg.NUM_GPUS, cfg.TRAIN.IMS_PER_BATCH
+    if n > 1 and n != world_size and rank == 0:  # one job, one warning
+        procs, each = ("one process", "") if world_size == 1 else (f"{world_size} processes", f" x {world_size}")
+        log.warning("NUM_GPUS %d, but this job is %s: each iteration takes %d images (TRAIN.IMS_PER_BATCH%s), not "
+                    "the %d its schedule (SOLVER.BASE_LR, STEPS, MAX_ITER) is made for; start it with `torchrun "
+                    "--nproc-per-node %d -m trainer train ...`, or set NUM_GPUS %d and scale the schedule (Detectron's linear "
+                    "rule: BASE_LR x %d/%d, STEPS and MAX_ITER x %d/%d)", n, procs, ims * world_size, each, ims * n, n,
+                    world_size, world_size, n, n, world_size)
+    if world_size > 1 and n != world_size:
+        log.info("NUM_GPUS set to the world size, %d", world_size)
+        cfg.NUM_GPUS = world_size
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
