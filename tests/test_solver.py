@@ -335,7 +335,7 @@ def test_a_step_right_after_a_resume_is_logged_and_none_after_the_last_iteration
     scheduler's step past the last iteration logged a change `at iter MAX_ITER`, an iteration that
     never runs (Detectron logged only as an iteration began). Found by helper-82's red team."""
     caplog.set_level("INFO", logger="trainer.solver")
-    cfg = cfg_of(**SMALL)  # steps at 6 and 8, MAX_ITER 10
+    cfg = cfg_of(**SMALL, BIAS_LR_FACTOR=2.0)  # steps at 6 and 8, MAX_ITER 10; a param group for the bias
     _, _, sched = built(cfg)
     for _ in range(5):
         sched.step()

@@ -74,11 +74,14 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr * group.get("lr_factor", 1.0)  # LambdaLR scales initial_lr
 
+    said = [0]  # the last iteration whose change was looked at: LambdaLR calls factor once per param group
+
     def factor(it: int) -> float:
         lr = lr_at_iter(cfg, it)
         # The previous LR comes from the schedule, not from an earlier call: a resumed scheduler's
         # first call was factor(0). Iteration MAX_ITER never runs (the scheduler steps past the last).
-        if 0 < it < cfg.SOLVER.MAX_ITER:
+        if said[0] != it and 0 < it < cfg.SOLVER.MAX_ITER:
+            said[0] = it
             _log_change(lr_at_iter(cfg, it - 1), lr, it)
         return lr / base_lr
 
