@@ -52,6 +52,14 @@ class FileServer:
         self.thread.join()
 
 
+def serve_handler(handler) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """An http.server request handler class served on 127.0.0.1 from daemon threads: the server and its URL."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

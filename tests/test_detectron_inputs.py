@@ -15,7 +15,6 @@ import pickle
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from tests.servers import serve_handler
 from trainer.cli import main
 from trainer.config import load_config
 from trainer.errors import UserError
@@ -383,9 +383,7 @@ class _Server:
                 self.wfile.write(body)
                 self.close_connection = True
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd, self.url = serve_handler(Handler)
 
     def close(self):
         self.httpd.shutdown()

@@ -20,7 +20,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from tests.conftest import DEMO, ROOT, locked_by_another_process
-from tests.servers import FileServer
+from tests.servers import FileServer, serve_handler
 from trainer.config import load_config
 from trainer.models import build_model, load_weights
 
@@ -723,10 +722,8 @@ class _DripServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/R-50.pkl"
+        self.httpd, url = serve_handler(Handler)
+        self.url = f"{url}/R-50.pkl"
 
 
 def test_a_weights_url_that_drips_is_given_up_and_killed_downloads_are_cleaned(tmp_path, data_dir):

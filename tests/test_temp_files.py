@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from tests.servers import serve_handler
 from trainer import downloads
 
 DAY = 24 * 3600
@@ -40,10 +41,7 @@ class _GatedServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd, self.url = serve_handler(Handler)
 
     def close(self) -> None:
         self.gate.set()
