@@ -198,11 +198,12 @@ def test_a_run_deleted_for_good_while_the_job_trains_is_said_and_the_rerun_makes
 
 
 def _run_deleted_mid_job(tmp_path, data_dir, mlflow_server, jobs, exp, max_iter=60):
-    """A job on the server, its run deleted once model_iter4 is written."""
+    """A job on the server, its run deleted once model_iter4 is written. Its FLUSH_TIMEOUT_S of an hour
+    must not be waited out: no send to a deleted run can succeed (the job's wait() would time out)."""
     client = MlflowClient(mlflow_server.url)
     args = job_args(tmp_path, data_dir, **{"TRACKING.URI": mlflow_server.url, "TRACKING.EXPERIMENT": exp,
                                            "SOLVER.MAX_ITER": max_iter, "TRAIN.SNAPSHOT_ITERS": 5,
-                                           "TRACKING.FLUSH_TIMEOUT_S": 30})
+                                           "TRACKING.FLUSH_TIMEOUT_S": 3600})
     job = jobs(args, tmp_path)
     wait_until(lambda: (tmp_path / "output" / "model_iter4.pth").exists(), job, "model_iter4")
     run_id = only_run(client, exp).info.run_id

@@ -11,7 +11,7 @@ from TRACKING.ENABLED and the rank.
 from __future__ import annotations
 
 from trainer.config import Config
-from trainer.errors import UserError, first_line
+from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
 
 __all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation", "resend_advice"]
@@ -34,7 +34,7 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     test sets takes those of its first evaluation as its own."""
     from trainer.tracking.mlflow_tracker import MlflowTracker
     from trainer.tracking.runs import takes_scores
-    from trainer.tracking.server_errors import start_error
+    from trainer.tracking.server_errors import run_refusal, start_error
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
@@ -45,8 +45,9 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
         raise UserError(start_error(tracker.uri, e)) from None
     if run.info.lifecycle_stage != "active":  # MLflow refuses every write to it: said now, not after the evaluation
         tracker.finish(None)
-        how = (f"`mlflow experiments restore --experiment-id {run.info.experiment_id}` (its experiment is deleted)"
-               if _experiment_deleted(tracker.client, run) else f"`mlflow runs restore --run-id {run_id}`")
+        why, detail = run_refusal(tracker.client, run_id) or ("deleted", "")
+        how = (f"`mlflow experiments restore --experiment-id {detail}` (its experiment is deleted)"
+               if why == "experiment deleted" else f"`mlflow runs restore --run-id {run_id}`")
         raise UserError(f"run {run_id} is deleted, so its evaluation cannot be logged into it: restore it ({how}) "
                         "or evaluate a copy of the checkpoint file")
     if not taken:
@@ -57,44 +58,24 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
 
 def resend_advice(tracker: Tracker) -> str:
     """What the last line of a job whose run lacks some of it advises: a rerun sends the rest, unless
-    the run was deleted while the job ran (a rerun would start another run) or the server refuses the
-    credentials since (an expired token): those are said, with what to do."""
-    from concurrent.futures import wait
-
-    from trainer.daemon_call import daemon_call
+    the server refuses the run's writes (server_errors.run_refusal): those are said, with what to do."""
+    from trainer.tracking.server_errors import run_refusal
 
     usual = "The local files are intact; running the same command again sends what the run lacks"
-
-    def state():
-        run = tracker.client.get_run(tracker.run.run_id)
-        return run, run.info.lifecycle_stage != "active" and _experiment_deleted(tracker.client, run)
-
-    asked = daemon_call(state, "run-state")
-    if not wait([asked], 5.0).done:  # a server that hangs: the usual advice holds
-        return usual
-    if (e := asked.exception()) is not None:
-        if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
-            return f"The tracking server now refuses the credentials ({first_line(e)}): renew them; {usual[0].lower()}{usual[1:]}"
-        if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":  # deleted, then `mlflow gc`: no restoring
-            return (f"Run {tracker.run.run_id} no longer exists on the tracking server (deleted for good while the "
-                    "job ran): what it lacks cannot be sent; the local files are intact, and running the same "
-                    "command again logs the job into a new run")
-        return usual
-    run, experiment_deleted = asked.result()
-    if run.info.lifecycle_stage == "active":
-        return usual
-    how = (f"mlflow experiments restore --experiment-id {run.info.experiment_id}" if experiment_deleted
-           else f"mlflow runs restore --run-id {run.info.run_id}")
-    return (f"Run {run.info.run_id} was deleted while the job ran: restore it (`{how}`) and run the same command "
-            "again, which sends what it lacks (the local files are intact)")
-
-
-def _experiment_deleted(client, run) -> bool:
-    """MLflow deletes an experiment's runs with it: restoring the run alone would leave it hidden there."""
-    try:
-        return client.get_experiment(run.info.experiment_id).lifecycle_stage != "active"
-    except Exception:  # the server failing now: the run's own advice stands
-        return False
+    run_id = tracker.run.run_id
+    why, detail = run_refusal(tracker.client, run_id) or ("", "")
+    if why == "credentials":
+        return f"The tracking server now refuses the credentials ({detail}): renew them; {usual[0].lower()}{usual[1:]}"
+    if why == "gone":  # deleted, then `mlflow gc`: no restoring
+        return (f"Run {run_id} no longer exists on the tracking server (deleted for good while the job ran): what it "
+                "lacks cannot be sent; the local files are intact, and running the same command again logs the job "
+                "into a new run")
+    if why in ("deleted", "experiment deleted"):
+        how = (f"mlflow experiments restore --experiment-id {detail}" if why == "experiment deleted"
+               else f"mlflow runs restore --run-id {run_id}")
+        return (f"Run {run_id} was deleted while the job ran: restore it (`{how}`) and run the same command again, "
+                "which sends what it lacks (the local files are intact)")
+    return usual
 
 
 def record_evaluation(cfg: Config, weights: str, metrics: dict, step: int, logged_into: str | None) -> None:

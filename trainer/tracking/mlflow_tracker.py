@@ -27,7 +27,7 @@ from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
 from trainer.tracking.runs import (STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
                                    make_client, retryable, run_url, sha_tag, tracking_uri)
-from trainer.tracking.server_errors import start_error
+from trainer.tracking.server_errors import run_refusal, start_error
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.tables import log_table
 from trainer.tracking.first_upload import send_first
@@ -327,7 +327,9 @@ class MlflowTracker(Tracker):
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        self._sender.wait_sent(float("inf"), timeout)  # the metrics first; the sender beats on while the uploads go
+        if self._sender.failing and timeout > 0 and run_refusal(self.client, run_id, min(timeout, 5.0)):
+            deadline = time.monotonic()  # the run deleted, or the credentials refused: no wait sends a thing
+        self._sender.wait_sent(float("inf"), deadline - time.monotonic())  # the metrics first; the sender beats on meanwhile
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))

@@ -61,3 +61,32 @@ def start_error(uri: str, e: BaseException) -> str:
         return (f"tracking URI {uri}: MLflow's file store (a folder such as ./mlruns) takes no new runs; "
                 "use a database (sqlite:///mlflow.db) or a server (http://host:5000)")
     return f"tracking server {uri}: {first_line(e)}"
+
+
+def run_refusal(client, run_id: str, timeout: float = 5.0) -> tuple[str, str] | None:
+    """Why the tracking server refuses every write to the run, asked once: ("gone", "") (deleted, then
+    `mlflow gc`), ("deleted", ""), ("experiment deleted", its id) or ("credentials", the error) (HTTP
+    401/403, an expired token). None when it takes them or cannot tell (down, or hanging past
+    `timeout`): an outage, which the senders' retries ride out."""
+    from concurrent.futures import wait
+
+    from trainer.daemon_call import daemon_call
+
+    def state():
+        run = client.get_run(run_id)
+        if run.info.lifecycle_stage == "active":
+            return None
+        try:  # MLflow deletes an experiment's runs with it: restoring the run alone would leave it hidden there
+            experiment = client.get_experiment(run.info.experiment_id).lifecycle_stage
+        except Exception:  # the server failing now: the run's own state stands
+            experiment = "active"
+        return ("deleted", "") if experiment == "active" else ("experiment deleted", run.info.experiment_id)
+
+    asked = daemon_call(state, "run-state")
+    if not wait([asked], timeout).done:
+        return None
+    if (e := asked.exception()) is None:
+        return asked.result()
+    if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
+        return "credentials", first_line(e)
+    return ("gone", "") if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else None

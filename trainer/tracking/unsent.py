@@ -72,7 +72,7 @@ class UnsentMetrics:
         else:  # removed when none are left; or written anew
             said = self.keep(_points(queued), stopping=False)
         if said and sender.failing:  # else the queue drains: no news
-            log.info("tracking server down at %s: %s", checkpoint, said[0])
+            log.info("metrics not taken by the tracking server at %s: %s", checkpoint, said[0])  # down, or refusing the run
 
     def _append(self, puts: list) -> bool:
         """One line of `puts`' points at the end of this run's file; False where the file must be
