@@ -351,9 +351,43 @@ def test_sigterm_after_model_final_lets_the_job_complete_within_its_grace_period
     time.sleep(0.3)  # the final evaluation has begun
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(60) == 0, job.stderr[-3000:]
-    assert "SIGTERM received: model_final is saved; finishing the final evaluation and model logging" in job.stderr
+    assert ("SIGTERM received: the last iteration is done; the job completes model_final, the final evaluation and "
+            "the model's logging") in job.stderr
     run = only_run(MlflowClient(uri), "last-steps")
     assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
+
+
+# os.replace made slow for model_final.pth, after a mark that its rename has begun: the job's window
+# between its last iteration and its last steps, held open for a test.
+SLOW_FINAL_RENAME = """
+import os, time
+_replace = os.replace
+def _slow(src, dst, *args, **kwargs):
+    if str(dst).endswith("model_final.pth"):
+        open(os.environ["MARK_RENAMING"], "w").close()
+        time.sleep(3)
+    return _replace(src, dst, *args, **kwargs)
+os.replace = _slow
+"""
+
+
+def test_sigterm_while_model_final_is_written_says_the_job_completes(tmp_path, data_dir, jobs):
+    """A signal while model_final is being written, after the last iteration: the job completes (exit
+    0, FINISHED), and it said 'finishing this iteration, then checkpointing and stopping' (helper-79)."""
+    site, uri = tmp_path / "site", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_FINAL_RENAME)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           "MARK_RENAMING": str(site / "renaming")}
+    job = jobs(job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "final-window"}),
+               tmp_path, env=env)
+    wait_until(lambda: (site / "renaming").exists(), job, "model_final's rename", poll=0.01)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 0, job.stderr[-3000:]
+    assert "SIGTERM received: the last iteration is done; the job completes model_final" in job.stderr
+    assert "finishing this iteration" not in job.stderr
+    assert load_checkpoint(tmp_path / "output" / "model_final.pth")["iteration"] == MAX_ITER - 1
+    assert only_run(MlflowClient(uri), "final-window").info.status == "FINISHED"
 
 
 def test_sigterm_while_the_final_model_is_logged_lets_the_upload_complete(tmp_path, data_dir, jobs):
@@ -366,7 +400,8 @@ def test_sigterm_while_the_final_model_is_logged_lets_the_upload_complete(tmp_pa
     wait_until(lambda: "Validating input example" in job.stderr, job, "the model being logged", poll=0.01)
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(60) == 0, job.stderr[-3000:]
-    assert "SIGTERM received: model_final is saved; finishing the final evaluation and model logging" in job.stderr
+    assert ("SIGTERM received: the last iteration is done; the job completes model_final, the final evaluation and "
+            "the model's logging") in job.stderr
     run = only_run(MlflowClient(uri), "flush-signal")
     assert run.info.status == "FINISHED" and "tracktron.model_id" in run.data.tags
 

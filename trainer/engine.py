@@ -97,10 +97,10 @@ def train_model(job: Job) -> AlreadyFinished | None:
                 s.stats.maybe_reset_timer(cur_iter)
                 if stop:  # a signal on any rank: every rank stops after the same iteration
                     raise guard.preempted()
+            guard.finishing = True  # the last iteration is done: a signal now lets the job complete
             save_snapshot(job, s, None)
             if s.writer:
                 s.writer.close()
-            guard.finishing = True  # model_final is safe: a signal now lets the job complete
             if cfg.TEST.DATASETS:
                 evaluate_final(job, s)
             if job.ctx.is_main:

@@ -188,8 +188,8 @@ class PreemptionGuard(_OnSignal):
     def _first(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.finishing:
-            log.warning("%s received: model_final is saved; finishing the final evaluation and model logging "
-                        "(the grace period of %gs ends the job if they take longer)", name, self.grace_s)
+            log.warning("%s received: the last iteration is done; the job completes model_final, the final evaluation "
+                        "and the model's logging (the grace period of %gs ends the job if they take longer)", name, self.grace_s)
         else:
             log.warning("%s received: finishing this iteration, then checkpointing and stopping", name)
 
