@@ -215,6 +215,7 @@ def main(argv=None) -> None:
         args = sys.argv[1:] if argv is None else argv
         check_arguments_are_text(args)
         check_temporary_folder()
+        check_home_folder()
         settle_uri_variables()
         for arg in args:  # `--uri`, `--weights`, an override: a password as typed is hidden in every line
             remember_url_credentials(arg)
@@ -242,6 +243,15 @@ def check_temporary_folder() -> None:
     except FileNotFoundError:
         raise UserError("no folder for temporary files: TMPDIR, /tmp, /var/tmp and the working folder are not "
                         "writable; set TMPDIR to a writable folder (a volume, on a read-only root file system)") from None
+
+
+def check_home_folder() -> None:
+    """MLflow's import asks for the home folder (Path.home()): with HOME unset and a user id that has no
+    passwd entry (an arbitrary user, as OpenShift runs a container, started with no environment), it
+    ended in a traceback after the job's checks had passed."""
+    if os.path.expanduser("~") == "~":
+        raise UserError(f"no home folder: HOME is not set and this user (id {os.getuid()}) has no entry in the passwd "
+                        "file (a container run as an arbitrary user); set HOME to a writable folder")
 
 
 def _flush_and_exit(code: int) -> None:
