@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import DEMO, ROOT
+import pytest
+
+from tests.conftest import DEMO, ROOT, trainer_cmd
 
 # `python -m trainer ...` in a process whose passwd file has no entry for its user.
 NO_PASSWD_ENTRY = ("import pwd, runpy, sys\n"
@@ -47,3 +49,40 @@ def test_no_home_folder_is_one_line_before_anything_is_made(tmp_path, data_dir):
                                    f"{os.getuid()}) has no entry in the passwd file (a container run as an arbitrary "
                                    "user); set HOME to a writable folder"), done.stderr[-3000:]
         assert sorted(p.name for p in cwd.iterdir()) == []
+
+
+@pytest.fixture
+def read_only_home(tmp_path):
+    """HOME on a read-only file system (HOME=/ on a container's read-only root, or a home owned by the
+    image's user): root may write wherever permissions say no, so only a mount shows it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield home
+    finally:
+        subprocess.run(["umount", str(home)], check=True)
+
+
+@pytest.mark.parametrize("weights, variable, cache", [
+    ("http://127.0.0.1:9/R-50.pkl", "TRACKTRON_CACHE", ".cache/tracktron/weights"),
+    ("ResNet18_Weights.IMAGENET1K_V1", "TORCH_HOME", ".cache/torch/hub/checkpoints"),
+], ids=["url", "torchvision-name"])
+def test_a_weights_cache_that_cannot_be_written_says_so_not_a_failed_download(tmp_path, data_dir, read_only_home,
+                                                                              weights, variable, cache):
+    """The cache under a home that cannot be written: the line said `download failed (...)` and to fetch
+    the file where the network allows, though the network was never tried; it names the folder and the
+    variable that moves it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRACKTRON_CACHE", "TORCH_HOME", "XDG_CACHE_HOME")}
+    done = subprocess.run(trainer_cmd("DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "out"), "TRAIN.WEIGHTS",
+                                      weights, "TRACKING.URI", f"sqlite:///{tmp_path / 'm.db'}", "MODEL.BACKBONE",
+                                      "resnet18", "MODEL.BACKBONE_WIDTH", "1.0", "MODEL.ANCHOR_SIZES", "[16, 32, 64, 128, 256]"),
+                          cwd=tmp_path, env={**env, "HOME": str(read_only_home)}, capture_output=True, text=True, timeout=180)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith(f"error: TRAIN.WEIGHTS {weights}: the cache folder {read_only_home / cache} cannot be "
+                                "written (OSError: [Errno 30] Read-only file system"), lines[-1]
+    assert lines[-1].endswith(f"set {variable} to a writable folder"), lines[-1]
+    assert "download failed" not in lines[-1]
+    assert not (tmp_path / "m.db").exists() and not (tmp_path / "out").exists()

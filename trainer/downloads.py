@@ -4,6 +4,7 @@ fetches them before a run is made for the job."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -44,8 +45,8 @@ def download(url: str, option: str) -> Path:
         forget_url_credentials(url)  # it came from the host a parser reads in it: no password there
         return target
     window = _stall_window()
+    writable_cache(cache, f"{option} {shown}", "TRACKTRON_CACHE")
     try:
-        cache.mkdir(parents=True, exist_ok=True)
         _drop_stale_parts(cache)
         _fetch(url, cache, target, window)
     except (OSError, ValueError) as e:  # no network, a proxy, an HTTP error, a full disk: all the same here
@@ -54,6 +55,19 @@ def download(url: str, option: str) -> Path:
     forget_url_credentials(url)
     log.info("downloaded %s to %s", redact_urls(url), target)
     return target
+
+
+def writable_cache(folder: Path, what: str, variable: str) -> None:
+    """`folder` made and writable by this process, or a line that names it and the variable that moves
+    it: a cache that cannot be written (HOME=/, or a home owned by the image's user, as a container
+    run as an arbitrary user has) was said to be a failed download, to be fetched elsewhere."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+    except OSError as e:
+        raise UserError(f"{what}: the cache folder {folder} cannot be written ({type(e).__name__}: {first_line(e)}); "
+                        f"set {variable} to a writable folder") from None
 
 
 def _stall_window() -> float:

@@ -17,7 +17,7 @@ from trainer import torch_load
 from trainer.hashing import sha256_of
 from trainer.errors import UserError, first_line, user_path
 from trainer.models.builders import WEIGHT_NAME, unwrap, zero_eps_weights
-from trainer.downloads import URL_SCHEMES, download
+from trainer.downloads import URL_SCHEMES, download, writable_cache
 from trainer.models.detectron_weights import convert, read_blobs
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def hub_file(weight, option: str, spec: str) -> Path:
     path = Path(get_dir()) / "checkpoints" / name
     expected = HASH_REGEX.search(name)
     if not path.is_file():
+        writable_cache(path.parent, f"{option} {spec}", "TORCH_HOME")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             download_url_to_file(weight.url, str(path), expected and expected.group(1), progress=False)
         except Exception as e:  # no network, proxy, disk full, bad hash: all the same to the user
             raise UserError(f"{option} {spec}: download failed ({type(e).__name__}: {first_line(e)}); "
