@@ -57,14 +57,18 @@ RUN set -eux; \
 # A non-root user (numeric, so that Kubernetes' runAsNonRoot can check it). /data and /output are
 # created owned by it, so fresh named volumes are writable; /app itself (not the code in it) is
 # writable too, for the embedded tracking store (sqlite:///mlflow.db + ./mlruns) when no
-# MLFLOW_TRACKING_URI is given.
+# MLFLOW_TRACKING_URI is given. OpenShift runs an image as an arbitrary user id of group 0, not this
+# user: these folders and HOME (the weights caches) belong to group 0 with the owner's rights.
 ARG UID=10001
 ARG GID=10001
 RUN set -eux; \
     groupadd --gid "${GID}" tracktron; \
     useradd --uid "${UID}" --gid "${GID}" --create-home --shell /bin/bash tracktron; \
     mkdir -p /data /output; \
-    chown "${UID}:${GID}" /data /output /app
+    chown "${UID}:0" /data /output /app; \
+    chmod g=u /data /output /app; \
+    chgrp -R 0 /home/tracktron; \
+    chmod -R g=u /home/tracktron
 USER ${UID}:${GID}
 ENV HOME=/home/tracktron \
     TORCH_HOME=/home/tracktron/.cache/torch

@@ -122,6 +122,18 @@ def test_dockerfile_user_entrypoint_volumes_and_default_command():
                     assert (ROOT / src).exists(), f"COPY {src}: no such file"
 
 
+def test_the_folders_the_image_writes_are_writable_by_an_arbitrary_user_of_group_0():
+    """OpenShift runs the image as an arbitrary user id of group 0 (`runAsUser: 1000770000`): /app (the
+    default store), /output and HOME (TORCH_HOME, TRACKTRON_CACHE) owned by the image's user alone, the
+    default command ended at once (`cannot write to OUTPUT_DIR /output/demo`), and TRAIN.WEIGHTS could
+    not be cached (helper-83). The code in /app stays read-only."""
+    runs = " ".join(a for i, a in _dockerfile() if i == "RUN")
+    home = dict(re.match(r"(\w+)=(\S+)", kv).groups() for i, a in _dockerfile() if i == "ENV" for kv in a.split())["HOME"]
+    assert re.search(r'chown "\$\{UID\}:0" /data /output /app;', runs), runs
+    assert "chmod g=u /data /output /app;" in runs, runs  # not -R: the code is root's, and stays so
+    assert f"chgrp -R 0 {home};" in runs and f"chmod -R g=u {home}" in runs, runs
+
+
 def test_dockerignore_keeps_local_state_out_of_the_build_context():
     ignored = {x.strip() for x in (ROOT / ".dockerignore").read_text().splitlines()
                if x.strip() and not x.startswith("#")}
