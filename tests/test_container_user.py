@@ -55,14 +55,38 @@ def test_no_home_folder_is_one_line_before_anything_is_made(tmp_path, data_dir):
 def read_only_home(tmp_path):
     """HOME on a read-only file system (HOME=/ on a container's read-only root, or a home owned by the
     image's user): root may write wherever permissions say no, so only a mount shows it."""
-    home = tmp_path / "home"
-    home.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home)], capture_output=True).returncode:
+    yield from _read_only_folder(tmp_path / "home")
+
+
+@pytest.fixture
+def read_only_workdir(tmp_path):
+    """The container's WORKDIR on a read-only root file system (`readOnlyRootFilesystem: true`)."""
+    yield from _read_only_folder(tmp_path / "app")
+
+
+def _read_only_folder(folder: Path):
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     try:
-        yield home
+        yield folder
     finally:
-        subprocess.run(["umount", str(home)], check=True)
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_the_default_store_in_a_read_only_working_folder_names_the_folder(tmp_path, data_dir, read_only_workdir):
+    """The default `sqlite:///mlflow.db` is the working folder's: on a read-only root file system the
+    line said `the store cannot be made in .`, which a user of a container (WORKDIR /app) could not
+    place, and not what to set instead."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run(trainer_cmd("DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "scratch" / "out")),
+                          cwd=read_only_workdir, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert last_line(done) == (f"error: tracking URI sqlite:///mlflow.db: the store cannot be made in the working folder "
+                               f"{read_only_workdir} (a read-only file system, or no permission to write there); set "
+                               "MLFLOW_TRACKING_URI (or TRACKING.URI) to a tracking server or to a store in a writable "
+                               "folder"), done.stderr[-3000:]
+    assert not (tmp_path / "scratch").exists()
 
 
 @pytest.mark.parametrize("weights, variable, cache", [

@@ -27,6 +27,15 @@ def unmade(uri: str) -> bool:
     return uri.startswith("sqlite:") and not sqlite_path(uri).is_file()
 
 
+ELSEWHERE = "set MLFLOW_TRACKING_URI (or TRACKING.URI) to a tracking server or to a store in a writable folder"
+
+
+def _shown(path: Path) -> str:
+    """A store's path as the user can find it: a relative one (the default sqlite:///mlflow.db) is the
+    working folder's: a container's WORKDIR on a read-only root file system was said to be `.` (helper-83)."""
+    return f"the working folder {path.absolute()}" if path == Path(".") else str(path.absolute())
+
+
 def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None = None) -> bool:
     """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
     named by --resume or by a launcher (MLFLOW_RUN_ID), or an experiment named by its id, is the
@@ -37,8 +46,8 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
     if not folder.is_dir():
         raise UserError(f"tracking URI {uri}: the folder {folder} does not exist")
     if os.statvfs(folder).f_flag & os.ST_RDONLY or not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"tracking URI {uri}: the store cannot be made in {folder} (a read-only file system, or "
-                        "no permission to write there)")
+        raise UserError(f"tracking URI {uri}: the store cannot be made in {_shown(folder)} (a read-only file system, or "
+                        f"no permission to write there); {ELSEWHERE}")
     for named, given in (("run", resume_run_id), ("MLFLOW_RUN_ID", os.environ.get("MLFLOW_RUN_ID")),
                          ("MLFLOW_EXPERIMENT_ID", experiment_id)):
         if given:
@@ -65,7 +74,7 @@ def first_use_guard(uri: str):
     try:
         lock = open(lock_path, "a")
     except OSError as e:
-        raise UserError(f"tracking URI {uri}: cannot write beside {db} ({e.strerror or e})") from None
+        raise UserError(f"tracking URI {uri}: cannot write beside {_shown(db)} ({e.strerror or e}); {ELSEWHERE}") from None
     with lock:
         _take(lock, fcntl.LOCK_EX, lock_path)
         if db.exists():  # made by another job while this one waited, or used before: MLflow's own
