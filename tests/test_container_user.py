@@ -110,3 +110,35 @@ def test_a_weights_cache_that_cannot_be_written_says_so_not_a_failed_download(tm
     assert lines[-1].endswith(f"set {variable} to a writable folder"), lines[-1]
     assert "download failed" not in lines[-1]
     assert not (tmp_path / "m.db").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("store", ["new", "existing"])
+def test_a_store_on_a_volume_from_a_read_only_working_folder_makes_no_experiment_it_cannot_upload_to(
+        tmp_path, data_dir, read_only_workdir, store, monkeypatch):
+    """`TRACKING.URI sqlite:////volume/m.db` from a read-only WORKDIR: MLflow's client gives a new
+    experiment ./mlruns of the working folder for its artifacts. The job made the store, the experiment
+    (for good: every later job of it would fail the same way) and a run, then stopped at its first
+    upload (`refuses uploads ... Permission denied: '/app/mlruns'`)."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    uri = f"sqlite:///{volume / 'm.db'}"
+    if store == "existing":
+        from mlflow import MlflowClient
+
+        monkeypatch.chdir(volume)
+        MlflowClient(uri).search_experiments()  # the store and its Default experiment
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run(trainer_cmd("DATA_DIR", str(data_dir), "OUTPUT_DIR", str(volume / "out"), "TRACKING.URI", uri),
+                          cwd=read_only_workdir, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert last_line(done) == (f"error: tracking URI {uri}: a new experiment demo would keep its artifacts in "
+                               f"{read_only_workdir / 'mlruns'} (MLflow's default for a database store: ./mlruns in the "
+                               "working folder), which cannot be written; start the job in a writable folder, or use a "
+                               "tracking server"), done.stderr[-3000:]
+    assert not (volume / "out").exists()
+    if store == "new":
+        assert not (volume / "m.db").exists()
+    else:
+        from mlflow import MlflowClient
+
+        assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]

@@ -22,7 +22,7 @@ from trainer.tracking.run_description import describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, sha_tag)
 from trainer.tracking.server_errors import start_error
-from trainer.tracking.sqlite_store import check_store, not_made_yet
+from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
 
 log = logging.getLogger(__name__)
 # The name an experiment tracktron made was made under: renamed in the UI, it is found by this.
@@ -97,7 +97,7 @@ def _check_artifacts_reachable(client, uri: str, found: FoundRun) -> None:
     elif found.experiment_id:
         where, location = f"experiment {found.experiment}", client.get_experiment(found.experiment_id).artifact_location
     else:
-        return
+        return check_new_experiment_artifacts(uri, found.experiment)
     if (location or "").lower().startswith("mlflow-artifacts:"):  # MLflow reads schemes in any case
         raise UserError(f"{where} keeps its artifacts on an mlflow server ({location}), which this job reaches only "
                         "through that server: set TRACKING.URI to its http:// address, not to its store")
@@ -263,8 +263,9 @@ def _check_ours(run, cfg: Config, named: str, drop: str) -> None:
                         "start this job's run in a new one")
 
 
-def found_in_new_store(cfg: Config) -> FoundRun:
+def found_in_new_store(cfg: Config, uri: str) -> FoundRun:
     """A store not made yet holds no run: a new one, once MLFLOW_REGISTRY_URI's models are checked."""
+    check_new_experiment_artifacts(uri, experiment_name(cfg))
     check_registered_model(None, cfg)
     return FoundRun(None, experiment_name(cfg), None)
 
@@ -276,7 +277,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
 
     name = experiment_name(cfg)
     if not_made_yet(uri, resume_run_id, env_experiment_id(cfg)):
-        found_in_new_store(cfg)
+        found_in_new_store(cfg, uri)
         return f"a new store, experiment {name}, a new run", []
     if uri.startswith("sqlite:///"):
         check_store(uri)

@@ -101,7 +101,7 @@ class MlflowTracker(Tracker):
     def _look_up(self, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
         """The job's run as the store has it; a SQLite store that does not exist yet is not made here."""
         if not_made_yet(self.uri, resume_run_id, env_experiment_id(cfg)):
-            return found_in_new_store(cfg)
+            return found_in_new_store(cfg, self.uri)
         with first_use_guard(self.uri):  # a new SQLite store gets its tables from one job only
             self.client = make_client(self.uri)
             return find_run(self.client, self.uri, cfg, resume_run_id, new_run)

@@ -55,6 +55,24 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
     return True
 
 
+def check_new_experiment_artifacts(uri: str, experiment: str) -> None:
+    """A new experiment on a database store keeps its artifacts where MLflow's client puts them by
+    default: ./mlruns in the working folder, whatever folder the store is in. From a read-only working
+    folder (a container's WORKDIR, a store on a volume) the job made the experiment there for good and
+    a run, then stopped at its first upload (helper-83); said before anything is written."""
+    if uri.split(":", 1)[0].split("+", 1)[0].lower() not in ("sqlite", "postgresql", "mysql", "mssql"):
+        return
+    root = os.environ.get("_MLFLOW_SERVER_ARTIFACT_ROOT") or "./mlruns"  # as mlflow's _get_sqlalchemy_store
+    if "://" in root or (":" in root and not root.startswith(("/", "."))):
+        return  # a URI (s3://, file://...): not ours to judge here
+    folder = Path(root).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise UserError(f"tracking URI {uri}: a new experiment {experiment} would keep its artifacts in {folder} "
+                        "(MLflow's default for a database store: ./mlruns in the working folder), which cannot be "
+                        "written; start the job in a writable folder, or use a tracking server")
+
+
 @contextlib.contextmanager
 def first_use_guard(uri: str):
     """Around a job's first calls on a SQLite store: one process at a time, so that two jobs that
