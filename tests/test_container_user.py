@@ -142,3 +142,22 @@ def test_a_store_on_a_volume_from_a_read_only_working_folder_makes_no_experiment
         from mlflow import MlflowClient
 
         assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
+
+
+def test_an_arbitrary_user_with_a_home_trains_and_its_run_says_the_user_is_unknown(tmp_path, data_dir):
+    """The same user id with HOME set (as the image sets it) trains; its run's mlflow.user, which MLflow
+    takes from the login (a KeyError here, which MLflow's own lookup turns into a warning), is `unknown`,
+    and MLFLOW_TRACKING_USERNAME names the user where it is set."""
+    from mlflow import MlflowClient
+
+    (tmp_path / "home").mkdir()
+    for user in ("", "carol"):
+        uri = f"sqlite:///{tmp_path / f'm{user}.db'}"
+        done = run_as_arbitrary_user(["train", "--config", str(DEMO), "DATA_DIR", str(data_dir), "OUTPUT_DIR",
+                                      str(tmp_path / f"out{user}"), "SOLVER.MAX_ITER", "2", "TRACKING.URI", uri,
+                                      "TEST.DATASETS", "()", "TRACKING.LOG_MODEL", "false"], tmp_path,
+                                     {"HOME": str(tmp_path / "home"), **({"MLFLOW_TRACKING_USERNAME": user} if user else {})})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "resolving tags" not in done.stderr
+        (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
+        assert run.data.tags["mlflow.user"] == (user or "unknown")

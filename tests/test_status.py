@@ -1,6 +1,7 @@
 """What users see: run names, descriptions, experiment kind, system metrics, `tracktron status`."""
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import subprocess
@@ -38,6 +39,8 @@ def test_runs_are_named_described_and_in_a_training_experiment(finished_job):
     note = run.data.tags["mlflow.note.content"]
     assert "fasterrcnn_resnet50_fpn" in note and "synth_shapes_train" in note and "12 iterations" in note
     assert f"see it with: mlflow ui --backend-store-uri {uri}" in result.stderr
+    # who and what started it, as mlflow.start_run says (the UI's User and Source columns were empty)
+    assert run.data.tags["mlflow.user"] == getpass.getuser() and run.data.tags["mlflow.source.type"] == "LOCAL"
 
 
 def test_system_metrics_are_logged_when_asked(finished_job):

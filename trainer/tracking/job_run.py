@@ -18,7 +18,7 @@ from trainer.redaction import redact_text, redact_urls
 from trainer.tracking.checkpoint_models import MODEL_TAG
 from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
-from trainer.tracking.run_description import describe_job, git_commit
+from trainer.tracking.run_description import context_tags, describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, sha_tag)
 from trainer.tracking.server_errors import start_error
@@ -31,6 +31,7 @@ EXPERIMENT_TAG = "tracktron.experiment"
 
 def _start_tags(cfg: Config, world_size: int) -> dict[str, str]:
     tags = {  # torch's versions and the device come with set_tags() once torch is imported
+        **context_tags(),
         JOB_TAG: job_hash(cfg),
         "tracktron.config_name": cfg.NAME,
         "tracktron.world_size": str(world_size),

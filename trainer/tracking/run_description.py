@@ -2,7 +2,9 @@
 commit, the config as params, and its inputs (datasets, the model its weights came from)."""
 from __future__ import annotations
 
+import getpass
 import subprocess
+import sys
 from pathlib import Path
 
 from trainer.config import Config, flatten, redacted
@@ -30,6 +32,22 @@ def git_commit() -> str | None:
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def context_tags() -> dict[str, str]:
+    """The run-context tags mlflow.start_run gives a run and a client's create_run does not: mlflow.user
+    (the UI's User column: MLFLOW_TRACKING_USERNAME, else the login), the source, and those of MLflow's
+    other context providers (MLFLOW_RUN_CONTEXT's JSON, a platform's plugin)."""
+    from mlflow.tracking.context.default_context import DefaultRunContext
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    try:
+        user = read_mlflow_creds().username or getpass.getuser()
+    except Exception:  # a user id with no passwd entry and no USER (a container's arbitrary user): KeyError
+        user = "unknown"  # MLflow's own word for it, without its warning
+    own = {"mlflow.user": user, "mlflow.source.name": sys.argv[0] or "<console>", "mlflow.source.type": "LOCAL"}
+    return own | resolve_tags(ignore=[DefaultRunContext])
 
 
 def safe_params(cfg: Config) -> dict[str, str]:
