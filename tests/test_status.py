@@ -24,7 +24,8 @@ def finished_job(tmp_path_factory, data_dir):
     uri = f"sqlite:///{tmp / 'store.db'}"
     args = demo_overrides(tmp, data_dir, **{"TRACKING.URI": uri, "TRACKING.SYSTEM_METRICS": "true",
                                             "SOLVER.MAX_ITER": 12})
-    result = run_trainer(args, cwd=tmp, env={"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
+    result = run_trainer(args, cwd=tmp, env={"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
+                                             "MLFLOW_RUN_CONTEXT": '{"team": "vision", "pod": {"node": 3}}'})
     assert result.returncode == 0, result.stderr
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("demo")
@@ -41,6 +42,8 @@ def test_runs_are_named_described_and_in_a_training_experiment(finished_job):
     assert f"see it with: mlflow ui --backend-store-uri {uri}" in result.stderr
     # who and what started it, as mlflow.start_run says (the UI's User and Source columns were empty)
     assert run.data.tags["mlflow.user"] == getpass.getuser() and run.data.tags["mlflow.source.type"] == "LOCAL"
+    # and MLflow's MLFLOW_RUN_CONTEXT, a nested value as its JSON (a dict failed the run's creation)
+    assert run.data.tags["team"] == "vision" and run.data.tags["pod"] == '{"node": 3}'
 
 
 def test_system_metrics_are_logged_when_asked(finished_job):

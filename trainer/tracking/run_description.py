@@ -3,6 +3,7 @@ commit, the config as params, and its inputs (datasets, the model its weights ca
 from __future__ import annotations
 
 import getpass
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from trainer.config import Config, flatten, redacted
 from trainer.redaction import redact_text
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+MAX_TAG_LEN = 5000  # of a context tag's value (MLflow's limit is 8000)
 
 
 def describe_job(cfg: Config, world_size: int) -> str:
@@ -47,7 +49,9 @@ def context_tags() -> dict[str, str]:
     except Exception:  # a user id with no passwd entry and no USER (a container's arbitrary user): KeyError
         user = "unknown"  # MLflow's own word for it, without its warning
     own = {"mlflow.user": user, "mlflow.source.name": sys.argv[0] or "<console>", "mlflow.source.type": "LOCAL"}
-    return own | resolve_tags(ignore=[DefaultRunContext])
+    # MLFLOW_RUN_CONTEXT is anyone's JSON: a nested value is its JSON text (a dict failed the run's creation)
+    return own | {str(k): (v if isinstance(v, str) else json.dumps(v))[:MAX_TAG_LEN]
+                  for k, v in resolve_tags(ignore=[DefaultRunContext]).items()}
 
 
 def safe_params(cfg: Config) -> dict[str, str]:
