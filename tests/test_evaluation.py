@@ -663,3 +663,18 @@ def test_a_download_that_writes_in_place_is_progress(tmp_path, monkeypatch):
     assert _while_progressing(multipart, tmp_path).stat().st_size == 16 << 20
     with pytest.raises(TimeoutError, match="no progress for 4 s"):
         _while_progressing(lambda: time.sleep(30), tmp_path)
+
+
+@pytest.mark.parametrize("first_id", [0, "a0"], ids=["from-0", "strings"])
+def test_annotation_ids_as_annotation_tools_number_them_score_ground_truth_one(shapes, tmp_path, first_id):
+    """Roboflow, Label Studio and labelme2coco number annotations from 0 (COCO's own from 1), which
+    pycocotools' matching reads as no match: the ground truth as detections scored AP 0.81, not 1."""
+    data = json.loads((shapes / "annotations.json").read_text())
+    for n, ann in enumerate(data["annotations"]):
+        ann["id"] = n if first_id == 0 else f"a{n}"
+    (tmp_path / "images").symlink_to(shapes / "images")
+    (tmp_path / "annotations.json").write_text(json.dumps(data))
+    gt = CocoDetection(tmp_path / "images", tmp_path / "annotations.json", train=False, masks=True)
+    loader, _ = build_test_loader(make_cfg(tmp_path, "maskrcnn_resnet50_fpn"), str(tmp_path))
+    metrics = coco_evaluate(gt.coco, run_inference(Oracle(gt), loader, gt, torch.device("cpu")), ["bbox", "segm"])
+    assert metrics["bbox/AP"] == pytest.approx(1.0) and metrics["segm/AP"] == pytest.approx(1.0)

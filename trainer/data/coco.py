@@ -226,7 +226,11 @@ def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
     """The ground truth as COCOeval reads it, with what it needs and many files leave out or leave
     empty filled in as training reads them: no mask is an empty mask, no keypoints none visible."""
     images = {im["id"]: im for im in data["images"]}
-    for ann in data["annotations"]:
+    for number, ann in enumerate(data["annotations"], 1):
+        # COCOeval keeps a match as the ground truth's id in a float array, 0 for none: an id 0
+        # (Roboflow's, Label Studio's, labelme2coco's first) was a true positive scored as a false
+        # one, and a string id a ValueError. Nothing else reads them; 1..N as loadRes numbers results.
+        ann["id"] = number
         ann.setdefault("iscrowd", 0)
         if "area" not in ann:
             ann["area"] = float(ann["bbox"][2] * ann["bbox"][3])
