@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from pycocotools import mask as mask_utils
 
 from trainer.data import coco
@@ -894,3 +894,44 @@ def test_a_mask_model_is_refused_a_training_set_without_one_segmentation(tmp_pat
     image_dir, ann = _write_coco(tmp_path, images, [_ann(1, 1, [0, 0, 8, 8]),
                                                     _ann(2, 1, [4, 2, 8, 6], segmentation=[[4, 2, 12, 2, 12, 8]])])
     assert len(CocoDetection(image_dir, ann, train=True, masks=True)) == 1  # one is enough (row 88: the rest empty)
+
+
+def _phone_photos(root):
+    """A folder dataset as Label Studio or CVAT export phone photos: stored sideways with EXIF
+    orientation 6, annotated (width, height and boxes) upright, as the browser showed them."""
+    (root / "images").mkdir(parents=True)
+    images, anns = [], []
+    for i in range(1, 4):
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        Image.new("RGB", (96, 80), (200, 40, 40)).save(root / "images" / f"IMG_{i}.jpg", exif=exif.tobytes())
+        images.append({"id": i, "file_name": f"IMG_{i}.jpg", "width": 80, "height": 96})
+        anns.append({"id": i, "image_id": i, "category_id": 1, "bbox": [10, 20, 30, 40], "area": 1200, "iscrowd": 0})
+    (root / "annotations.json").write_text(json.dumps({"images": images, "annotations": anns,
+                                                       "categories": [{"id": 1, "name": "red"}]}))
+    return root
+
+
+@pytest.mark.parametrize("test_sets", ["()", "same"], ids=["training-set", "test-set"])
+def test_photos_annotated_upright_by_their_exif_orientation_are_refused_naming_it(tmp_path, test_sets):
+    """The size check said only `IMG_1.jpg is 96x80 but annotations.json says 80x96`: nothing of the
+    orientation the annotation tool applied, nor of the fix (detectron2's read_image applies it)."""
+    from tests.conftest import demo_overrides, run_trainer
+
+    photos = _phone_photos(tmp_path / "photos")
+    done = run_trainer(demo_overrides(tmp_path, tmp_path, **{"TRAIN.DATASETS": f"('{photos}',)", "SOLVER.MAX_ITER": 2,
+                                                             "TEST.DATASETS": f"('{photos}',)" if test_sets == "same" else "()",
+                                                             "TRACKING.URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}), tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: {re.escape(str(photos / 'images'))}/IMG_\d\.jpg is 96x80 but "
+                        rf"{re.escape(str(photos / 'annotations.json'))} says 80x96: its EXIF orientation \(6\) turns it, .*"
+                        r"store the images upright \(`mogrify -auto-orient`, PIL's ImageOps.exif_transpose\)", line), line
+    for path in (photos / "images").iterdir():  # the fix it names trains
+        with Image.open(path) as im:
+            upright = ImageOps.exif_transpose(im)
+        upright.save(path)
+    done = run_trainer(demo_overrides(tmp_path, tmp_path, **{"TRAIN.DATASETS": f"('{photos}',)", "SOLVER.MAX_ITER": 2,
+                                                             "TEST.DATASETS": "()", "OUTPUT_DIR": str(tmp_path / "fixed"),
+                                                             "TRACKING.URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -204,7 +204,24 @@ def check_image_headers(path: Path, image_dir: Path, images: list) -> None:
         if found not in DECODED_FORMATS:
             raise UserError(f"{file} is {found or 'no image'}, not a format the trainer reads (JPEG, PNG, GIF or WebP)")
         if size != (im["width"], im["height"]):  # boxes would be misplaced
-            raise UserError(f"{file} is {size[0]}x{size[1]} but {path} says {im['width']}x{im['height']}")
+            raise size_mismatch(file, size, path, im)
+
+
+def size_mismatch(file: Path, size: tuple, path: Path, im: dict, shown: str | None = None) -> UserError:
+    """An image of another size than its annotation file says; a phone photo's EXIF orientation,
+    which the tool that annotated it applied (a browser, detectron2's read_image), named."""
+    from PIL import Image
+
+    error = f"{shown or file} is {size[0]}x{size[1]} but {path} says {im['width']}x{im['height']}"
+    try:
+        with Image.open(file) as probe:
+            orientation = int(probe.getexif().get(0x0112, 1))
+    except Exception:  # no EXIF to read: the sizes alone
+        orientation = 1
+    if orientation in (5, 6, 7, 8) and tuple(size) == (im["height"], im["width"]):
+        error += (f": its EXIF orientation ({orientation}) turns it, as the annotation tool showed it, and tracktron reads "
+                  "the pixels as stored; store the images upright (`mogrify -auto-orient`, PIL's ImageOps.exif_transpose)")
+    return UserError(error)
 
 
 def category_key(categories: list, keypoints: bool = True) -> list:

@@ -20,7 +20,8 @@ import torch
 from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
-from trainer.data.checks import category_difference, category_key, check, check_image_headers, read_json
+from trainer.data.checks import (category_difference, category_key, check, check_image_headers, read_json,
+                                 size_mismatch)
 from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
@@ -217,8 +218,7 @@ class CocoDetection(Dataset):
         except (OSError, ValueError) as e:
             raise UserError(f"cannot decode image {shown}: {getattr(e, 'strerror', None) or e}") from None
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced
-            raise UserError(f"{shown} is {image.shape[2]}x{image.shape[1]} but {self.ann_file} says "
-                            f"{record['width']}x{record['height']}")
+            raise size_mismatch(path, (image.shape[2], image.shape[1]), self.ann_file, record, shown) from None
         return image
 
 
