@@ -935,3 +935,41 @@ def test_photos_annotated_upright_by_their_exif_orientation_are_refused_naming_i
                                                              "TEST.DATASETS": "()", "OUTPUT_DIR": str(tmp_path / "fixed"),
                                                              "TRACKING.URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}), tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_roboflow_export_folder_is_refused_with_the_catalog_entry_that_reads_it(tmp_path, tiny):
+    """Roboflow's COCO export puts `_annotations.coco.json` beside the images (train/, valid/, test/):
+    as a dataset folder it was `annotation file not found: …/annotations.json (check DATA_DIR=…)`,
+    the folder found and DATA_DIR no part of the fix. The entry the line gives trains."""
+    import shlex
+
+    from tests.conftest import demo_overrides, run_trainer
+
+    export = tmp_path / "export" / "train"
+    export.mkdir(parents=True)
+    for image in (tiny / "images").iterdir():
+        (export / image.name).write_bytes(image.read_bytes())
+    (export / "_annotations.coco.json").write_bytes((tiny / "annotations.json").read_bytes())
+    with pytest.raises(UserError) as refused:
+        resolve_dataset(_cfg(tmp_path), "export/train")  # relative to DATA_DIR, as a user names it
+    line = str(refused.value)
+    assert line.startswith(f"dataset folder {export} has _annotations.coco.json, not annotations.json and images/: ")
+    suggested = shlex.split(line.split("(e.g. ", 1)[1][:-1])
+    done = run_trainer(demo_overrides(tmp_path, tmp_path, **{"SOLVER.MAX_ITER": 2, "TEST.DATASETS": "()",
+                                                             "TRACKING.URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+                       + suggested, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_absolute_file_name_missing_says_it_is_not_looked_for_in_the_image_folder(tmp_path):
+    """Label Studio exports images it did not download as `/data/upload/1/x.jpg`: `missing from
+    IMAGE_DIR, e.g. /data/upload/1/x.jpg` said where it was not looked for."""
+    image_dir, ann = _write_coco(tmp_path, [{"id": 0, "file_name": "x.png", "width": 8, "height": 8}], [_ann(0, 0, [0, 0, 4, 4])])
+    data = json.loads(ann.read_text())
+    data["images"][0]["file_name"] = "/data/upload/1/x.png"
+    ann.write_text(json.dumps(data))
+    with pytest.raises(UserError) as refused:
+        CocoDetection(image_dir, ann)
+    assert str(refused.value) == (f"1 of 1 images listed in {ann} are missing from {image_dir}, e.g. /data/upload/1/x.png (a "
+                                  "file_name that is an absolute path, as Label Studio's /data/upload/..., is read there, "
+                                  "not in the image folder: make the file names relative to it)")

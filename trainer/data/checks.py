@@ -161,7 +161,10 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         locale = ("; names that are not ASCII cannot be found in this locale (file names as "
                   f"{sys.getfilesystemencoding()}): use LC_ALL=C.UTF-8 or PYTHONUTF8=1"
                   if not all(n.isascii() for n in names) and sys.getfilesystemencoding().lower() != "utf-8" else "")
-        return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}{locale}")
+        where = (" (a file_name that is an absolute path, as Label Studio's /data/upload/..., is read there, not in the image "
+                 "folder: make the file names relative to it)") if os.path.isabs(names[0]) else ""
+        return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}"
+                         f"{where}{locale}")
 
     if missing := [name for name, p in listed if name not in on_disk and not _exists(p)]:
         raise refuse(missing, "are missing from")

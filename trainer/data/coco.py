@@ -78,6 +78,10 @@ def resolve_dataset(cfg, name: str) -> tuple[Path, Path]:
         if not root.is_dir():
             raise UserError(f"dataset folder not found: {root}")
         im_dir, ann = root / IMAGES, root / ANNOTATIONS
+        if not ann.is_file() and (other := sorted(p.name for p in root.glob("*.json"))):  # Roboflow's _annotations.coco.json
+            raise UserError(f"dataset folder {root} has {other[0]}, not {ANNOTATIONS} and {IMAGES}/: for another layout name "
+                            f"it in DATASET_CATALOG (e.g. DATASET_CATALOG.mine \"{{IM_DIR: {root.absolute()}, ANN_FN: "
+                            f"{root.absolute() / other[0]}}}\" TRAIN.DATASETS \"('mine',)\")")
     else:
         known = sorted({*CATALOG, *cfg.DATASET_CATALOG})
         close = difflib.get_close_matches(name, known, n=1)
