@@ -973,3 +973,18 @@ def test_an_absolute_file_name_missing_says_it_is_not_looked_for_in_the_image_fo
     assert str(refused.value) == (f"1 of 1 images listed in {ann} are missing from {image_dir}, e.g. /data/upload/1/x.png (a "
                                   "file_name that is an absolute path, as Label Studio's /data/upload/..., is read there, "
                                   "not in the image folder: make the file names relative to it)")
+
+
+def test_a_windows_file_name_missing_says_its_backslashes_are_no_folders(tmp_path):
+    """labelme2coco run on Windows writes `JPEGImages\\\\x.png`: `missing from IMAGE_DIR, e.g.
+    JPEGImages\\x.png` with the file there, in JPEGImages/, said nothing of why."""
+    image_dir, ann = _write_coco(tmp_path, [{"id": 0, "file_name": "x.png", "width": 8, "height": 8}], [_ann(0, 0, [0, 0, 4, 4])])
+    (image_dir / "JPEGImages").mkdir()
+    (image_dir / "x.png").rename(image_dir / "JPEGImages" / "x.png")
+    data = json.loads(ann.read_text())
+    data["images"][0]["file_name"] = "JPEGImages\\x.png"
+    ann.write_text(json.dumps(data))
+    with pytest.raises(UserError) as refused:
+        CocoDetection(image_dir, ann)
+    assert str(refused.value) == (f"1 of 1 images listed in {ann} are missing from {image_dir}, e.g. JPEGImages\\x.png (a "
+                                  "file_name of backslashes, as written on Windows: folders are separated by '/' here)")

@@ -163,6 +163,8 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
                   if not all(n.isascii() for n in names) and sys.getfilesystemencoding().lower() != "utf-8" else "")
         where = (" (a file_name that is an absolute path, as Label Studio's /data/upload/..., is read there, not in the image "
                  "folder: make the file names relative to it)") if os.path.isabs(names[0]) else ""
+        if "\\" in names[0] and os.sep == "/":  # labelme2coco and others run on Windows
+            where = " (a file_name of backslashes, as written on Windows: folders are separated by '/' here)"
         return UserError(f"{len(names)} of {len(listed)} images listed in {path} {are} {image_dir}, e.g. {example}"
                          f"{where}{locale}")
 
