@@ -937,23 +937,29 @@ def test_photos_annotated_upright_by_their_exif_orientation_are_refused_naming_i
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_a_roboflow_export_folder_is_refused_with_the_catalog_entry_that_reads_it(tmp_path, tiny):
-    """Roboflow's COCO export puts `_annotations.coco.json` beside the images (train/, valid/, test/):
-    as a dataset folder it was `annotation file not found: …/annotations.json (check DATA_DIR=…)`,
-    the folder found and DATA_DIR no part of the fix. The entry the line gives trains."""
+@pytest.mark.parametrize("images, annotations", [("", "_annotations.coco.json"),
+                                                 ("images", "annotations/instances_default.json"),
+                                                 ("data", "labels.json")], ids=["roboflow", "cvat", "fiftyone"])
+def test_an_annotation_tools_export_folder_is_refused_with_the_catalog_entry_that_reads_it(tmp_path, tiny, images,
+                                                                                          annotations):
+    """Roboflow's COCO export puts `_annotations.coco.json` beside the images (train/, valid/, test/),
+    CVAT's `annotations/instances_default.json` beside `images/`, FiftyOne's `labels.json` beside
+    `data/`: as a dataset folder each was `annotation file not found: …/annotations.json (check
+    DATA_DIR=…)`, the folder found and DATA_DIR no part of the fix. The entry the line gives trains."""
     import shlex
 
     from tests.conftest import demo_overrides, run_trainer
 
     export = tmp_path / "export" / "train"
-    export.mkdir(parents=True)
+    (export / images).mkdir(parents=True)
     for image in (tiny / "images").iterdir():
-        (export / image.name).write_bytes(image.read_bytes())
-    (export / "_annotations.coco.json").write_bytes((tiny / "annotations.json").read_bytes())
+        (export / images / image.name).write_bytes(image.read_bytes())
+    (export / annotations).parent.mkdir(exist_ok=True)
+    (export / annotations).write_bytes((tiny / "annotations.json").read_bytes())
     with pytest.raises(UserError) as refused:
         resolve_dataset(_cfg(tmp_path), "export/train")  # relative to DATA_DIR, as a user names it
     line = str(refused.value)
-    assert line.startswith(f"dataset folder {export} has _annotations.coco.json, not annotations.json and images/: ")
+    assert line.startswith(f"dataset folder {export} has {annotations}, not annotations.json and images/: ")
     suggested = shlex.split(line.split("(e.g. ", 1)[1][:-1])
     done = run_trainer(demo_overrides(tmp_path, tmp_path, **{"SOLVER.MAX_ITER": 2, "TEST.DATASETS": "()",
                                                              "TRACKING.URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})

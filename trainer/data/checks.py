@@ -174,6 +174,17 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         raise refuse(not_files, "are no image files (a folder, a FIFO, a device, a broken link) in")
 
 
+def other_layout(root: Path) -> tuple | None:
+    """(image folder, annotation file) of a folder exported in another layout than tracktron's: Roboflow's
+    (_annotations.coco.json beside the images), CVAT's (annotations/instances_default.json, images/),
+    FiftyOne's (labels.json, data/); None if it holds no json file."""
+    root = root.absolute()
+    found = sorted(root.glob("*.json")) or sorted(root.glob("annotations/*.json"))
+    if not found:
+        return None
+    return next((root / d for d in ("images", "data") if (root / d).is_dir()), root), found[0]
+
+
 def _exists(path: Path) -> bool:
     try:
         return path.exists()

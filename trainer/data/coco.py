@@ -20,8 +20,8 @@ import torch
 from pycocotools.coco import COCO
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
-from trainer.data.checks import (category_difference, category_key, check, check_image_headers, read_json,
-                                 size_mismatch)
+from trainer.data.checks import (category_difference, category_key, check, check_image_headers, other_layout,
+                                 read_json, size_mismatch)
 from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
@@ -78,10 +78,11 @@ def resolve_dataset(cfg, name: str) -> tuple[Path, Path]:
         if not root.is_dir():
             raise UserError(f"dataset folder not found: {root}")
         im_dir, ann = root / IMAGES, root / ANNOTATIONS
-        if not ann.is_file() and (other := sorted(p.name for p in root.glob("*.json"))):  # Roboflow's _annotations.coco.json
-            raise UserError(f"dataset folder {root} has {other[0]}, not {ANNOTATIONS} and {IMAGES}/: for another layout name "
-                            f"it in DATASET_CATALOG (e.g. DATASET_CATALOG.mine \"{{IM_DIR: {root.absolute()}, ANN_FN: "
-                            f"{root.absolute() / other[0]}}}\" TRAIN.DATASETS \"('mine',)\")")
+        if not ann.is_file() and (layout := other_layout(root)):  # Roboflow's, CVAT's, FiftyOne's exports
+            found = layout[1].relative_to(root.absolute())
+            raise UserError(f"dataset folder {root} has {found}, not {ANNOTATIONS} and {IMAGES}/: for another layout name "
+                            f"it in DATASET_CATALOG (e.g. DATASET_CATALOG.mine \"{{IM_DIR: {layout[0]}, ANN_FN: "
+                            f"{layout[1]}}}\" TRAIN.DATASETS \"('mine',)\")")
     else:
         known = sorted({*CATALOG, *cfg.DATASET_CATALOG})
         close = difflib.get_close_matches(name, known, n=1)
