@@ -572,3 +572,16 @@ def test_a_token_in_the_tracking_uri_is_never_shown_even_in_part(tmp_path, lengt
     shown = result.stdout + result.stderr
     assert "token=***" in shown, shown[-2000:]
     assert not any(token[i:i + 6] in shown for i in range(length - 5)), shown[-2000:]
+
+
+def test_run_context_tags_carry_no_credentials(monkeypatch):
+    """MLFLOW_RUN_CONTEXT's values became tags as given: a CI job's URL with its token, or a value
+    under a secret-named key, reached the store; they are redacted as the job's other tags are."""
+    from trainer.tracking.run_description import context_tags
+
+    monkeypatch.setenv("MLFLOW_RUN_CONTEXT", '{"ci.job_url": "https://bot:hunter2@ci.example.com/job/1", '
+                                             '"ci.api_token": "tok-123", "pod": {"node": 3}}')
+    tags = context_tags()
+    assert "hunter2" not in str(tags) and "tok-123" not in str(tags)
+    assert tags["ci.job_url"].endswith("@ci.example.com/job/1") and tags["ci.api_token"] == "***"
+    assert tags["pod"] == '{"node": 3}'

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import Config, flatten, redacted
-from trainer.redaction import redact_text
+from trainer.redaction import REDACTED, is_secret_key, redact_text
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 MAX_TAG_LEN = 5000  # of a context tag's value (MLflow's limit is 8000)
@@ -49,8 +49,10 @@ def context_tags() -> dict[str, str]:
     except Exception:  # a user id with no passwd entry and no USER (a container's arbitrary user): KeyError
         user = "unknown"  # MLflow's own word for it, without its warning
     own = {"mlflow.user": user, "mlflow.source.name": sys.argv[0] or "<console>", "mlflow.source.type": "LOCAL"}
-    # MLFLOW_RUN_CONTEXT is anyone's JSON: a nested value is its JSON text (a dict failed the run's creation)
-    return own | {str(k): (v if isinstance(v, str) else json.dumps(v))[:MAX_TAG_LEN]
+    # MLFLOW_RUN_CONTEXT is anyone's JSON: a nested value is its JSON text (a dict failed the run's creation);
+    # a CI job's URL with its token, or a key named like a secret, is redacted as the other tags are
+    return own | {str(k): REDACTED if is_secret_key(str(k))
+                  else redact_text(v if isinstance(v, str) else json.dumps(v))[:MAX_TAG_LEN]
                   for k, v in resolve_tags(ignore=[DefaultRunContext]).items()}
 
 
