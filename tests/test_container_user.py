@@ -161,3 +161,21 @@ def test_an_arbitrary_user_with_a_home_trains_and_its_run_says_the_user_is_unkno
         assert "resolving tags" not in done.stderr
         (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("demo").experiment_id])
         assert run.data.tags["mlflow.user"] == (user or "unknown")
+
+
+def test_an_artifact_root_from_the_environment_is_named_as_such(tmp_path, monkeypatch):
+    """MLflow's client takes _MLFLOW_SERVER_ARTIFACT_ROOT before ./mlruns: a new experiment's folder
+    that cannot be written because of it said it was MLflow's default, ./mlruns in the working folder,
+    and to start the job elsewhere, which changes nothing."""
+    from trainer.errors import UserError
+    from trainer.tracking.sqlite_store import check_new_experiment_artifacts
+
+    (tmp_path / "arts").write_text("a file, not a folder")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", "arts")
+    with pytest.raises(UserError) as e:
+        check_new_experiment_artifacts("sqlite:////v/m.db", "demo")
+    assert f"in {tmp_path / 'arts'} (_MLFLOW_SERVER_ARTIFACT_ROOT=arts)" in str(e.value)
+    assert "set _MLFLOW_SERVER_ARTIFACT_ROOT to a writable folder" in str(e.value) and "./mlruns" not in str(e.value)
+    monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", "s3://bucket/arts")  # a URI: not judged here
+    check_new_experiment_artifacts("sqlite:////v/m.db", "demo")

@@ -62,15 +62,18 @@ def check_new_experiment_artifacts(uri: str, experiment: str) -> None:
     a run, then stopped at its first upload (helper-83); said before anything is written."""
     if uri.split(":", 1)[0].split("+", 1)[0].lower() not in ("sqlite", "postgresql", "mysql", "mssql"):
         return
-    root = os.environ.get("_MLFLOW_SERVER_ARTIFACT_ROOT") or "./mlruns"  # as mlflow's _get_sqlalchemy_store
+    given = os.environ.get("_MLFLOW_SERVER_ARTIFACT_ROOT")  # as mlflow's _get_sqlalchemy_store reads it
+    root = given or "./mlruns"
     if "://" in root or (":" in root and not root.startswith(("/", "."))):
         return  # a URI (s3://, file://...): not ours to judge here
     folder = Path(root).absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        why = (f"_MLFLOW_SERVER_ARTIFACT_ROOT={given}" if given else
+               "MLflow's default for a database store: ./mlruns in the working folder")
+        fix = "set _MLFLOW_SERVER_ARTIFACT_ROOT to a writable folder" if given else "start the job in a writable folder"
         raise UserError(f"tracking URI {uri}: a new experiment {experiment} would keep its artifacts in {folder} "
-                        "(MLflow's default for a database store: ./mlruns in the working folder), which cannot be "
-                        "written; start the job in a writable folder, or use a tracking server")
+                        f"({why}), which cannot be written; {fix}, or use a tracking server")
 
 
 @contextlib.contextmanager
