@@ -58,12 +58,10 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
 
 def resend_advice(tracker: Tracker) -> str:
     """What the last line of a job whose run lacks some of it advises: a rerun sends the rest, unless
-    the server refuses the run's writes (server_errors.run_refusal): those are said, with what to do."""
-    from trainer.tracking.server_errors import run_refusal
-
+    the server refuses the run's writes (MlflowTracker.refusal): those are said, with what to do."""
     usual = "The local files are intact; running the same command again sends what the run lacks"
     run_id = tracker.run.run_id
-    why, detail = run_refusal(tracker.client, run_id) or ("", "")
+    why, detail = tracker.refusal() or ("", "")
     if why == "credentials":
         return f"The tracking server now refuses the credentials ({detail}): renew them; {usual[0].lower()}{usual[1:]}"
     if why == "gone":  # deleted, then `mlflow gc`: no restoring

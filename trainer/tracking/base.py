@@ -112,6 +112,11 @@ class Tracker:
         matters (empty: everything did, or a newer checkpoint made an older one moot)."""
         return []
 
+    def refusal(self, timeout: float = 5.0) -> tuple[str, str] | None:
+        """Why the server refuses every write to the run ("deleted", "gone", "credentials", ...), asked
+        once; None when it takes them or cannot tell."""
+        return None
+
     def last_words(self, status: str, reason: str) -> None:
         """The process is about to be killed, stuck (a collective waiting for a dead rank): set the
         run's status now, unless finish() has, with nothing flushed or waited for."""

@@ -65,6 +65,7 @@ class MlflowTracker(Tracker):
         self._best_metric, self._best = cfg.TEST.BEST_METRIC, None  # the run's best checkpoint model so far (update_best)
         self._output_dir = Path(cfg.OUTPUT_DIR)
         self._repo = None  # MLflow's artifact repository of the run, made on the uploader thread
+        self._refusal: list | None = None  # [refusal()'s answer], once asked
 
     # ---- start: find or create the job's run ----
 
@@ -327,7 +328,7 @@ class MlflowTracker(Tracker):
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        if self._sender.failing and timeout > 0 and run_refusal(self.client, run_id, min(timeout, 5.0)):
+        if self._sender.failing and timeout > 0 and self.refusal(min(timeout, 5.0)):
             deadline = time.monotonic()  # the run deleted, or the credentials refused: no wait sends a thing
         self._sender.wait_sent(float("inf"), deadline - time.monotonic())  # the metrics first; the sender beats on meanwhile
         if status is not None:
@@ -340,6 +341,13 @@ class MlflowTracker(Tracker):
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         lost = self._checkpoints.lost([d for d in self._uploader.failed if d not in done])
         return list(dict.fromkeys(lost + kept))
+
+    def refusal(self, timeout: float = 5.0) -> tuple[str, str] | None:
+        """Why the server refuses the run's writes (server_errors.run_refusal), asked once: finish() and
+        the job's last line (resend_advice) share the answer."""
+        if self._refusal is None:
+            self._refusal = [run_refusal(self.client, self._run.run_id, timeout)]
+        return self._refusal[0]
 
     def _set_status(self, status: str, reason: str) -> None:
         from mlflow.entities import RunTag
