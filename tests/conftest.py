@@ -98,6 +98,19 @@ def locked_by_another_process(path: Path):
         holder.wait(10)
 
 
+def read_only_mount(folder: Path):
+    """`folder` made and a read-only tmpfs mounted on it for the test (a container's read-only root, a
+    shared volume): root may write wherever permissions say no, so only a mount shows it. A generator
+    for a fixture to yield from; skips where mounting is not allowed."""
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
 def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run of a launcher (torchrun) whose workers start sessions of their own: on a
     timeout every process under it is killed too, not left training after the test failed."""

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import DEMO, trainer_cmd
+from tests.conftest import DEMO, read_only_mount, trainer_cmd
 from trainer import cli, launch
 from trainer.config import _ALL_KEYS, load_config
 from trainer.errors import UserError
@@ -613,16 +613,7 @@ def test_tracking_stores_that_cannot_hold_the_job_are_one_line(tmp_path, monkeyp
 
 @pytest.fixture
 def read_only_folder(tmp_path):
-    """A read-only file system (tmpfs mounted ro), as a container's or a shared volume's: root may
-    write wherever permissions say no, so only a mount shows it."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+    yield from read_only_mount(tmp_path / "ro")
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])

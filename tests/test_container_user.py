@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEMO, ROOT, trainer_cmd
+from tests.conftest import DEMO, ROOT, read_only_mount, trainer_cmd
 
 # `python -m trainer ...` in a process whose passwd file has no entry for its user.
 NO_PASSWD_ENTRY = ("import pwd, runpy, sys\n"
@@ -27,6 +27,14 @@ def run_as_arbitrary_user(args: list[str], cwd: Path, env: dict) -> subprocess.C
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", NO_PASSWD_ENTRY, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=180, env={**base, **env})
+
+
+def refused_from(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """The trainer started in `workdir` with no MLFLOW_* of the suite's, which must refuse it: exit 2, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run(trainer_cmd(*args), cwd=workdir, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done
 
 
 def last_line(done: subprocess.CompletedProcess) -> str:
@@ -55,33 +63,20 @@ def test_no_home_folder_is_one_line_before_anything_is_made(tmp_path, data_dir):
 def read_only_home(tmp_path):
     """HOME on a read-only file system (HOME=/ on a container's read-only root, or a home owned by the
     image's user): root may write wherever permissions say no, so only a mount shows it."""
-    yield from _read_only_folder(tmp_path / "home")
+    yield from read_only_mount(tmp_path / "home")
 
 
 @pytest.fixture
 def read_only_workdir(tmp_path):
     """The container's WORKDIR on a read-only root file system (`readOnlyRootFilesystem: true`)."""
-    yield from _read_only_folder(tmp_path / "app")
-
-
-def _read_only_folder(folder: Path):
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+    yield from read_only_mount(tmp_path / "app")
 
 
 def test_the_default_store_in_a_read_only_working_folder_names_the_folder(tmp_path, data_dir, read_only_workdir):
     """The default `sqlite:///mlflow.db` is the working folder's: on a read-only root file system the
     line said `the store cannot be made in .`, which a user of a container (WORKDIR /app) could not
     place, and not what to set instead."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    done = subprocess.run(trainer_cmd("DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "scratch" / "out")),
-                          cwd=read_only_workdir, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    done = refused_from(read_only_workdir, "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "scratch" / "out"))
     assert last_line(done) == (f"error: tracking URI sqlite:///mlflow.db: the store cannot be made in the working folder "
                                f"{read_only_workdir} (a read-only file system, or no permission to write there); set "
                                "MLFLOW_TRACKING_URI (or TRACKING.URI) to a tracking server or to a store in a writable "
@@ -127,10 +122,7 @@ def test_a_store_on_a_volume_from_a_read_only_working_folder_makes_no_experiment
 
         monkeypatch.chdir(volume)
         MlflowClient(uri).search_experiments()  # the store and its Default experiment
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    done = subprocess.run(trainer_cmd("DATA_DIR", str(data_dir), "OUTPUT_DIR", str(volume / "out"), "TRACKING.URI", uri),
-                          cwd=read_only_workdir, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    done = refused_from(read_only_workdir, "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(volume / "out"), "TRACKING.URI", uri)
     assert last_line(done) == (f"error: tracking URI {uri}: a new experiment demo would keep its artifacts in "
                                f"{read_only_workdir / 'mlruns'} (MLflow's default for a database store: ./mlruns in the "
                                "working folder), which cannot be written; start the job in a writable folder, or use a "

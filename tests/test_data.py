@@ -967,13 +967,19 @@ def test_an_annotation_tools_export_folder_is_refused_with_the_catalog_entry_tha
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _one_image_listed_as(tmp_path, file_name: str):
+    """A one-image set whose image, x.png in the image folder, the annotation file lists as `file_name`."""
+    image_dir, ann = _write_coco(tmp_path, [{"id": 0, "file_name": "x.png", "width": 8, "height": 8}], [_ann(0, 0, [0, 0, 4, 4])])
+    data = json.loads(ann.read_text())
+    data["images"][0]["file_name"] = file_name
+    ann.write_text(json.dumps(data))
+    return image_dir, ann
+
+
 def test_an_absolute_file_name_missing_says_it_is_not_looked_for_in_the_image_folder(tmp_path):
     """Label Studio exports images it did not download as `/data/upload/1/x.jpg`: `missing from
     IMAGE_DIR, e.g. /data/upload/1/x.jpg` said where it was not looked for."""
-    image_dir, ann = _write_coco(tmp_path, [{"id": 0, "file_name": "x.png", "width": 8, "height": 8}], [_ann(0, 0, [0, 0, 4, 4])])
-    data = json.loads(ann.read_text())
-    data["images"][0]["file_name"] = "/data/upload/1/x.png"
-    ann.write_text(json.dumps(data))
+    image_dir, ann = _one_image_listed_as(tmp_path, "/data/upload/1/x.png")
     with pytest.raises(UserError) as refused:
         CocoDetection(image_dir, ann)
     assert str(refused.value) == (f"1 of 1 images listed in {ann} are missing from {image_dir}, e.g. /data/upload/1/x.png (a "
@@ -984,12 +990,9 @@ def test_an_absolute_file_name_missing_says_it_is_not_looked_for_in_the_image_fo
 def test_a_windows_file_name_missing_says_its_backslashes_are_no_folders(tmp_path):
     """labelme2coco run on Windows writes `JPEGImages\\\\x.png`: `missing from IMAGE_DIR, e.g.
     JPEGImages\\x.png` with the file there, in JPEGImages/, said nothing of why."""
-    image_dir, ann = _write_coco(tmp_path, [{"id": 0, "file_name": "x.png", "width": 8, "height": 8}], [_ann(0, 0, [0, 0, 4, 4])])
+    image_dir, ann = _one_image_listed_as(tmp_path, "JPEGImages\\x.png")
     (image_dir / "JPEGImages").mkdir()
     (image_dir / "x.png").rename(image_dir / "JPEGImages" / "x.png")
-    data = json.loads(ann.read_text())
-    data["images"][0]["file_name"] = "JPEGImages\\x.png"
-    ann.write_text(json.dumps(data))
     with pytest.raises(UserError) as refused:
         CocoDetection(image_dir, ann)
     assert str(refused.value) == (f"1 of 1 images listed in {ann} are missing from {image_dir}, e.g. JPEGImages\\x.png (a "

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -94,3 +95,10 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
     finally:
         forget(tmp)
     return path
+
+
+def write_probe(path: Path) -> None:
+    """`path` made and a file written there and dropped, or the OSError: os.access says yes where
+    writing fails (root under /proc or /sys, a read-only mount)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=path).close()

@@ -4,7 +4,6 @@ fetches them before a run is made for the job."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import logging
@@ -18,6 +17,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from trainer.atomic_write import write_probe
 from trainer.errors import UserError, first_line
 from trainer.redaction import forget_url_credentials, redact_urls
 
@@ -62,9 +62,7 @@ def writable_cache(folder: Path, what: str, variable: str) -> None:
     it: a cache that cannot be written (HOME=/, or a home owned by the image's user, as a container
     run as an arbitrary user has) was said to be a failed download, to be fetched elsewhere."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+        write_probe(folder)
     except OSError as e:
         raise UserError(f"{what}: the cache folder {folder} cannot be written ({type(e).__name__}: {first_line(e)}); "
                         f"set {variable} to a writable folder") from None

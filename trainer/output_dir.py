@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 from pathlib import Path
 
+from trainer.atomic_write import write_probe
 from trainer.checkpoint.files import links_written_through, not_files
 from trainer.errors import UserError, first_line, user_path
 
@@ -52,11 +52,9 @@ def check_output_dir(path: Path) -> None:
 
 
 def make_writable(path: Path, name: str) -> None:
-    """`path` made and written once, after every check and before the first result: os.access says
-    yes where writing fails (root under /proc or /sys, a read-only mount)."""
+    """`path` made and written once, after every check and before the first result."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
+        write_probe(path)
     except OSError as e:
         raise UserError(f"{name}: cannot write there ({e.strerror or first_line(e)})") from None
 
