@@ -395,6 +395,19 @@ def test_bad_dataset(train, tmp_path, good_dataset, case, mutate, message):
     assert not list((tmp_path / "output").glob("*.pth"))
 
 
+def test_a_set_with_no_usable_box_says_how_many_are_crowd_and_how_many_empty(train, tmp_path, good_dataset):
+    """CVAT exports brush masks as crowd: the line counts each kind, and says crowd is never trained."""
+    def mutate(data, root):
+        for i, a in enumerate(data["annotations"]):
+            a.update(iscrowd=1) if i % 2 else a.update(bbox=[3, 3, 0, 0])
+
+    root = make_dataset(tmp_path / "data", good_dataset, mutate)
+    n = len(json.loads((root / "annotations.json").read_text())["annotations"])
+    result = train("TRAIN.DATASETS", f"('{root}',)")
+    assert_exit_2(result, f"{root / 'annotations.json'} has no usable annotation: of its {n} boxes, {n // 2} are crowd "
+                          f"(iscrowd 1, never trained: set 0 for single objects) and {n - n // 2} empty or outside their image")
+
+
 def test_unreadable_image_found_in_a_loader_worker_is_one_line(train, tmp_path, good_dataset):
     root = make_dataset(tmp_path / "data", good_dataset, _garbage_images)
     result = train("TRAIN.DATASETS", f"('{root}',)", "DATA_LOADER.NUM_THREADS", "1")

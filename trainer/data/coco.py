@@ -180,9 +180,10 @@ class CocoDetection(Dataset):
             log.info("%s: dropped %d crowd and %d empty boxes; %d of %d images have no usable box and are "
                      "skipped", self.ann_file, dropped["crowd"], dropped["degenerate"], dropped["images"],
                      len(coco.imgs))
-            if not records:
-                raise UserError(f"{self.ann_file} has no usable annotation (every box is crowd, empty or "
-                                f"outside its image)")
+            if not records:  # CVAT exports brush masks as crowd: say so, Detectron never trains on crowd
+                raise UserError(f"{self.ann_file} has no usable annotation: of its {len(coco.anns)} boxes, "
+                                f"{dropped['crowd']} are crowd (iscrowd 1, never trained: set 0 for single objects) "
+                                f"and {dropped['degenerate']} empty or outside their image")
         return records
 
     def _record(self, im: dict, anns: list, boxes: list) -> dict:
