@@ -469,4 +469,4 @@ def test_pytorchjob_has_master_and_workers_running_torchrun():
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert "persistentVolumeClaim" in volumes[mounts["/data"]]
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in pod["securityContext"]
