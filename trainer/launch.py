@@ -95,7 +95,7 @@ def _check_job(cfg, tracker, main: bool, resumable: bool):
     try:
         prepared = prepare(cfg)
     except UserError:
-        local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / "model_final.pth").is_file()
+        local_final = cfg.TRAIN.AUTO_RESUME and (Path(cfg.OUTPUT_DIR) / FINAL).is_file()
         try:
             finished = local_final or FINAL in tracker.found_checkpoints()
         except UserError:  # the lookup failed too: the job's own error says more
@@ -235,7 +235,7 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
     elif done is not None:
         write_or_drop(sys.stdout, f"nothing to do: model_final already exists ({done.source})\n")
     else:
-        write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / 'model_final.pth'}\n")
+        write_or_drop(sys.stdout, f"training finished: {Path(cfg.OUTPUT_DIR) / FINAL}\n")
     if missing:  # the weights are safe locally, but the run is not complete: a pipeline must know
         from trainer.tracking import resend_advice
 
