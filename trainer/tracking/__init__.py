@@ -14,7 +14,7 @@ from trainer.config import Config
 from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
 
-__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation", "resend_advice"]
+__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "resend_advice"]
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
@@ -74,10 +74,3 @@ def resend_advice(tracker: Tracker) -> str:
         return (f"Run {run_id} was deleted while the job ran: restore it (`{how}`) and run the same command again, "
                 "which sends what it lacks (the local files are intact)")
     return usual
-
-
-def record_evaluation(cfg: Config, weights: str, metrics: dict, step: int, logged_into: str | None) -> None:
-    """`mlflow run -e eval`'s own run (MLFLOW_RUN_ID) gets the scores too: launcher_run.py."""
-    from trainer.tracking.launcher_run import record_evaluation as record
-
-    record(cfg, weights, metrics, step, logged_into)
