@@ -286,13 +286,9 @@ class ConcatDetection(ConcatDataset):
                 raise UserError(f"training datasets {first.ann_file} and {other.ann_file} have different categories "
                                 f"({category_difference(ours, theirs)})")
         for attr in ("ann_file", "keypoints", "categories", "label_to_cat_id", "cat_id_to_label", "class_names", "keypoint_names",
-                     "num_keypoints"):
+                     "num_classes", "num_keypoints"):
             setattr(self, attr, getattr(first, attr))
         self.aspect_ratios = [a for d in datasets for a in d.aspect_ratios]
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.categories) + 1
 
     def __getitem__(self, key):
         index, flip = key if isinstance(key, tuple) else (key, False)
