@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 from trainer.redaction import is_secret_key
-from trainer.lr_policy import POLICIES, check_schedule
+from trainer.lr_policy import POLICIES, STEP_POLICIES, check_schedule
 
 LR_POLICIES = tuple(POLICIES)  # lr_policy.py has each policy once
 WARM_UP_METHODS = ("constant", "linear")
@@ -204,7 +204,7 @@ def validate(cfg) -> None:
         raise ConfigError(clash)
     if s.LR_POLICY == "steps_with_lrs" and len(s.LRS) != len(s.STEPS):
         raise ConfigError(f"SOLVER.LRS needs one rate per step: {len(s.STEPS)} STEPS, {len(s.LRS)} LRS")
-    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs") and (not s.STEPS or s.STEPS[0] != 0):
+    if s.LR_POLICY in STEP_POLICIES and (not s.STEPS or s.STEPS[0] != 0):
         raise ConfigError(f"SOLVER.LR_POLICY {s.LR_POLICY} needs SOLVER.STEPS starting at 0, got {s.STEPS}")
     check_schedule(s)
 

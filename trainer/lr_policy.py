@@ -52,6 +52,8 @@ POLICIES = {
     "exp_decay": _exp_decay,
 }
 
+STEP_POLICIES = ("steps_with_decay", "steps_with_lrs")  # those that read SOLVER.STEPS (from 0)
+
 
 def _warm_up_factor(s, it: int) -> float:
     if s.WARM_UP_METHOD == "constant":
@@ -82,7 +84,7 @@ def _lr_peaks(s) -> list[int]:
     """The iterations where the LR can peak: between them each policy is monotonic (or constant
     between steps) and the warm-up factor linear. MAX_ITER too: the scheduler steps past the last."""
     marks = {0, s.WARM_UP_ITERS - 1, s.WARM_UP_ITERS, s.MAX_ITER - 1, s.MAX_ITER}
-    if s.LR_POLICY in ("steps_with_decay", "steps_with_lrs"):
+    if s.LR_POLICY in STEP_POLICIES:
         marks.update(x for step in s.STEPS for x in (step - 1, step))
     return sorted(m for m in marks if 0 <= m <= s.MAX_ITER)
 
