@@ -55,10 +55,21 @@ def seed_everything(cfg: Config) -> None:
     torch.backends.cudnn.benchmark = cfg.CUDNN_BENCHMARK and not cfg.DETERMINISTIC
 
 
+def check_deterministic(cfg: Config) -> None:
+    """DETERMINISTIC makes torch raise at an op with no deterministic CUDA kernel. The keypoint
+    predictor (torchvision's KeypointRCNNPredictor) upsamples its heatmaps bilinearly, and
+    upsample_bilinear2d's CUDA backward is one: a keypointrcnn job on a GPU would fail at its first
+    backward, after its run was made. On the CPU that backward is deterministic (the tests pass)."""
+    if cfg.DETERMINISTIC and cfg.MODEL.TYPE.startswith("keypointrcnn") and torch.cuda.is_available():
+        raise UserError(f"DETERMINISTIC true cannot train {cfg.MODEL.TYPE} on a GPU: its keypoint head upsamples "
+                        "bilinearly, and torch has no deterministic CUDA backward for that; set DETERMINISTIC false")
+
+
 def prepare(cfg: Config) -> Prepared:
     """UserError for the first thing that would stop the job. Seeds first: the network's random
     initialisation is the job's."""
     check_devices()
+    check_deterministic(cfg)
     seed_everything(cfg)
     dataset = build_train_dataset(cfg)
     test_sizes = check_test_datasets(cfg, dataset)
