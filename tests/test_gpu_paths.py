@@ -1,11 +1,15 @@
 """Code paths that run only on CUDA, tested on the CPU with torch.cuda's answers faked (one function
 each); what needs a real GPU is in bench/gpu_checks.py."""
+import io
+
 import pytest
 import torch
 
 from trainer import preflight
+from trainer import stats as stats_mod
 from trainer.config import load_config
 from trainer.errors import UserError
+from trainer.stats import TrainingStats
 
 
 @pytest.fixture
@@ -38,3 +42,40 @@ def test_other_jobs_on_a_gpu_pass_the_deterministic_check(on_a_gpu, keys):
 def test_a_deterministic_keypoint_job_on_the_cpu_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     preflight.check_deterministic(load_config(None, ["MODEL.TYPE", "keypointrcnn_resnet50_fpn", "DETERMINISTIC", "true"]))
+
+
+class FakeCudaMemory:
+    """torch.cuda's peak-memory counter: `now` is allocated in each iteration."""
+
+    def __init__(self):
+        self.peak, self.resets = 0, 0
+
+    def allocate(self, mb: int) -> None:
+        self.peak = max(self.peak, mb * 1024 * 1024)
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.peak, self.resets = 0, self.resets + 1
+
+
+def test_json_stats_mem_is_the_peak_of_its_own_period(monkeypatch):
+    fake = FakeCudaMemory()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    out = io.StringIO()
+    stats = TrainingStats(load_config(None, ["LOG_PERIOD", "4", "SOLVER.MAX_ITER", "9"]), 0, None, stream=out)
+    seen = []
+    for it, mb in enumerate([100, 900, 100, 100, 100, 100, 100, 100, 120]):  # 900: an evaluation's peak, say
+        stats.iter_tic()
+        fake.allocate(mb)
+        stats.iter_toc()
+        stats.update({"loss": 1.0}, 0.01, 0.0, 0, 2)
+        if stats.is_log_iter(it):
+            seen.append(stats.json_stats(it)["mem"])
+        stats.log(it)
+    assert seen == [100, 900, 120]  # iterations 0, 1-4, 5-8: the 900 is in its own period's line only
+    assert fake.resets == 3
+    assert stats_mod.peak_memory_mb() == 0  # just reset, after the last line

@@ -104,7 +104,8 @@ def format_eta(seconds: float) -> str:
 
 
 def peak_memory_mb() -> float:
-    """Peak CUDA memory allocated by this process, or its peak RSS without CUDA, in MB."""
+    """Peak CUDA memory allocated by this process since the last json_stats line (detectron2 resets
+    it per log period), or its peak RSS without CUDA (the whole process's: it cannot be reset), in MB."""
     if torch.cuda.is_initialized():  # a cheap flag, unlike is_available(); metrics() runs per iteration
         return torch.cuda.max_memory_allocated() / 1024 / 1024
     if resource is None:
@@ -203,6 +204,8 @@ class TrainingStats:
             return
         if self.is_log_iter(cur_iter):
             stats = self.json_stats(cur_iter)
+            if torch.cuda.is_initialized():  # each line's `mem` is its own period's peak, not the job's so far:
+                torch.cuda.reset_peak_memory_stats()  # an evaluation's or the first iterations' would stay in every line
             self._clear_progress()
             line = json.dumps(stats, sort_keys=True)
             write_or_drop(self.stream, f"json_stats: {line}\n")
