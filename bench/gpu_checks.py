@@ -15,6 +15,10 @@ a sqlite tracking store in a temporary folder), and passes only on what a user w
   and the registered model loaded as an MLflow pyfunc on the CPU (trained on a GPU, served without one).
 - more_ranks_than_gpus: torchrun with one process more than the host has GPUs: each rank exits 2 with one
   `error:` line naming the GPU count (torchrun itself then exits 1), and no run is made.
+- deterministic_heads: DETERMINISTIC true with the mask head (exit 0: roi_align takes torchvision's deterministic
+  path on CUDA) and with the keypoint head (refused in one line on a GPU: no deterministic bilinear backward).
+- ddp_nccl (2 GPUs or more, else skipped): torchrun on 2 GPUs (NCCL) with AMP, a checkpoint and an evaluation,
+  then resumed from its model_iter by one process (another GPU count): both exit 0, one run.
 - first_iterations: a fresh process's 60 iterations with CUDNN_BENCHMARK off and on (figures, not a verdict).
 
 The results table goes to --out (and stdout); each check's output to --logs.
@@ -209,6 +213,55 @@ def more_ranks_than_gpus(env: Env) -> str:
     return f"--nproc-per-node {n}: exit {result.returncode}, no run; {errors[0][:160]}"
 
 
+def deterministic_heads(env: Env) -> str:
+    """The heads' CUDA backward under torch.use_deterministic_algorithms: an op with no deterministic
+    kernel raises there, never on the CPU (the test suite's)."""
+    import torch
+
+    seen = []
+    for model_type in ("maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"):
+        name = f"determ_{model_type.split('_')[0]}"
+        result = env.run(name, ["train", "--config", str(DEMO), *env.keys(name, **{
+            "MODEL.TYPE": model_type, "SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 1000, "DETERMINISTIC": "true",
+            "TRACKING.ENABLED": "false", "TEST.DATASETS": "[]"})])
+        refused = model_type.startswith("keypointrcnn") and torch.cuda.is_available()  # preflight.check_deterministic
+        if refused:
+            expect(result.returncode == 2 and "DETERMINISTIC" in tail(result) and "Traceback" not in result.stderr,
+                   f"{model_type}: exit {result.returncode}, not the one-line refusal: {tail(result)}")
+        else:
+            expect(result.returncode == 0, f"{model_type}: exit {result.returncode}: {tail(result)}")
+        seen.append(f"{model_type}: {'refused' if refused else 'trained'}")
+    return "; ".join(seen)
+
+
+def ddp_nccl(env: Env) -> str:
+    """The NCCL path: every collective's tensors on the rank's own GPU, DDP's device_ids, the
+    checkpoint's RNG states of two ranks resumed by one."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return f"skipped: {torch.cuda.device_count()} GPU (NCCL needs one per rank)"
+    args = ["train", "--config", str(DEMO), *env.keys("ddp", **{
+        "SOLVER.MAX_ITER": 20, "TRAIN.SNAPSHOT_ITERS": 20, "TEST.EVAL_PERIOD": 10, "SOLVER.AMP": "true"})]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29534",
+           "-m", "trainer", *args]
+    result = subprocess.run(cmd, cwd=env.work, capture_output=True, text=True, timeout=300)
+    with open(env.logs / "ddp_nccl.log", "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n-> exit {result.returncode}\n{result.stdout}\n{result.stderr}\n\n")
+    expect(result.returncode == 0, f"torchrun exit {result.returncode}: {tail(result)}")
+    out = env.work / "ddp" / "output"
+    saved = sorted(out.glob("model_iter*.pth"))  # SNAPSHOT_ITERS 20 // NUM_GPUS 2: model_iter9
+    expect(saved and (out / "model_final.pth").is_file(), f"checkpoints {[p.name for p in out.glob('*.pth')]}")
+    (run,) = env.runs("gpu-ddp")
+    expect(run.data.tags.get("tracktron.world_size") == "2", f"world_size tag {run.data.tags.get('tracktron.world_size')}")
+    (out / "model_final.pth").unlink()
+    again = env.run("ddp_nccl", args)  # one process resumes the two ranks' checkpoint
+    expect(again.returncode == 0, f"resume on one GPU: exit {again.returncode}: {tail(again)}")
+    runs = env.runs("gpu-ddp")
+    expect(len(runs) == 1 and runs[0].info.status == "FINISHED", f"{len(runs)} runs: {[r.info.status for r in runs]}")
+    return f"2 ranks on NCCL: exit 0, {saved[-1].name}, bbox/AP {run.data.metrics.get('bbox/AP')}; resumed on 1 GPU: exit 0"
+
+
 def first_iterations(env: Env) -> str:
     """Not pass or fail on speed: the figures that decide CUDNN_BENCHMARK's default, the demo's
     many-shaped batches trained from a fresh process with it off and on."""
@@ -231,7 +284,7 @@ CHECKS = {"train_amp": train_amp, "preempt_resume": preempt_resume,
           "deterministic_resume_fp32": lambda env: deterministic_resume(env, False),
           "deterministic_resume_amp": lambda env: deterministic_resume(env, True),
           "eval_predict_cpu": eval_predict_cpu, "more_ranks_than_gpus": more_ranks_than_gpus,
-          "first_iterations": first_iterations}
+          "deterministic_heads": deterministic_heads, "ddp_nccl": ddp_nccl, "first_iterations": first_iterations}
 
 
 def render(rows: list, started: float) -> str:
