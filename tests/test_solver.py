@@ -253,14 +253,16 @@ def test_frozen_batchnorm_has_no_parameters_to_group():
 def test_clip_gradients():
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([3.0, 4.0])
-    assert clip_gradients(cfg_of(CLIP_GRAD_NORM=1.0), [p]) == pytest.approx(5.0)
+    norm = clip_gradients(cfg_of(CLIP_GRAD_NORM=1.0), [p])
+    assert isinstance(norm, torch.Tensor)  # on the gradients' device: a float would wait for the GPU every iteration
+    assert float(norm) == pytest.approx(5.0)
     assert torch.allclose(p.grad, torch.tensor([0.6, 0.8]), atol=1e-5)
 
 
 def test_clip_gradients_of_a_model_skips_missing_grads():
     model = nn.Linear(2, 1)
     model.weight.grad = torch.tensor([[6.0, 8.0]])  # the bias has no gradient
-    assert clip_gradients(cfg_of(CLIP_GRAD_NORM=20.0), model) == pytest.approx(10.0)
+    assert float(clip_gradients(cfg_of(CLIP_GRAD_NORM=20.0), model)) == pytest.approx(10.0)
     assert torch.equal(model.weight.grad, torch.tensor([[6.0, 8.0]]))  # under the limit: untouched
 
 

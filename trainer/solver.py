@@ -100,8 +100,9 @@ def _change_ratio(old: float, new: float) -> float:
     return max(new / max(old, eps), old / max(new, eps))
 
 
-def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> float | None:
-    """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM; return the norm before clipping.
+def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM; return the norm before clipping, a
+    tensor on the gradients' device (float() of it would wait for the GPU at every iteration).
 
     With AMP the caller unscales the gradients first (GradScaler.unscale_).
     """
@@ -111,5 +112,5 @@ def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tens
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     params = [p for p in params if p.grad is not None]
     if not params:
-        return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.zeros(())
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
