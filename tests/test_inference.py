@@ -51,6 +51,19 @@ def test_a_label_past_the_categories_keeps_its_number():
     assert found["category_ids"] == [7, 5] and found["category_names"] == ["cat", "5"]
 
 
+def test_masks_leave_the_device_thresholded_and_encode_as_their_probabilities_over_a_half():
+    from pycocotools import mask as mask_utils
+
+    from trainer.inference import on_host
+
+    probs = torch.tensor([[0.4, 0.5, 0.6], [0.9, 0.1, 0.51]]).reshape(1, 1, 2, 3)
+    output = {"boxes": torch.tensor([[0.0, 0.0, 3.0, 2.0]]), "scores": torch.tensor([0.9]), "labels": torch.tensor([1]),
+              "masks": probs}
+    assert on_host(output)["masks"].dtype == torch.bool  # a quarter of the floats a GPU would copy out
+    (rle,) = detections_of(output, [{"id": 7, "name": "cat"}])["masks"]
+    assert mask_utils.decode({**rle, "counts": rle["counts"].encode()}).tolist() == [[0, 0, 1], [1, 0, 1]]
+
+
 def test_a_damaged_model_folder_is_a_user_error(tmp_path):
     from trainer.config import load_config
     from trainer.models import build_model

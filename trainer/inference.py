@@ -31,8 +31,15 @@ from trainer.models import build_model, load_error, set_test_size
 WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
 
 
+def on_host(output: dict) -> dict:
+    """One output on the CPU, its masks thresholded where they are: on a GPU they are [N, 1, H, W]
+    floats the size of the image (hundreds of MB for 100 detections), their booleans a quarter."""
+    return {k: (v > 0.5 if k == "masks" else v).detach().cpu() for k, v in output.items()}
+
+
 def encode_masks(masks: torch.Tensor) -> list[dict]:
-    """[N, 1, H, W] probabilities -> COCO RLEs of mask > 0.5, counts as str so they serialise to json."""
+    """[N, 1, H, W] probabilities (or on_host's booleans) -> COCO RLEs of mask > 0.5, counts as str
+    so they serialise to json."""
     binary = (masks[:, 0] > 0.5).cpu().numpy().astype(np.uint8)
     rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
     for rle in rles:
@@ -42,7 +49,7 @@ def encode_masks(masks: torch.Tensor) -> list[dict]:
 
 def detections_of(output: dict, categories: list[dict]) -> dict:
     """One torchvision output (labels 1..K = categories[0..K-1]) as plain lists, ready for json."""
-    out = {k: v.detach().cpu() for k, v in output.items()}
+    out = on_host(output)
     # A label past the categories (MODEL.NUM_CLASSES set larger than the dataset's) keeps its number.
     cats = [categories[i - 1] if 0 < i <= len(categories) else {"id": i} for i in out["labels"].tolist()]
     found = {"boxes": out["boxes"].tolist(), "scores": out["scores"].tolist(),
@@ -58,7 +65,7 @@ def detections_to_coco(outputs: list[dict], image_ids: list, label_to_cat_id: di
     """torchvision detections (boxes already in original image pixels) -> COCO results entries."""
     results = []
     for out, image_id in zip(outputs, image_ids):
-        out = {k: v.detach().cpu() for k, v in out.items()}
+        out = on_host(out)
         boxes = out["boxes"].clone()
         boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh
         # A label past the dataset's categories (MODEL.NUM_CLASSES set above them) is no category
