@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -148,6 +149,50 @@ def test_worker_crash_fails_cleanly_then_sigint_to_the_group_checkpoints_then_re
     assert run.info.status == "FINISHED"
     assert steps(client, run.info.run_id) == list(range(MAX_ITER))
     assert_same_weights(reference, out / "model_final.pth")
+
+
+# A container's /dev/shm (docker's default is 64 MB), in a mount namespace of the trainer's own.
+SMALL_SHM = ("unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"', "sh")
+
+
+def _fill(folder: Path) -> None:
+    """Writes into `folder` until its file system is full."""
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 2**16)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_dev_shm_fails_the_job_in_one_line_naming_shm_size_and_keeps_its_checkpoints(tmp_path, data_dir, jobs):
+    """Loader workers pass batches through /dev/shm. When it filled, the worker's queue thread printed a
+    traceback (`unable to allocate shared memory(shm) …: No space left on device`) and dropped the batch,
+    and the trainer waited for it forever (helper-86: an hour-long job that never ends, in a container
+    started without --shm-size)."""
+    if subprocess.run([*SMALL_SHM, "true"], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs in a mount namespace needs root (CAP_SYS_ADMIN)")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = job_args(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": "shm", "DATA_LOADER.NUM_THREADS": 2,
+                                           "SOLVER.MAX_ITER": 30})  # batches left to load after the disk fills
+    out = tmp_path / "output"
+    first = jobs(args, tmp_path, name="first", launcher=SMALL_SHM)
+    wait_until(lambda: (out / "model_iter2.pth").exists(), first, "model_iter2")
+    _fill(Path(f"/proc/{first.pid}/root/dev/shm"))  # the trainer's /dev/shm, not this process's
+    assert first.wait(120) == 2, first.stderr[-3000:]
+    assert first.last_line.startswith("error: the data loader's workers are out of shared memory: /dev/shm holds 8.0 MiB"), \
+        first.stderr[-3000:]
+    assert "docker run --shm-size" in first.last_line and "DATA_LOADER.NUM_THREADS 0" in first.last_line
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    run = only_run(MlflowClient(uri), "shm")
+    assert run.info.status == "FAILED" and "out of shared memory" in run.data.tags["tracktron.status_reason"]
+    for path in local_checkpoints(out):
+        assert load_checkpoint(path)["iteration"] == iteration_of(path.name)
+
+    second = run_trainer(args, cwd=tmp_path)  # the same job with the host's /dev/shm: it resumes and ends
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert only_run(MlflowClient(uri), "shm").info.status == "FINISHED"
 
 
 # ---- signals: a second one exits at once; SIGTERM while the server hangs keeps the grace period -----

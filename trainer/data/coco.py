@@ -26,7 +26,7 @@ from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
-from trainer.data.workers import forking, init_worker
+from trainer.data.workers import forking, in_shared_memory, init_worker
 from trainer.errors import UserError, user_path
 from trainer.redaction import printable
 
@@ -310,7 +310,7 @@ def dataset_category_key(dataset) -> list:
 
 def collate(batch):
     images, targets = zip(*batch)
-    return list(images), list(targets)
+    return in_shared_memory((list(images), list(targets)))
 
 
 class _Loader(DataLoader):

@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import sys
 
@@ -78,6 +79,49 @@ def _bind_to_parent(parent_pid: int) -> None:
             return
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
         os._exit(1)
+
+
+SHM = "/dev/shm"
+
+
+def in_shared_memory(batch):
+    """A worker's batch moved into shared memory here, where a failure is the worker's error. torch
+    moves it only when the queue's feeder thread pickles it: on a full /dev/shm (docker's default is
+    64 MB) that thread printed a traceback and dropped the batch, and the trainer waited for it forever."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:  # DATA_LOADER.NUM_THREADS 0: the trainer loads its own batches
+        return batch
+    try:
+        for tensor in _tensors(batch):
+            tensor.share_memory_()
+    except RuntimeError as e:
+        if "shared memory" not in str(e) and "No space left" not in str(e):
+            raise
+        raise UserError(_no_shared_memory(info.num_workers)) from None
+    return batch
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _no_shared_memory(workers: int) -> str:
+    try:
+        usage = shutil.disk_usage(SHM)
+        held = f"{SHM} holds {usage.total / 2**20:.1f} MiB ({usage.free / 2**20:.1f} MiB free)"
+    except OSError:
+        held = f"{SHM} is missing"
+    return (f"the data loader's workers are out of shared memory: {held}, and the {workers} workers of "
+            f"DATA_LOADER.NUM_THREADS {workers} pass each batch through it; give the container more "
+            "(docker run --shm-size=8g; in Kubernetes an emptyDir of medium Memory on /dev/shm), "
+            "or set DATA_LOADER.NUM_THREADS 0 to load the batches in the trainer")
 
 
 def worker_error(e: BaseException) -> BaseException:
