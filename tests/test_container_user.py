@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEMO, ROOT, read_only_mount, trainer_cmd
+from tests.conftest import DEMO, ROOT, demo_overrides, read_only_mount, run_trainer, trainer_cmd
 
 # `python -m trainer ...` in a process whose passwd file has no entry for its user.
 NO_PASSWD_ENTRY = ("import pwd, runpy, sys\n"
@@ -171,3 +171,43 @@ def test_an_artifact_root_from_the_environment_is_named_as_such(tmp_path, monkey
     assert "set _MLFLOW_SERVER_ARTIFACT_ROOT to a writable folder" in str(e.value) and "./mlruns" not in str(e.value)
     monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", "s3://bucket/arts")  # a URI: not judged here
     check_new_experiment_artifacts("sqlite:////v/m.db", "demo")
+
+
+@pytest.fixture
+def small_tmp(tmp_path):
+    """A container's small /tmp (`--tmpfs /tmp:size=1m`, an emptyDir with a sizeLimit) as TMPDIR."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_temporary_folder_too_small_for_the_model_is_named_with_tmpdir_and_not_retried(tmp_path, data_dir, small_tmp):
+    """MLflow copies the final model through TMPDIR: a 1 MiB one failed its logging with `The following
+    failures occurred while downloading one or more artifacts from …/model:` (no cause, no folder) 24
+    times over the 5-minute flush timeout (helper-86)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.FLUSH_TIMEOUT_S": 30})
+    done = run_trainer(args, cwd=tmp_path, env={"TMPDIR": str(small_tmp)})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert ("tracking: log the final model failed: cannot log the model: MLflow copies it ("
+            in done.stderr), done.stderr[-3000:]
+    assert f"twice through the folder for temporary files {small_tmp}, which has " in done.stderr
+    assert "set TMPDIR to a folder with room" in done.stderr
+    assert "log the final model failed (" not in done.stderr, "retried: no retry makes room"
+    assert (tmp_path / "output" / "model_final.pth").is_file()
+
+    again = run_trainer(args, cwd=tmp_path)  # room to copy it: the rerun logs the model
+    assert again.returncode == 0, again.stderr[-3000:]
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("demo").experiment_id
+    (run,) = client.search_runs([experiment])
+    assert run.info.status == "FINISHED"
+    models = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run.info.run_id}'")
+    assert ("model", "READY") in [(m.name, str(m.status)) for m in models], [(m.name, str(m.status)) for m in models]

@@ -16,6 +16,10 @@ class SharedError(UserError):
     """Bad input that every rank of a job found alike (they agreed on it): they leave together."""
 
 
+class NoRoom(UserError):
+    """A local folder too small for what the job writes there: retrying makes no room."""
+
+
 class ConfigError(UserError):
     """A config file, key or value that cannot work."""
 

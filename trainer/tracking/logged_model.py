@@ -9,13 +9,14 @@ fetch_weights  TRAIN.WEIGHTS from MLflow, for a fine-tune, and the parent it nam
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
 import yaml
 
 from trainer.config import load_config
-from trainer.errors import UserError, first_line, user_path
+from trainer.errors import NoRoom, UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
 from trainer.tracking.model_uris import MLFLOW_URIS, followed, parent_of, pinned
 from trainer.tracking.runs import DETECTOR_TYPE, download_uri
@@ -79,13 +80,34 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
     run = client.get_run(run_id)
     model = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
                                        params=dict(run.data.params), model_type=DETECTOR_TYPE)
-    info = mlflow.pyfunc.log_model(
-        name=name, model_id=model.model_id, python_model=str(CODE), artifacts={ARTIFACT: str(folder)},
-        code_paths=[str(PACKAGE)], signature=signature(model_type),
-        input_example=pd.DataFrame({"image": [example_image()]}), pip_requirements=requirements(),
-        registered_model_name=registered_model_name or None)
+    try:
+        info = mlflow.pyfunc.log_model(
+            name=name, model_id=model.model_id, python_model=str(CODE), artifacts={ARTIFACT: str(folder)},
+            code_paths=[str(PACKAGE)], signature=signature(model_type),
+            input_example=pd.DataFrame({"image": [example_image()]}), pip_requirements=requirements(),
+            registered_model_name=registered_model_name or None)
+    except Exception as e:
+        raise short_of_temp_space(e, folder) or e
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])  # the run's Logged models tab
     return info
+
+
+def short_of_temp_space(e: BaseException, folder: Path) -> NoRoom | None:
+    """MLflow copies a model twice through the folder for temporary files (its save, then the copy it
+    uploads): a small TMPDIR (a container's --tmpfs /tmp of a few MB) failed the logging with `The
+    following failures occurred while downloading one or more artifacts from …/model:`, the cause on
+    a line not shown, and the job retried it until its flush timeout (helper-86)."""
+    tmp = tempfile.gettempdir()
+    try:
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        return None
+    if free >= 2 * size and "No space left" not in str(e):
+        return None
+    return NoRoom(f"cannot log the model: MLflow copies it ({size / 2**20:.1f} MiB) twice through the folder for "
+                  f"temporary files {tmp}, which has {free / 2**20:.1f} MiB free; set TMPDIR to a folder with room "
+                  "(in a container, a larger --tmpfs /tmp or emptyDir), then run the same command again")
 
 
 def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 from trainer.checkpoint.files import iteration_of
 from trainer.config import Config
 from trainer.daemon_call import daemon_call
-from trainer.errors import UserError, first_line
+from trainer.errors import NoRoom, UserError, first_line
 from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.server_errors import start_error
@@ -342,7 +342,7 @@ def retryable(e: BaseException) -> bool:
         return status >= 500 or status == 429
     if getattr(getattr(e, "response", None), "status_code", None) == 413:  # a body-size limit: the same bytes never pass
         return False
-    final = (TypeError, ValueError, KeyError, AttributeError, FileNotFoundError, IsADirectoryError, PermissionError)
+    final = (TypeError, ValueError, KeyError, AttributeError, FileNotFoundError, IsADirectoryError, PermissionError, NoRoom)
     return not isinstance(e, final)
 
 
