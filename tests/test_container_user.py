@@ -4,9 +4,11 @@
 (what `getpwuid` says in such a container), so that the tests need not run as root."""
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -211,3 +213,20 @@ def test_a_temporary_folder_too_small_for_the_model_is_named_with_tmpdir_and_not
     assert run.info.status == "FINISHED"
     models = client.search_logged_models(experiment_ids=[experiment], filter_string=f"source_run_id = '{run.info.run_id}'")
     assert ("model", "READY") in [(m.name, str(m.status)) for m in models], [(m.name, str(m.status)) for m in models]
+
+
+def test_a_server_error_while_the_temporary_folder_is_small_is_not_blamed_on_it(tmp_path, small_tmp, monkeypatch):
+    """Only an error that says the disk is full is a NoRoom (not retried): a 503 is retried as ever."""
+    from trainer.tracking.logged_model import short_of_temp_space
+
+    monkeypatch.setattr(tempfile, "tempdir", str(small_tmp))
+    folder = tmp_path / "detector"
+    folder.mkdir()
+    (folder / "weights.pt").write_bytes(b"\0" * 2**21)  # 2 MiB: more than the 1 MiB folder holds
+    assert short_of_temp_space(RuntimeError("API request failed with error code 503"), folder) is None
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("The following failures occurred while downloading one or more artifacts")
+    wrapped.__cause__ = full
+    assert f"temporary files {small_tmp}, which has" in str(short_of_temp_space(wrapped, folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # room there: the full disk is another's
+    assert short_of_temp_space(wrapped, folder) is None

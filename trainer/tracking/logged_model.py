@@ -9,6 +9,7 @@ fetch_weights  TRAIN.WEIGHTS from MLflow, for a fine-tune, and the parent it nam
 """
 from __future__ import annotations
 
+import errno
 import shutil
 import tempfile
 from pathlib import Path
@@ -97,17 +98,29 @@ def short_of_temp_space(e: BaseException, folder: Path) -> NoRoom | None:
     uploads): a small TMPDIR (a container's --tmpfs /tmp of a few MB) failed the logging with `The
     following failures occurred while downloading one or more artifacts from …/model:`, the cause on
     a line not shown, and the job retried it until its flush timeout (helper-86)."""
+    if not _no_space(e):  # a server's error while TMPDIR happens to be small is retried as ever
+        return None
     tmp = tempfile.gettempdir()
     try:
         size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
         free = shutil.disk_usage(tmp).free
     except OSError:
         return None
-    if free >= 2 * size and "No space left" not in str(e):
+    if free >= 2 * size:  # room here: the full disk is another's (a local artifact store's)
         return None
     return NoRoom(f"cannot log the model: MLflow copies it ({size / 2**20:.1f} MiB) twice through the folder for "
                   f"temporary files {tmp}, which has {free / 2**20:.1f} MiB free; set TMPDIR to a folder with room "
                   "(in a container, a larger --tmpfs /tmp or emptyDir), then run the same command again")
+
+
+def _no_space(e: BaseException | None) -> bool:
+    """Whether ENOSPC is anywhere in the error or its causes (MLflow words it into its own text)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu") -> Detector:
