@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainer"
 # The layer of each top-level piece: a module may import its own layer's pieces and lower ones.
 LAYERS = {"errors": 0, "atomic_write": 0, "hashing": 0, "torch_load": 0, "daemon_call": 0, "redaction": 0, "logs": 0,
           "config_yaml": 0, "lr_policy": 0, "config_checks": 0, "detectron_keys": 0, "config_detectron": 0, "config": 0,
-          "job_identity": 0,
+          "job_identity": 0, "cpu_quota": 0,
           "data": 1, "downloads": 1, "models": 1, "solver": 1, "distributed": 1, "preemption": 1, "output_lock": 1,
           "open_files": 1, "inference": 1, "visualize": 1,
           "stats": 2, "checkpoint": 2, "tracking": 2,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from trainer.cpu_quota import use_cpu_quota
 from trainer.errors import UserError, first_line
 from trainer.launch import Stopped, torchrun_environment, train_job
 from trainer.logs import check_arguments_are_text, hold_console_descriptors, setup_logging, write_or_drop
@@ -25,8 +26,11 @@ from trainer.tracking.runs import settle_uri_variables
 log = logging.getLogger("tracktron")
 
 
-def _setup_logging(rank: int = 0) -> None:
+def _set_up(rank: int = 0) -> None:
+    """Each command that runs torch: its logging, then torch's threads within the container's CPU
+    quota, before torch is imported."""
     setup_logging(logging.INFO if rank == 0 else logging.WARNING)
+    use_cpu_quota()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,7 +74,7 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
 
     # torchrun's rank and world size, read before torch is imported (see below)
     rank, world_size = torchrun_environment()
-    _setup_logging(rank)
+    _set_up(rank)
     cfg = load_config(config_file, _overrides(opts, opts_text))
     set_num_gpus(cfg, world_size, rank)
     if no_resume:
@@ -112,7 +116,7 @@ def eval_(config_file, weights, opts_text, opts):
     from trainer.config import load_config
     from trainer.evaluation import eval_command
 
-    _setup_logging()
+    _set_up()
     cfg = load_config(config_file, _overrides(opts, opts_text))
     check_output_dir(Path(cfg.OUTPUT_DIR))  # the detections and the per-category table go there
     check_open_files(cfg.DATA_LOADER.NUM_THREADS, cfg.TEST.IMS_PER_BATCH)
@@ -122,7 +126,7 @@ def eval_(config_file, weights, opts_text, opts):
         ctx = distributed.setup()
     except (RuntimeError, ValueError, OSError) as e:  # torch.distributed's rendezvous and store errors
         raise UserError(f"cannot join the job's other processes: {first_line(e)}") from None
-    _setup_logging(ctx.rank)
+    _set_up(ctx.rank)
     try:
         eval_command(cfg, weights, ctx)
     finally:
@@ -147,7 +151,7 @@ def predict(weights, config_file, score_threshold, out_dir, args):
     """
     from trainer.predict import predict_command, split_args
 
-    _setup_logging()
+    _set_up()
     images, opts = split_args(args)
     predict_command(weights, images, out_dir, config_file, score_threshold, tuple(opts))
 
@@ -163,7 +167,7 @@ def config_(config_file, opts_text, opts):
     from trainer.config import load_config_explained
     from trainer.explain import explain
 
-    _setup_logging()
+    _set_up()
     cfg, translation = load_config_explained(config_file, _overrides(opts, opts_text))
     click.echo(redact_text(explain(cfg, translation, config_file)))  # a URL's password in the mapping too
 

@@ -1,0 +1,122 @@
+"""torch's threads within the container's CPU quota. `docker run --cpus 4` or a pod's CPU limit on
+a 64-core node is a CFS quota, not an affinity: torch sizes its intra-op pool from the affinity (64
+threads), and the quota then throttles them all. torchrun sets OMP_NUM_THREADS=1 itself only when it
+starts several processes per node: a single process (one GPU, the CPU demo) gets no such help.
+
+Nothing here may fail a job: a cgroup file missing, unreadable or malformed is "no quota"."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tracktron")
+
+# Where the cgroup file systems are mounted; the tests point it at fake cgroup files.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+# The thread counts torch honours (it reads OMP_NUM_THREADS, then MKL_NUM_THREADS): the user's, or torchrun's.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def use_cpu_quota() -> None:
+    """Before torch is imported: when a CPU quota is below the CPUs this process may run on, torch
+    gets as many threads as the quota holds (at least 1), said once at INFO. A thread count the user
+    set (OMP_NUM_THREADS, MKL_NUM_THREADS) is left as it is.
+
+    Set as OMP_NUM_THREADS, so torch sizes its pool with it when it loads (the train command imports
+    torch later, while the job's run is looked up), and so does every OpenMP library of the process,
+    and a process it starts (in the same cgroup). Loader workers need nothing: torch's worker loop
+    sets each to one thread, and N workers of `quota` threads each would be N times too many."""
+    if any(os.environ.get(name, "").strip() for name in THREAD_VARIABLES):
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux: no cgroups either
+        return
+    found = read_cpu_quota(CGROUP_ROOT, PROC_CGROUP)
+    if found is None or found[0] >= cpus:
+        return
+    quota, source = found
+    threads = max(1, math.floor(quota))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() > threads:  # already loaded (a caller in this process)
+        torch.set_num_threads(threads)
+    log.info("a CPU quota of %s (%s): torch uses %s, not %d (set OMP_NUM_THREADS to choose)",
+             _count(quota, "CPU"), source, _count(threads, "thread"), cpus)
+
+
+def _count(n: float, what: str) -> str:
+    return f"{n:g} {what}" if n == 1 else f"{n:g} {what}s"
+
+
+def read_cpu_quota(root: Path, proc_cgroup: Path = PROC_CGROUP) -> tuple[float, str] | None:
+    """The smallest CPU quota over this process's cgroup and its ancestors, in CPUs, with the file
+    that sets it; None when there is none. cgroup v2 (cpu.max) and v1 (cpu.cfs_quota_us) alike.
+
+    In a container with a cgroup namespace (docker, Kubernetes) `root` is the container's own
+    cgroup and /proc/self/cgroup says "/"; elsewhere (a systemd unit's CPUQuota) the process's path
+    under `root` holds the limit, and a parent's limit holds for its children too."""
+    v2_path, v1_path = _own_paths(proc_cgroup)
+    found = [q for folder in _up_to(root, v2_path) if (q := _v2_quota(folder)) is not None]
+    found += [q for folder in _up_to(root / "cpu", v1_path) if (q := _v1_quota(folder)) is not None]
+    return min(found, default=None)
+
+
+def _own_paths(proc_cgroup: Path) -> tuple[str, str]:
+    """This process's cgroup paths, v2 ("0::/path") and v1's cpu controller ("4:cpu,cpuacct:/path");
+    "/" when unknown, so that only the root's files are read."""
+    v2 = v1 = "/"
+    for line in _read(proc_cgroup).splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _up_to(root: Path, path: str) -> list[Path]:
+    """`root`/`path` and each folder above it up to `root`, those that exist. A path leaving the
+    namespace's root ("/../..": the process's cgroup is outside it) is only `root`."""
+    parts = [p for p in path.strip().split("/") if p]
+    if ".." in parts or "." in parts:
+        parts = []
+    folders = [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return [f for f in folders if f.is_dir()]
+
+
+def _v2_quota(folder: Path) -> tuple[float, str] | None:
+    """cpu.max: "400000 100000" is 4 CPUs, "max 100000" none."""
+    fields = _read(folder / "cpu.max").split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    return _cpus(fields[0], fields[1], "cgroup cpu.max")
+
+
+def _v1_quota(folder: Path) -> tuple[float, str] | None:
+    """cpu.cfs_quota_us over cpu.cfs_period_us; a quota of -1 is none."""
+    quota, period = _read(folder / "cpu.cfs_quota_us").strip(), _read(folder / "cpu.cfs_period_us").strip()
+    return _cpus(quota, period, "cgroup cpu.cfs_quota_us")
+
+
+def _cpus(quota: str, period: str, source: str) -> tuple[float, str] | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # malformed, or a file missing ("")
+        return None
+    return (q / p, source) if q > 0 and p > 0 else None
+
+
+def _read(path: Path) -> str:
+    """A small file's text; "" when it is missing, unreadable or not text (a cgroup file is a line)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode("ascii")
+    except (OSError, ValueError):
+        return ""
