@@ -14,51 +14,38 @@ from trainer import cpu_quota
 from trainer.cpu_quota import read_cpu_quota, use_cpu_quota
 
 
-def cgroup(root, files: dict[str, str | bytes], own: str = "0::/\n"):
-    """A fake cgroup mount under `root` holding `files` (path: content), and a fake /proc/self/cgroup."""
+def cgroup(root, files: dict[str, str | bytes]):
+    """A fake container cgroup mount under `root` holding `files` (path: content)."""
+    root.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
-        path = root / "fs" / name
+        path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    (root / "fs").mkdir(parents=True, exist_ok=True)
-    (root / "proc_cgroup").write_text(own)
-    return root / "fs", root / "proc_cgroup"
+    return root
 
 
 def test_cgroup_v2_quota_and_no_quota(tmp_path):
-    assert read_cpu_quota(*cgroup(tmp_path / "a", {"cpu.max": "400000 100000\n"})) == (4.0, "cgroup cpu.max")
-    assert read_cpu_quota(*cgroup(tmp_path / "b", {"cpu.max": "150000 100000\n"})) == (1.5, "cgroup cpu.max")
-    assert read_cpu_quota(*cgroup(tmp_path / "c", {"cpu.max": "max 100000\n"})) is None
-    assert read_cpu_quota(*cgroup(tmp_path / "d", {})) is None  # no cgroup files at all (not Linux, a bare chroot)
+    assert read_cpu_quota(cgroup(tmp_path / "a", {"cpu.max": "400000 100000\n"})) == (4.0, "cgroup cpu.max")
+    assert read_cpu_quota(cgroup(tmp_path / "b", {"cpu.max": "150000 100000\n"})) == (1.5, "cgroup cpu.max")
+    assert read_cpu_quota(cgroup(tmp_path / "c", {"cpu.max": "max 100000\n"})) is None
+    assert read_cpu_quota(cgroup(tmp_path / "d", {})) is None  # no cgroup files at all (not Linux, a bare chroot)
 
 
 def test_cgroup_v1_quota_and_no_quota(tmp_path):
     v1 = {"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}
-    assert read_cpu_quota(*cgroup(tmp_path / "a", v1, own="4:cpu,cpuacct:/docker/abc\n")) == (
-        2.0, "cgroup cpu.cfs_quota_us")  # docker mounts the container's own cgroup at cpu/: its host path is not there
+    assert read_cpu_quota(cgroup(tmp_path / "a", v1)) == (2.0, "cgroup cpu.cfs_quota_us")
     none = {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}
-    assert read_cpu_quota(*cgroup(tmp_path / "b", none)) is None
+    assert read_cpu_quota(cgroup(tmp_path / "b", none)) is None
 
 
 @pytest.mark.parametrize("content", ["", "max", "400000", "four 100000", "400000 0", "0 100000", "-5 100000",
                                      "400000 100000 7", b"\xff\xfe 100000"])
 def test_a_malformed_cpu_max_is_no_quota(tmp_path, content):
-    assert read_cpu_quota(*cgroup(tmp_path, {"cpu.max": content})) is None
+    assert read_cpu_quota(cgroup(tmp_path, {"cpu.max": content})) is None
 
 
-def test_an_unreadable_cpu_max_or_proc_file_is_no_quota(tmp_path):
-    root, proc = cgroup(tmp_path, {"cpu.max/x": "a folder where the file should be"}, own="garbage\n0:\n")
-    assert read_cpu_quota(root, proc) is None
-    assert read_cpu_quota(root, tmp_path / "no such file") is None
-
-
-def test_the_process_own_cgroup_and_its_parents_hold_the_limit(tmp_path):
-    """A systemd unit's CPUQuota, or a nested cgroup without a namespace: the tightest one up the tree."""
-    files = {"cpu.max": "max 100000", "kubepods/cpu.max": "300000 100000", "kubepods/pod1/cpu.max": "max 100000"}
-    assert read_cpu_quota(*cgroup(tmp_path / "a", files, own="0::/kubepods/pod1\n")) == (3.0, "cgroup cpu.max")
-    # a path out of the namespace's root: only the root's files are read
-    assert read_cpu_quota(*cgroup(tmp_path / "b", {"cpu.max": "200000 100000"}, own="0::/../../x\n")) == (
-        2.0, "cgroup cpu.max")
+def test_an_unreadable_cpu_max_is_no_quota(tmp_path):
+    assert read_cpu_quota(cgroup(tmp_path, {"cpu.max/x": "a folder where the file should be"})) is None
 
 
 @pytest.fixture
@@ -73,9 +60,7 @@ def fake_host(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
 
     def with_files(files):
-        root, proc = cgroup(tmp_path, files)
-        monkeypatch.setattr(cpu_quota, "CGROUP_ROOT", root)
-        monkeypatch.setattr(cpu_quota, "PROC_CGROUP", proc)
+        monkeypatch.setattr(cpu_quota, "CGROUP_ROOT", cgroup(tmp_path, files))
     yield with_files
     torch.set_num_threads(threads)
 
@@ -117,7 +102,7 @@ WITH_FAKE_CGROUP = ("import sys; from pathlib import Path; from trainer import c
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a quota below the affinity needs 2 CPUs")
 def test_a_trainer_under_a_cpu_quota_uses_that_many_threads(tmp_path, data_dir):
-    root, _ = cgroup(tmp_path / "cgroup", {"cpu.max": "100000 100000\n"})  # docker run --cpus 1
+    root = cgroup(tmp_path / "cgroup", {"cpu.max": "100000 100000\n"})  # docker run --cpus 1
     env = {k: v for k, v in os.environ.items() if k not in cpu_quota.THREAD_VARIABLES}  # conftest sets 1
     args = demo_overrides(tmp_path, data_dir, **{"SOLVER.MAX_ITER": 2, "TRACKING.ENABLED": "false"})
     done = subprocess.run([sys.executable, "-c", WITH_FAKE_CGROUP, str(root), "train", "--config",

@@ -16,7 +16,6 @@ log = logging.getLogger("tracktron")
 
 # Where the cgroup file systems are mounted; the tests point it at fake cgroup files.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
 # The thread counts torch honours (it reads OMP_NUM_THREADS, then MKL_NUM_THREADS): the user's, or torchrun's.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -36,7 +35,7 @@ def use_cpu_quota() -> None:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux: no cgroups either
         return
-    found = read_cpu_quota(CGROUP_ROOT, PROC_CGROUP)
+    found = read_cpu_quota(CGROUP_ROOT)
     if found is None or found[0] >= cpus:
         return
     quota, source = found
@@ -53,42 +52,12 @@ def _count(n: float, what: str) -> str:
     return f"{n:g} {what}" if n == 1 else f"{n:g} {what}s"
 
 
-def read_cpu_quota(root: Path, proc_cgroup: Path = PROC_CGROUP) -> tuple[float, str] | None:
-    """The smallest CPU quota over this process's cgroup and its ancestors, in CPUs, with the file
-    that sets it; None when there is none. cgroup v2 (cpu.max) and v1 (cpu.cfs_quota_us) alike.
-
-    In a container with a cgroup namespace (docker, Kubernetes) `root` is the container's own
-    cgroup and /proc/self/cgroup says "/"; elsewhere (a systemd unit's CPUQuota) the process's path
-    under `root` holds the limit, and a parent's limit holds for its children too."""
-    v2_path, v1_path = _own_paths(proc_cgroup)
-    found = [q for folder in _up_to(root, v2_path) if (q := _v2_quota(folder)) is not None]
-    found += [q for folder in _up_to(root / "cpu", v1_path) if (q := _v1_quota(folder)) is not None]
-    return min(found, default=None)
-
-
-def _own_paths(proc_cgroup: Path) -> tuple[str, str]:
-    """This process's cgroup paths, v2 ("0::/path") and v1's cpu controller ("4:cpu,cpuacct:/path");
-    "/" when unknown, so that only the root's files are read."""
-    v2 = v1 = "/"
-    for line in _read(proc_cgroup).splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2 = parts[2]
-        elif "cpu" in parts[1].split(","):
-            v1 = parts[2]
-    return v2, v1
-
-
-def _up_to(root: Path, path: str) -> list[Path]:
-    """`root`/`path` and each folder above it up to `root`, those that exist. A path leaving the
-    namespace's root ("/../..": the process's cgroup is outside it) is only `root`."""
-    parts = [p for p in path.strip().split("/") if p]
-    if ".." in parts or "." in parts:
-        parts = []
-    folders = [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
-    return [f for f in folders if f.is_dir()]
+def read_cpu_quota(root: Path) -> tuple[float, str] | None:
+    """The container's CPU quota in CPUs, with the file that sets it; None when there is none.
+    docker and Kubernetes give a container a cgroup namespace: `root` is its own cgroup, where
+    cgroup v2 keeps cpu.max and v1 cpu/cpu.cfs_quota_us. (A bare host's systemd or Slurm limits
+    are elsewhere; they are left to OMP_NUM_THREADS.)"""
+    return min(filter(None, (_v2_quota(root), _v1_quota(root / "cpu"))), default=None)
 
 
 def _v2_quota(folder: Path) -> tuple[float, str] | None:
