@@ -24,6 +24,7 @@ from pycocotools.cocoeval import COCOeval
 
 from trainer.config import load_config
 from trainer.data import CocoDetection, build_test_loader, resolve_dataset
+from trainer.data.images import as_float
 from trainer.evaluation import _eval_mode, _oks_sigmas, detections_to_coco, iou_types_for, load_model_for_eval, \
     load_results
 from trainer.models import build_model, set_test_size
@@ -59,7 +60,7 @@ def time_inference(model, loader, dataset, repeat: int) -> dict:
             results, tic = [], time.perf_counter()
             for images, targets in loader:
                 t0 = time.perf_counter()
-                outputs = net(images)
+                outputs = net([as_float(im) for im in images])  # the loader's uint8 pixels, as _infer takes them
                 t1 = time.perf_counter()
                 results += detections_to_coco(outputs, [x["image_id"] for x in targets], dataset.label_to_cat_id)
                 t2 = time.perf_counter()

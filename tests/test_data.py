@@ -19,6 +19,7 @@ from pycocotools import mask as mask_utils
 from trainer.data import coco
 from trainer.config import defaults
 from trainer.data import CocoDetection, build_test_loader, build_train_loader, resolve_dataset
+from trainer.data.images import as_float, decode, read_file
 from trainer.data.prefetch import Prefetcher
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.errors import UserError
@@ -96,7 +97,7 @@ def test_masks_match_boxes_and_areas(tiny):
     coco = ds.coco
     for i in range(len(ds)):
         image, t = ds[i]
-        assert image.dtype == torch.float32 and 0 <= image.min() and image.max() <= 1
+        assert image.dtype == torch.uint8  # as stored: a quarter of float's bytes through /dev/shm; float on the device
         assert image.shape[1:] == t["masks"].shape[1:] and t["masks"].dtype == torch.uint8
         assert t["boxes"].dtype == torch.float32 and t["labels"].dtype == torch.int64
         assert len(t["masks"]) == len(t["boxes"]) == len(coco.imgToAnns[t["image_id"]])
@@ -272,8 +273,9 @@ def test_a_16_bit_png_is_read_on_the_same_0_to_1_scale_as_an_8_bit_one(tmp_path)
     Image.fromarray(gray.astype(np.uint16) * 257).save(image_dir / "16bit.png")  # the same picture, 16 bits
     ds = CocoDetection(image_dir, ann, train=False)
     eight, sixteen = ds[0][0], ds[1][0]
+    assert eight.dtype == torch.uint8 and sixteen.dtype == torch.float32  # uint8 leaves the worker; 16 bits cannot
     assert float(sixteen.max()) <= 1.0
-    assert torch.allclose(eight, sixteen, atol=1e-6)
+    assert torch.allclose(as_float(eight), sixteen, atol=1e-6)
 
 
 def test_resolve_dataset(tmp_path, tiny):
@@ -357,6 +359,22 @@ def test_sampler_fallbacks():
 
 # --- loaders and the prefetcher ---------------------------------------------------------------
 
+def test_a_worker_hands_on_uint8_pixels_and_the_prefetcher_makes_them_float(tmp_path, tiny):
+    """A quarter of float's bytes through /dev/shm, pinned memory and the copy to the GPU (docker's
+    64 MB /dev/shm, row 314); the model gets the same floats as a decode to float gives."""
+    cfg = _cfg(tmp_path, tiny, IMS_PER_BATCH=2)
+    cfg.DATA_LOADER["NUM_THREADS"] = 1
+    loader, dataset = build_train_loader(cfg)
+    images, targets = next(iter(loader))
+    assert [im.dtype for im in images] == [torch.uint8, torch.uint8]
+    with Prefetcher([(images, targets)], torch.device("cpu")) as batches:
+        floats, _ = batches.next()
+    for pixels, got, t in zip(images, floats, targets):
+        index = dataset.image_ids.index(t["image_id"])
+        stored = decode(read_file(tiny / "images" / dataset.file_name(index)))  # what predict and serving read
+        assert torch.equal(got, stored) or torch.equal(got, stored.flip(-1))  # the sampler may flip it
+
+
 def test_loader_workers_give_the_same_batches(tmp_path, tiny):
     def first_batches(workers, start_iter=0):
         cfg = _cfg(tmp_path, tiny, IMS_PER_BATCH=2)
@@ -374,6 +392,7 @@ def test_loader_workers_give_the_same_batches(tmp_path, tiny):
     assert dataset.num_classes == 4
     for (images0, targets0), (images1, targets1) in zip(single, multi):
         assert len(images0) == 2 and all(torch.equal(a, b) for a, b in zip(images0, images1))
+        assert all(im.dtype == torch.float32 and 0 <= im.min() and im.max() <= 1 for im in images0 + images1)
         assert [t["image_id"] for t in targets0] == [t["image_id"] for t in targets1]
         assert all(torch.equal(a["masks"], b["masks"]) for a, b in zip(targets0, targets1))
     resumed, _ = first_batches(0, start_iter=3)
@@ -514,7 +533,7 @@ def test_an_animated_image_is_read_as_its_first_frame(tmp_path):
     data = json.loads(ann.read_text())
     data["images"] = images
     ann.write_text(json.dumps(data))
-    image = CocoDetection(image_dir, ann, train=False)[0][0]
+    image = as_float(CocoDetection(image_dir, ann, train=False)[0][0])
     assert image.shape == (3, 8, 16) and float(image[0].mean()) > 0.9  # the red first frame
 
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # the torchrun worker runs this file as a script
 
 from trainer import config  # noqa: E402
 from trainer.data import CocoDetection, build_test_loader  # noqa: E402
+from trainer.data.images import as_float  # noqa: E402
 from trainer.distributed import Context  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.evaluation import (coco_evaluate, eval_command, eval_due, evaluate,  # noqa: E402
@@ -174,7 +175,7 @@ def test_tiny_models_evaluate_and_training_is_unchanged(shapes, tmp_path, model_
     assert torch.equal(torch.get_rng_state(), rng_before)
     gt = CocoDetection(shapes / "images", shapes / "annotations.json", train=True, masks=True, keypoints=True)
     images, targets = zip(*(gt[i] for i in range(2)))
-    losses = model(list(images), list(targets))
+    losses = model([as_float(im) for im in images], list(targets))  # the prefetcher's floats
     sum(losses.values()).backward()
 
 

@@ -33,6 +33,7 @@ from trainer.atomic_write import write_atomic
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import CocoDetection, build_test_loader, model_needs, resolve_dataset
 from trainer.data.checks import category_difference, same_categories
+from trainer.data.images import as_float
 from trainer.data.workers import worker_error
 from trainer.distributed import Context, all_gather_object, broadcast_object, check_same_job, gather_object
 from trainer.config import flatten
@@ -115,7 +116,7 @@ def _infer(net, images: list, device) -> list[dict]:
     served model and `predict` detect it, whatever TEST.IMS_PER_BATCH, the world size or its neighbours."""
     outputs = []
     for _, run in itertools.groupby(images, key=lambda im: tuple(im.shape)):
-        outputs += net([im.to(device, non_blocking=True) for im in run])
+        outputs += net([as_float(im.to(device, non_blocking=True)) for im in run])  # uint8 from the workers
     return outputs
 
 

@@ -27,7 +27,7 @@ MASK_ALPHA = 0.4
 
 def draw(image: torch.Tensor, detections: dict, ground_truth: dict | None = None,
          score_threshold: float = 0.5) -> np.ndarray:
-    """`image` CHW float in [0, 1] (trainer.inference.decode); `detections` as detections_of gives them."""
+    """`image` CHW float in [0, 1] (trainer.inference.decode) or uint8; `detections` as detections_of gives them."""
     canvas = _to_uint8(image)
     if ground_truth:
         every = list(range(len(ground_truth.get("boxes", []))))
@@ -65,6 +65,8 @@ def _to_uint8(image: torch.Tensor) -> torch.Tensor:
         image = image[None]
     if image.shape[0] == 1:  # grayscale: the colours of the boxes need three channels
         image = image.expand(3, -1, -1)
+    if image.dtype == torch.uint8:  # a dataset's pixels as read
+        return image
     return image.float().nan_to_num(0.0).clamp(0, 1).mul(255).round().to(torch.uint8)
 
 

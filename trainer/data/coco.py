@@ -220,7 +220,7 @@ class CocoDetection(Dataset):
         path = self.image_dir / record["file_name"]
         shown = printable(str(path))  # a newline in a name split the error, whose last line a loader worker passes on
         try:
-            image = decode(read_file(path))  # 8-bit images by 255, 16-bit PNGs by 65535
+            image = decode(read_file(path), raw=True)  # uint8 (a 16-bit PNG: float), as_float on the device
         except (OSError, ValueError) as e:
             raise UserError(f"cannot decode image {shown}: {getattr(e, 'strerror', None) or e}") from None
         if tuple(image.shape[1:]) != (record["height"], record["width"]):  # boxes would be misplaced

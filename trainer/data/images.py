@@ -1,5 +1,6 @@
 """The one image decoder: training, evaluation, the served model and `tracktron predict` read
-images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255).
+images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255). A training
+or test set's 8-bit images leave the loader's workers as uint8 and become float on the device.
 
 Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
 refused before anything is allocated, and a PNG is fully decoded by PIL too and its critical
@@ -47,14 +48,27 @@ def read_file(path: Path) -> bytes:
         return f.read(size)  # read(n) reserves n bytes at once: 512 MB per image failed under a memory limit
 
 
-def decode(image, upright: bool = False) -> torch.Tensor:
+def decode(image, upright: bool = False, raw: bool = False) -> torch.Tensor:
     """Encoded bytes (PNG, JPEG, GIF, WebP, ...) or an HxWx3 uint8 RGB array -> float CHW in [0, 1];
-    ValueError with one line for anything else. upright: the EXIF orientation applied."""
+    ValueError with one line for anything else. upright: the EXIF orientation applied. raw: an 8-bit
+    image stays uint8 (`as_float` later): a loader worker passes a quarter of the bytes through
+    /dev/shm, pinned memory and the copy to the GPU."""
+    pixels = _decode(image, upright)
+    return pixels if raw and pixels.dtype == torch.uint8 else as_float(pixels)
+
+
+def as_float(image: torch.Tensor) -> torch.Tensor:
+    """Integer pixels -> float in [0, 1] (8-bit by 255, 16-bit by 65535); float ones as they are."""
+    return image if image.is_floating_point() else image.float().div_(torch.iinfo(image.dtype).max)
+
+
+def _decode(image, upright: bool) -> torch.Tensor:
+    """CHW pixels as stored: uint8, or uint16 for a 16-bit PNG."""
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"an image array must be HxWx3 uint8 (RGB), got {image.shape} {image.dtype}")
         check_size(image.shape[1], image.shape[0])
-        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).float().div_(255)  # arrays may be read-only
+        return torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1).contiguous()  # arrays may be read-only
     if isinstance(image, (bytearray, memoryview)):
         image = bytes(image)
     if not isinstance(image, bytes):
@@ -63,7 +77,7 @@ def decode(image, upright: bool = False) -> torch.Tensor:
     if not image:
         raise ValueError("an image is empty (0 bytes)")
     if (by_pil := _check_with_pil(image, upright)) is not None:
-        return torch.from_numpy(by_pil).permute(2, 0, 1).float().div_(255)
+        return torch.from_numpy(by_pil).permute(2, 0, 1).contiguous()
     from torchvision.io import ImageReadMode, decode_image
 
     try:
@@ -71,7 +85,7 @@ def decode(image, upright: bool = False) -> torch.Tensor:
                                apply_exif_orientation=upright)
     except (RuntimeError, ValueError) as e:  # without the C++ source path torchvision puts first
         raise ValueError(f"cannot decode the image ({_CXX_PLACE.sub('', first_line(e))})") from None
-    return decoded.float().div_(torch.iinfo(decoded.dtype).max)
+    return decoded
 
 
 def _check_with_pil(data: bytes, upright: bool = False) -> np.ndarray | None:

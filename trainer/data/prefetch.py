@@ -10,11 +10,13 @@ import threading
 
 import torch
 
+from trainer.data.images import as_float
 from trainer.data.workers import worker_error
 
 
 class Prefetcher:
-    """Pulls batches on a background thread into a bounded queue, moved to `device` on the way."""
+    """Pulls (images, targets) batches on a background thread into a bounded queue, moved to `device`
+    on the way and the images made float there."""
 
     def __init__(self, batches, device=None, depth: int = 2):
         self._source = batches
@@ -29,7 +31,9 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._put((True, _to_device(next(self._it), self._device)))
+                images, targets = next(self._it)  # uint8 images become float on the device, off the training thread
+                images = [as_float(_to_device(im, self._device)) for im in images]
+                self._put((True, (images, _to_device(targets, self._device))))
         except BaseException as e:  # handed to the consumer, who re-raises it
             self._put((False, worker_error(e)))
 
