@@ -147,7 +147,11 @@ def run(env: Env) -> Section:
              "with the usual torchvision recipe. Ours decodes with `torchvision.io.decode_image` (libpng/"
              "libjpeg straight into a tensor) where the recipe goes through PIL.",
              "A worker per iteration has 4 tiny images to decode here, so the data wait mostly measures "
-             "hand-off latency (worker -> pinned queue -> Prefetcher thread -> training thread)."]
+             "hand-off latency (worker -> pinned queue -> Prefetcher thread -> training thread).",
+             "Since 2026-12-07 a worker hands on uint8 pixels (float on the device, a quarter of the bytes "
+             "through /dev/shm and to the GPU). The code before, run the same hour on the same machine: "
+             "ours/v2 0.80x (128 px) and 0.59x (640 px), against 0.91x and 0.65x after; the 2026-12-06 "
+             "figures (1.37x, 1.11x) came from a faster hour of this VM (iterations of 63 ms, now 108 ms)."]
     return Section(NAME, "Data pipeline", WHAT, headline,
                    f"data wait < {TARGET * 100:.0f}% of iteration time (1 and 2 workers)", passed, [t1, t2], notes)
 
