@@ -375,6 +375,34 @@ def test_a_worker_hands_on_uint8_pixels_and_the_prefetcher_makes_them_float(tmp_
         assert torch.equal(got, stored) or torch.equal(got, stored.flip(-1))  # the sampler may flip it
 
 
+@pytest.mark.parametrize("error, said", [
+    ("unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device (28)",
+     "the data loader's workers are out of shared memory: /dev/shm holds"),
+    ("unable to open shared memory object </torch_1_2_0> in read-write mode: Too many open files (24)",
+     "the data loader's workers cannot put a batch in shared memory (/dev/shm): Too many open files (24); "
+     "set DATA_LOADER.NUM_THREADS 0"),
+    ("unable to open shared memory object </torch_1_2_0> in read-write mode: Permission denied (13)",
+     "the data loader's workers cannot put a batch in shared memory (/dev/shm): Permission denied (13);")])
+def test_a_worker_blames_the_size_of_dev_shm_only_when_it_is_full(monkeypatch, error, said):
+    """A /dev/shm with room but another failure (the fd limit, no permission) is not sent to --shm-size."""
+    from types import SimpleNamespace
+
+    from trainer.data import workers
+
+    if not os.path.isdir(workers.SHM):
+        pytest.skip("no /dev/shm here")
+
+    def fails(self):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(num_workers=2))
+    monkeypatch.setattr(torch.Tensor, "share_memory_", fails)
+    with pytest.raises(UserError) as e:
+        workers.in_shared_memory(([torch.zeros(3, 4, 4, dtype=torch.uint8)], [{"boxes": torch.zeros(0, 4)}]))
+    assert str(e.value).startswith(said), str(e.value)
+    assert ("--shm-size" in str(e.value)) == ("No space left" in error)
+
+
 def test_loader_workers_give_the_same_batches(tmp_path, tiny):
     def first_batches(workers, start_iter=0):
         cfg = _cfg(tmp_path, tiny, IMS_PER_BATCH=2)

@@ -97,7 +97,7 @@ def in_shared_memory(batch):
     except RuntimeError as e:
         if "shared memory" not in str(e) and "No space left" not in str(e):
             raise
-        raise UserError(_no_shared_memory(info.num_workers)) from None
+        raise UserError(_no_shared_memory(info.num_workers, str(e))) from None
     return batch
 
 
@@ -112,12 +112,20 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def _no_shared_memory(workers: int) -> str:
+def _no_shared_memory(workers: int, error: str) -> str:
+    """torch's error (`unable to allocate shared memory(shm) for file </torch_…>: No space left on
+    device (28)`) as the user's line. Only a full or missing /dev/shm is blamed on its size: another
+    cause (`Too many open files (24)`, `Permission denied (13)`) is said as torch gives it."""
     try:
         usage = shutil.disk_usage(SHM)
         held = f"{SHM} holds {usage.total / 2**20:.1f} MiB ({usage.free / 2**20:.1f} MiB free)"
     except OSError:
         held = f"{SHM} is missing"
+    else:
+        if "No space left" not in error:
+            reason = error.strip().splitlines()[0].rsplit(": ", 1)[-1]
+            return (f"the data loader's workers cannot put a batch in shared memory ({SHM}): {reason}; "
+                    "set DATA_LOADER.NUM_THREADS 0 to load the batches in the trainer")
     return (f"the data loader's workers are out of shared memory: {held}, and the {workers} workers of "
             f"DATA_LOADER.NUM_THREADS {workers} pass each batch through it; give the container more "
             "(docker run --shm-size=8g; in Kubernetes an emptyDir of medium Memory on /dev/shm), "
