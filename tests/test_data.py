@@ -175,6 +175,15 @@ def test_training_filters_crowd_and_bad_boxes(tmp_path, caplog):
     assert f["boxes"].tolist() == [[12, 2, 17, 6], [15, 8, 20, 10]] and f["masks"][0][2:6, 12:17].all()
 
 
+def test_a_training_set_with_no_annotation_at_all_says_so_not_crowd(tmp_path):
+    """An export of the images alone (no box drawn yet): the crowd advice of a set whose boxes were
+    all dropped would send the user looking for iscrowd flags that are not there."""
+    image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "a.png", "width": 10, "height": 8}], [])
+    with pytest.raises(UserError, match=r"has no usable annotation: its annotations list is empty$"):
+        CocoDetection(image_dir, ann)
+    assert len(CocoDetection(image_dir, ann, train=False)) == 1  # a test set may hold images without boxes
+
+
 def test_a_training_set_holds_its_masks_compactly_and_not_its_parsed_file(tmp_path):
     """helper-69's COCO-sized set (864k annotations, 575 MB): every rank kept the parsed file (3.6 GiB)
     for the whole job, and each loader worker copied the pages of the polygons' floats it read (~33

@@ -180,6 +180,8 @@ class CocoDetection(Dataset):
             log.info("%s: dropped %d crowd and %d empty boxes; %d of %d images have no usable box and are "
                      "skipped", self.ann_file, dropped["crowd"], dropped["degenerate"], dropped["images"],
                      len(coco.imgs))
+            if not coco.anns:  # an export of the images alone: crowd and empty boxes are no matter
+                raise UserError(f"{self.ann_file} has no usable annotation: its annotations list is empty")
             if not records:  # CVAT exports brush masks as crowd: say so, Detectron never trains on crowd
                 raise UserError(f"{self.ann_file} has no usable annotation: of its {len(coco.anns)} boxes, "
                                 f"{dropped['crowd']} are crowd (iscrowd 1, never trained: set 0 for single objects) "
