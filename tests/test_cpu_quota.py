@@ -93,6 +93,15 @@ def test_a_quota_above_the_affinity_or_a_users_thread_count_is_left_alone(fake_h
     assert len(caplog.records) == 1
 
 
+def test_a_quota_that_changes_no_thread_count_is_not_said(fake_host, monkeypatch, caplog):
+    """Half a CPU on a one-CPU affinity: torch has its one thread already; "uses 1 thread, not 1" is noise."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    fake_host({"cpu.max": "50000 100000"})
+    with caplog.at_level(logging.INFO, logger="tracktron"):
+        use_cpu_quota()
+    assert "OMP_NUM_THREADS" not in os.environ and not caplog.records
+
+
 # The real CLI in a process of its own, its module's cgroup root pointed at fake files before main():
 # no environment variable or option for a fake cgroup in the product, where a user could set it.
 WITH_FAKE_CGROUP = ("import sys; from pathlib import Path; from trainer import cpu_quota; "

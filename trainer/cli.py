@@ -28,7 +28,8 @@ log = logging.getLogger("tracktron")
 
 def _set_up(rank: int = 0) -> None:
     """Each command that runs torch: its logging, then torch's threads within the container's CPU
-    quota, before torch is imported."""
+    quota: before torch is imported for `train`; `eval`, `predict` and `config` import it first, and
+    use_cpu_quota sets the loaded torch's thread count."""
     setup_logging(logging.INFO if rank == 0 else logging.WARNING)
     use_cpu_quota()
 

@@ -21,8 +21,8 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def use_cpu_quota() -> None:
-    """Before torch is imported: when a CPU quota is below the CPUs this process may run on, torch
-    gets as many threads as the quota holds (at least 1), said once at INFO. A thread count the user
+    """Before torch is imported: when the whole CPUs of a CPU quota (at least 1) are fewer than the
+    CPUs this process may run on, torch gets that many threads, said once at INFO. A thread count the user
     set (OMP_NUM_THREADS, MKL_NUM_THREADS) is left as it is.
 
     Set as OMP_NUM_THREADS, so torch sizes its pool with it when it loads (the train command imports
@@ -36,10 +36,12 @@ def use_cpu_quota() -> None:
     except (AttributeError, OSError):  # not Linux: no cgroups either
         return
     found = read_cpu_quota(CGROUP_ROOT)
-    if found is None or found[0] >= cpus:
+    if found is None:
         return
     quota, source = found
     threads = max(1, math.floor(quota))
+    if threads >= cpus:  # half a CPU on one: torch's one thread already ("uses 1 thread, not 1" said nothing)
+        return
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() > threads:  # already loaded (a caller in this process)
