@@ -27,7 +27,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import run_trainer
+from tests.conftest import run_trainer, trainer_cmd
 from tests.faultkit import (  # noqa: F401 - jobs, reference, _no_run_id_file are fixtures
     assert_gone, assert_same_weights, flip_bytes, HUP_DEFAULT, INT_DEFAULT, Job, job_args, jobs, logged_iters, MAX_ITER,
     _no_run_id_file, only_run, reference, sha_tag, steps, temp_files, wait_until)
@@ -193,6 +193,21 @@ def test_a_full_dev_shm_fails_the_job_in_one_line_naming_shm_size_and_keeps_its_
     second = run_trainer(args, cwd=tmp_path)  # the same job with the host's /dev/shm: it resumes and ends
     assert second.returncode == 0, second.stderr[-3000:]
     assert only_run(MlflowClient(uri), "shm").info.status == "FINISHED"
+
+
+def test_a_dev_shm_full_before_the_workers_start_is_the_same_one_line(tmp_path, data_dir):
+    """The loader's queues lock with semaphores, files in /dev/shm: one already full (a 4 KiB tmpfs here,
+    a crashed job's leftovers in docker's 64 MB) failed the loader's start with a bare `OSError: [Errno
+    28] No space left on device` traceback and an AttributeError from torch's half-built iterator at exit."""
+    full = ("unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=4k tmpfs /dev/shm && exec "$@"', "sh")
+    if subprocess.run([*full, "true"], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs in a mount namespace needs root (CAP_SYS_ADMIN)")
+    args = job_args(tmp_path, data_dir, **{"TRACKING.ENABLED": "false", "DATA_LOADER.NUM_THREADS": 2, "SOLVER.MAX_ITER": 2})
+    done = subprocess.run([*full, *trainer_cmd(*args)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.rstrip().splitlines()[-1].startswith(
+        "error: the data loader's workers are out of shared memory: /dev/shm holds 0.0 MiB"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
 # ---- signals: a second one exits at once; SIGTERM while the server hangs keeps the grace period -----

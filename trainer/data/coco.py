@@ -26,7 +26,7 @@ from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
-from trainer.data.workers import forking, in_shared_memory, init_worker
+from trainer.data.workers import forking, in_shared_memory, init_worker, shm_start_error
 from trainer.errors import UserError, user_path
 from trainer.redaction import printable
 
@@ -318,7 +318,10 @@ def collate(batch):
 class _Loader(DataLoader):
     def __iter__(self):
         with forking():  # the workers start here
-            return super().__iter__()
+            try:
+                return super().__iter__()
+            except OSError as e:
+                raise shm_start_error(e, self.num_workers) or e
 
 
 def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> DataLoader:

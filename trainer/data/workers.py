@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import multiprocessing
 import os
 import random
@@ -99,6 +100,21 @@ def in_shared_memory(batch):
             raise
         raise UserError(_no_shared_memory(info.num_workers, str(e))) from None
     return batch
+
+
+def shm_start_error(e: OSError, workers: int) -> UserError | None:
+    """The loader's queues lock with POSIX semaphores, files in /dev/shm: one already full (or missing)
+    failed the loader's start with a bare `OSError: [Errno 28] No space left on device` traceback. The
+    half-built iterator is marked shut down: its __del__ printed an AttributeError under the line at exit."""
+    tb = e.__traceback__
+    while tb is not None:
+        it = tb.tb_frame.f_locals.get("self")
+        if isinstance(it, torch.utils.data.dataloader._MultiProcessingDataLoaderIter) and not hasattr(it, "_shutdown"):
+            it._shutdown = True
+        tb = tb.tb_next
+    if workers and (e.errno == errno.ENOSPC or not os.path.isdir(SHM)):
+        return UserError(_no_shared_memory(workers, str(e)))
+    return None
 
 
 def _tensors(value):
