@@ -26,7 +26,7 @@ from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
-from trainer.data.workers import forking, in_shared_memory, init_worker, shm_start_error
+from trainer.data.workers import forking, check_shared_memory, in_shared_memory, init_worker
 from trainer.errors import UserError, user_path
 from trainer.redaction import printable
 
@@ -318,10 +318,8 @@ def collate(batch):
 class _Loader(DataLoader):
     def __iter__(self):
         with forking():  # the workers start here
-            try:
-                return super().__iter__()
-            except OSError as e:
-                raise shm_start_error(e, self.num_workers) or e
+            check_shared_memory(self.num_workers)
+            return super().__iter__()
 
 
 def _loader(dataset, workers: int, seed: int, persistent: bool, **kwargs) -> DataLoader:

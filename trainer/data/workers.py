@@ -102,19 +102,20 @@ def in_shared_memory(batch):
     return batch
 
 
-def shm_start_error(e: OSError, workers: int) -> UserError | None:
-    """The loader's queues lock with POSIX semaphores, files in /dev/shm: one already full (or missing)
-    failed the loader's start with a bare `OSError: [Errno 28] No space left on device` traceback. The
-    half-built iterator is marked shut down: its __del__ printed an AttributeError under the line at exit."""
-    tb = e.__traceback__
-    while tb is not None:
-        it = tb.tb_frame.f_locals.get("self")
-        if isinstance(it, torch.utils.data.dataloader._MultiProcessingDataLoaderIter) and not hasattr(it, "_shutdown"):
-            it._shutdown = True
-        tb = tb.tb_next
-    if workers and (e.errno == errno.ENOSPC or not os.path.isdir(SHM)):
-        return UserError(_no_shared_memory(workers, str(e)))
-    return None
+def check_shared_memory(workers: int) -> None:
+    """Before the loader's workers start: their queues lock with POSIX semaphores, files in /dev/shm.
+    One already full (or missing) failed the loader's start with a bare `OSError: [Errno 28] No space
+    left on device` traceback, and torch's half-built iterator printed an AttributeError at exit."""
+    if not workers:
+        return
+    context = multiprocessing.get_context("fork")
+    try:  # as many as torch's loader makes: its result queue 3 and done event 5, each worker's queue 3
+        held = [context.Lock() for _ in range(8 + 3 * workers)]
+        del held
+    except OSError as e:
+        if e.errno == errno.ENOSPC or not os.path.isdir(SHM):
+            raise UserError(_no_shared_memory(workers, str(e))) from None
+        raise
 
 
 def _tensors(value):
