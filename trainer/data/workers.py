@@ -108,9 +108,8 @@ def check_shared_memory(workers: int) -> None:
     left on device` traceback, and torch's half-built iterator printed an AttributeError at exit."""
     if not workers:
         return
-    context = multiprocessing.get_context("fork")
     try:  # as many as torch's loader makes: its result queue 3 and done event 5, each worker's queue 3
-        held = [context.Lock() for _ in range(8 + 3 * workers)]
+        held = [multiprocessing.Lock() for _ in range(8 + 3 * workers)]
         del held
     except OSError as e:
         if e.errno == errno.ENOSPC or not os.path.isdir(SHM):
