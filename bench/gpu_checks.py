@@ -214,16 +214,20 @@ def more_ranks_than_gpus(env: Env) -> str:
 
 
 def deterministic_heads(env: Env) -> str:
-    """The heads' CUDA backward under torch.use_deterministic_algorithms: an op with no deterministic
-    kernel raises there, never on the CPU (the test suite's)."""
+    """Every family's CUDA backward under torch.use_deterministic_algorithms: an op with no
+    deterministic kernel raises there, never on the CPU (the test suite's)."""
     import torch
 
     seen = []
-    for model_type in ("maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"):
+    single_stage = {"MODEL.BACKBONE": "resnet18", "MODEL.BACKBONE_WIDTH": 1.0, "MODEL.ANCHOR_SIZES": "[16,32,64,128,256]"}
+    keys = {"retinanet_resnet50_fpn": single_stage, "fcos_resnet50_fpn": {**single_stage, "MODEL.FPN_CHANNELS": 64},
+            "ssdlite320_mobilenet_v3_large": {"MODEL.BACKBONE": "''", "MODEL.BACKBONE_WIDTH": 1.0,
+                                              "MODEL.ANCHOR_SIZES": "[]", "MODEL.FPN_CHANNELS": 256}}
+    for model_type in ("fasterrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn", *keys):
         name = f"determ_{model_type.split('_')[0]}"
         result = env.run(name, ["train", "--config", str(DEMO), *env.keys(name, **{
             "MODEL.TYPE": model_type, "SOLVER.MAX_ITER": 4, "TRAIN.SNAPSHOT_ITERS": 1000, "DETERMINISTIC": "true",
-            "TRACKING.ENABLED": "false", "TEST.DATASETS": "[]"})])
+            "TRACKING.ENABLED": "false", "TEST.DATASETS": "[]", **keys.get(model_type, {})})])
         refused = model_type.startswith("keypointrcnn") and torch.cuda.is_available()  # preflight.check_deterministic
         if refused:
             expect(result.returncode == 2 and "DETERMINISTIC" in tail(result) and "Traceback" not in result.stderr,
