@@ -26,7 +26,7 @@ from trainer.data.images import MAX_PIXELS, decode, read_file
 from trainer.data.masks import compact, eval_mask, segm_to_mask
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.data.synth import ANNOTATIONS, IMAGES, write_synthetic_dataset
-from trainer.data.workers import forking, check_shared_memory, in_shared_memory, init_worker
+from trainer.data.workers import check_shared_memory, forking, in_shared_memory, init_worker
 from trainer.errors import UserError, user_path
 from trainer.redaction import printable
 
