@@ -98,12 +98,13 @@ def locked_by_another_process(path: Path):
         holder.wait(10)
 
 
-def read_only_mount(folder: Path):
-    """`folder` made and a read-only tmpfs mounted on it for the test (a container's read-only root, a
-    shared volume): root may write wherever permissions say no, so only a mount shows it. A generator
-    for a fixture to yield from; skips where mounting is not allowed."""
+def tmpfs_mount(folder: Path, options: str = "ro,size=1m"):
+    """`folder` made and a tmpfs mounted on it for the test: read-only (a container's read-only root, a
+    shared volume: root may write wherever permissions say no, so only a mount shows it), or small
+    (`size=1m`: a container's --tmpfs /tmp). A generator for a fixture to yield from; skips where
+    mounting is not allowed."""
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     try:
         yield folder

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import DEMO, read_only_mount, trainer_cmd
+from tests.conftest import DEMO, tmpfs_mount, trainer_cmd
 from trainer import cli, launch
 from trainer.config import _ALL_KEYS, load_config
 from trainer.errors import UserError
@@ -626,7 +626,7 @@ def test_tracking_stores_that_cannot_hold_the_job_are_one_line(tmp_path, monkeyp
 
 @pytest.fixture
 def read_only_folder(tmp_path):
-    yield from read_only_mount(tmp_path / "ro")
+    yield from tmpfs_mount(tmp_path / "ro")
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEMO, ROOT, demo_overrides, read_only_mount, run_trainer, trainer_cmd
+from tests.conftest import DEMO, ROOT, demo_overrides, tmpfs_mount, run_trainer, trainer_cmd
 
 # `python -m trainer ...` in a process whose passwd file has no entry for its user.
 NO_PASSWD_ENTRY = ("import pwd, runpy, sys\n"
@@ -65,13 +65,13 @@ def test_no_home_folder_is_one_line_before_anything_is_made(tmp_path, data_dir):
 def read_only_home(tmp_path):
     """HOME on a read-only file system (HOME=/ on a container's read-only root, or a home owned by the
     image's user): root may write wherever permissions say no, so only a mount shows it."""
-    yield from read_only_mount(tmp_path / "home")
+    yield from tmpfs_mount(tmp_path / "home")
 
 
 @pytest.fixture
 def read_only_workdir(tmp_path):
     """The container's WORKDIR on a read-only root file system (`readOnlyRootFilesystem: true`)."""
-    yield from read_only_mount(tmp_path / "app")
+    yield from tmpfs_mount(tmp_path / "app")
 
 
 def test_the_default_store_in_a_read_only_working_folder_names_the_folder(tmp_path, data_dir, read_only_workdir):
@@ -178,14 +178,7 @@ def test_an_artifact_root_from_the_environment_is_named_as_such(tmp_path, monkey
 @pytest.fixture
 def small_tmp(tmp_path):
     """A container's small /tmp (`--tmpfs /tmp:size=1m`, an emptyDir with a sizeLimit) as TMPDIR."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+    yield from tmpfs_mount(tmp_path / "tmp", "size=1m")
 
 
 def test_a_temporary_folder_too_small_for_the_model_is_named_with_tmpdir_and_not_retried(tmp_path, data_dir, small_tmp):
