@@ -253,6 +253,8 @@ def ddp_nccl(env: Env) -> str:
     with open(env.logs / "ddp_nccl.log", "a") as f:
         f.write(f"$ {' '.join(cmd)}\n-> exit {result.returncode}\n{result.stdout}\n{result.stderr}\n\n")
     expect(result.returncode == 0, f"torchrun exit {result.returncode}: {tail(result)}")
+    guessed = [line for line in result.stderr.splitlines() if "currently unknown" in line]  # NCCL guessed a GPU
+    expect(not guessed, f"a rank's process group is not bound to its GPU: {guessed[:1]}")
     out = env.work / "ddp" / "output"
     saved = sorted(out.glob("model_iter*.pth"))  # SNAPSHOT_ITERS 20 // NUM_GPUS 2: model_iter9
     expect(saved and (out / "model_final.pth").is_file(), f"checkpoints {[p.name for p in out.glob('*.pth')]}")

@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from trainer import preflight
+from trainer import distributed, preflight
 from trainer import stats as stats_mod
 from trainer.config import load_config
 from trainer.errors import UserError
@@ -79,3 +79,15 @@ def test_json_stats_mem_is_the_peak_of_its_own_period(monkeypatch):
     assert seen == [100, 900, 120]  # iterations 0, 1-4, 5-8: the 900 is in its own period's line only
     assert fake.resets == 3
     assert stats_mod.peak_memory_mb() == 0  # just reset, after the last line
+
+
+@pytest.mark.parametrize("device, bound", [(torch.device("cuda", 1), torch.device("cuda", 1)),
+                                           (torch.device("cpu"), None)])
+def test_the_process_group_is_bound_to_the_ranks_own_gpu(monkeypatch, device, bound):
+    # without device_id, NCCL's barriers guess a GPU per rank and warn that a wrong guess can hang
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: joined.setdefault("current", d))
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    distributed._join_group("nccl" if bound else "gloo", device, 2)
+    assert joined["device_id"] == bound
+    assert joined.get("current") == bound

@@ -76,7 +76,8 @@ def _join_group(backend: str, device: torch.device, world_size: int) -> None:
     def join():
         if device.type == "cuda":
             torch.cuda.set_device(device)  # the current device is per thread
-        dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
+        # device_id binds NCCL to this rank's GPU (else its barriers guess one and warn that they do)
+        dist.init_process_group(backend, timeout=JOIN_TIMEOUT, device_id=device if device.type == "cuda" else None)
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     log.info("joining the job's %d processes (rank 0 at %s)", world_size, where)
