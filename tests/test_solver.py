@@ -135,6 +135,21 @@ def test_scheduler_lr_after_k_steps_is_lr_at_iter_k():
     assert lr_at_iter(cfg, 7) == f32(0.002)
 
 
+def test_a_first_step_skipped_by_the_amp_scaler_gives_no_scheduler_warning(recwarn):
+    # GradScaler skips optimizer.step() when its first scale overflows the gradients (common on a GPU);
+    # the schedule still advances one iteration, as the loop counts iterations, not optimizer steps
+    cfg = cfg_of(**SMALL)
+    model, opt, sched = built(cfg)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.full((1, 3), float("inf"))).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, 1))
+    assert scaler.get_scale() < 2.0**16  # the step was skipped
+    assert not [str(w.message) for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_scheduler_resumes_from_state_dict():
     cfg = cfg_of(**SMALL)
     model, opt, sched = built(cfg)

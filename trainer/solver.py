@@ -9,6 +9,7 @@ w -= lr * v), so a change of LR needs no correction and there is none here.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -85,6 +86,9 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
             _log_change(lr_at_iter(cfg, it - 1), lr, it)
         return lr / base_lr
 
+    # AMP's scaler skips optimizer.step() when its first scale overflows; the schedule still counts
+    # that iteration (Detectron's LR is a function of the iteration), so torch's order warning is moot
+    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
