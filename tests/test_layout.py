@@ -74,6 +74,14 @@ def test_every_piece_has_a_layer_and_no_file_is_past_400_lines():
     assert not long, long
 
 
+def test_the_readmes_layout_names_every_module():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    drawing = readme[readme.index("## Layout"):].split("```")[1]
+    unnamed = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if not p.name.startswith("__") and p.name not in drawing)
+    assert not unnamed, f"README's layout does not name {unnamed}"
+
+
 def test_the_package_starts_no_process_of_its_own():
     """Background work is threads of the training process (torchrun and DataLoader aside)."""
     spawners = ("subprocess.Popen", "multiprocessing.Process", "multiprocessing.Pool", "get_context(", "import Process",
