@@ -50,7 +50,7 @@ def _opts_option(command):
 
 def _overrides(opts: tuple[str, ...], opts_text: tuple[str, ...]) -> list[str]:
     words = list(opts)
-    for text in opts_text:  # each --opts in turn: a second one adds to the first (it replaced it)
+    for text in opts_text:  # each --opts in turn: a second one adds to the first
         try:
             words += shlex.split(text)
         except ValueError as e:  # an unclosed quote or a trailing backslash

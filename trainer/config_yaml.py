@@ -17,10 +17,7 @@ from trainer.errors import ConfigError
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as the user wrote it: a key twice in one mapping (a second `SOLVER:` section) and
-    aliases (which can expand into something large) are errors; numbers remember their text, so a
-    string-typed key keeps what was written (`TRACKING.EXPERIMENT 12:30` is not 750, which YAML 1.1
-    reads, nor `RUN_NAME 010` 8); dates stay text."""
+    """YAML as the user wrote it (the module's docstring says how)."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
