@@ -196,6 +196,9 @@ def test_a_temporary_folder_too_small_for_the_model_is_named_with_tmpdir_and_not
     assert f"twice through the folder for temporary files {small_tmp}, which has " in done.stderr
     assert "set TMPDIR to a folder with room" in done.stderr
     assert "log the final model failed (" not in done.stderr, "retried: no retry makes room"
+    last = done.stderr.strip().splitlines()[-1]  # what to mend before the rerun, where a pipeline shows it
+    assert last.startswith("error: the tracking server did not get: log the final model (cannot log the model:"), last
+    assert "set TMPDIR to a folder with room" in last, last
     assert (tmp_path / "output" / "model_final.pth").is_file()
 
     again = run_trainer(args, cwd=tmp_path)  # room to copy it: the rerun logs the model

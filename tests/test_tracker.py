@@ -137,7 +137,9 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
     alone = new_tracker(tmp_path / "alone", mlflow_server.url)  # the same without a newer one: reported
     assert alone.run.run_id  # opened, as a job's is before its first checkpoint
     alone.log_checkpoint(gone, "0" * 64)
-    assert alone.finish("FINISHED", timeout=30) == ["upload checkpoint model_iter4.pth"]
+    # with why, which no retry mends: what to do before the next start
+    assert alone.finish("FINISHED", timeout=30) == [
+        f"upload checkpoint model_iter4.pth ([Errno 2] No such file or directory: '{gone}')"]
 
     # Both failed (a run deleted mid-job fails them all): the newest is named, which the next start sends.
     # model_final evaluated too, as a job with test sets has it: it is the one named, not model_iter9 as well.
@@ -149,7 +151,8 @@ def test_an_older_checkpoint_that_never_got_there_is_not_a_failure_once_a_newer_
                 every.log_evaluation({"bbox/AP": 0.5}, 10, name)
             every.log_checkpoint(tmp_path / "none" / name, "0" * 64)  # no such files: every upload fails
             assert every.wait(30)  # one at a time: none is superseded before its upload starts
-        assert every.finish("FINISHED", timeout=30) == ["upload checkpoint model_final.pth"]
+        assert every.finish("FINISHED", timeout=30) == [
+            f"upload checkpoint model_final.pth ([Errno 2] No such file or directory: '{tmp_path / 'none' / 'model_final.pth'}')"]
 
 
 
@@ -166,7 +169,8 @@ def test_a_checkpoint_whose_file_changed_before_its_upload_is_never_tagged_compl
         tracker.log_checkpoint(path, sha256_of(path))
         other.write_bytes(os.urandom(100_000))
         os.replace(other, path)  # replaced while its upload waits
-        assert tracker.finish("FINISHED", timeout=60) == ["upload checkpoint model_iter4.pth"]
+        (missing,) = tracker.finish("FINISHED", timeout=60)
+        assert missing.startswith(f"upload checkpoint model_iter4.pth ({path} changed since it was written"), missing
     assert sha_tag("model_iter4.pth") not in MlflowClient(mlflow_server.url).get_run(run_id).data.tags
     assert stored_checkpoints(mlflow_server.url, run_id) == set()
     assert "model_iter4.pth changed since it was written" in caplog.text
@@ -186,7 +190,8 @@ def test_a_rejected_request_is_final_and_a_server_that_is_down_is_waited_for(tmp
         checkpoint(tmp_path, tracker, 5)
         time.sleep(3.0)
         server.start()
-        assert tracker.finish("FINISHED") == ["upload missing.txt"]
+        assert tracker.finish("FINISHED") == [
+            f"upload missing.txt ([Errno 2] No such file or directory: '{tmp_path / 'missing.txt'}')"]
         assert_on_server(server.url, run_id, 5, ["model_iter5.pth"])
     finally:
         server.stop()

@@ -239,6 +239,7 @@ class Uploader:
         self._deadline = float("inf")
         self._closing = False
         self.failed: list[str] = []
+        self.why: dict[str, str] = {}  # a job failed for good by an error no retry mends: that error, for the last line
         self._busy: str | None = None  # the description of the job in progress
         self._abandoned = False  # close() gave up on the job in progress: it is reported already
         self._thread = threading.Thread(target=self._run, name="uploader", daemon=True)
@@ -311,6 +312,8 @@ class Uploader:
                 if not self._retryable(e) or time.monotonic() + delay > self._deadline:
                     log.warning("tracking: %s failed: %s", description, first_line(e))
                     self.failed.append(description)
+                    if not self._retryable(e):
+                        self.why[description] = first_line(e, 500)
                     return False
                 first = backoff.delay == backoff.first * 2
                 (log.warning if first else log.debug)("tracking: %s failed (%s); retrying", description, first_line(e, 200))

@@ -340,6 +340,7 @@ class MlflowTracker(Tracker):
         kept = self._unsent.keep(self._sender.leftover()) if self._unsent else []  # after the uploader's evaluations
         done = {PRUNE_JOB, STATUS_JOB} if self._status_set else {PRUNE_JOB}  # pruning failed costs disk space only
         lost = self._checkpoints.lost([d for d in self._uploader.failed if d not in done])
+        lost = [f"{d} ({self._uploader.why[d]})" if d in self._uploader.why else d for d in lost]  # a rerun alone won't mend it
         return list(dict.fromkeys(lost + kept))
 
     def refusal(self, timeout: float = 5.0) -> tuple[str, str] | None:
