@@ -309,10 +309,11 @@ class Uploader:
                 delay = backoff.failed()
                 if self._abandoned:  # close() has reported it; the job is exiting
                     return True
-                if not self._retryable(e) or time.monotonic() + delay > self._deadline:
+                final = not self._retryable(e)
+                if final or time.monotonic() + delay > self._deadline:
                     log.warning("tracking: %s failed: %s", description, first_line(e))
                     self.failed.append(description)
-                    if not self._retryable(e):
+                    if final:
                         self.why[description] = first_line(e, 500)
                     return False
                 first = backoff.delay == backoff.first * 2
