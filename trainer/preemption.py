@@ -1,19 +1,15 @@
 """Stop signals (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2): finish the iteration, checkpoint it, then stop.
 
-Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds (30 s by default) before
-SIGKILL; a preemptible VM gives about as long. The first signal only sets a flag that the loop
-checks between iterations; a second one exits at once (within a second: the run's status first).
+Kubernetes waits terminationGracePeriodSeconds (30 s by default) between SIGTERM and SIGKILL; a
+preemptible VM gives about as long. The first signal sets a flag the loop checks between iterations
+and arms a deadline: whatever still runs at TRAIN.PREEMPT_GRACE_S (an upload to a silent server, a
+collective waiting for a dead rank, interpreter shutdown), the process exits with 128 + the signal
+number after a bounded last word to the tracker (the run's status). The checkpoint, written first,
+is complete by then or never renamed into place. A second signal exits at once (the status first).
 
-The first signal also arms a deadline: whatever the process is still doing when TRAIN.PREEMPT_GRACE_S
-is over (an upload to a server that stopped answering, a collective that waits for a dead rank,
-interpreter shutdown), it exits then with 128 + the signal number, after a last, bounded word to
-the tracker (the run's status). The checkpoint, written first, is complete by then or not renamed
-into place at all.
-
-Python runs a signal handler only when the main thread is back in the interpreter; a collective
-waiting for a dead rank keeps it in C++ for up to 30 minutes. So the signals also reach a watch
-thread through `signal.set_wakeup_fd`: it arms the deadline and takes the second signal, wherever
-the main thread is.
+Python runs a handler only when the main thread is back in the interpreter, and a collective waiting
+for a dead rank holds it in C++ for up to 30 minutes; so a watch thread gets the signals too
+(`signal.set_wakeup_fd`), arms the deadline and takes the second signal.
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """TRACKING.CHECKPOINTS_KEEP: a run keeps its newest N complete `model_iter` checkpoints on the server.
 
-Called on the tracker's uploader thread right after a checkpoint is uploaded and tagged complete.
-A pass deletes PRUNE_BATCH at most, and the tracker queues the next one behind the uploads that
-came meanwhile: a KEEP set late on a run of hundreds of checkpoints never holds a preemption's
-checkpoint for more than one pass.
+Runs on the tracker's uploader thread after each checkpoint is uploaded and tagged complete. A
+pass deletes at most PRUNE_BATCH and the next is queued behind the uploads that came meanwhile, so
+a KEEP set late on a run of hundreds of checkpoints never holds a preemption's checkpoint long.
 
-An older `model_iter` goes (its artifact, then its sha256 tag) unless something still names it:
-the run's best-checkpoint tag, a LoggedModel of the run (an evaluated checkpoint), a registered
-model version whose source is that file, or an evaluation of this process not linked yet.
-`model_final` and the checkpoint just uploaded always stay; a tag of a later iteration than that
-(a checkpoint the job could not resume from, or a hand-made tag) is neither counted nor deleted.
-The artifact goes before its tag, so a delete that fails leaves the checkpoint whole and complete
-(the next upload tries again); a tag whose own delete failed names an old checkpoint that a resume
-(newest first) reaches only when every newer one fails its sha256, and the next pruning, which
-starts from the tags, removes it.
+An older `model_iter` goes unless something still names it: the run's best-checkpoint tag, a
+LoggedModel of the run, a registered version whose source is that file, or an evaluation not linked
+yet. `model_final` and the checkpoint just uploaded always stay. The artifact goes before its sha256
+tag, so a failed delete leaves the checkpoint whole (the next pass retries); a tag left behind is
+reached by a resume only when every newer checkpoint fails its sha256, and the next pass removes it.
 """
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluate
     """Delete the run's complete model_iter checkpoints past the newest `keep` up to `newest` (the
     one this process has just uploaded) that nothing names, the oldest `limit` of them; returns
     their names and whether more are left for another pass. keep 0 keeps all.
-    A tag of a later iteration is no newer checkpoint of this job: one whose file failed its sha256
-    (the job went on from an earlier one), or a hand-made tag; counted first, it had every checkpoint
-    this job uploaded deleted as it arrived. Such a tag is left to the user."""
+    A tag of a later iteration (a file that failed its sha256, a hand-made tag) is neither counted,
+    which would delete each checkpoint this job uploads as it arrives, nor deleted: it is the user's."""
     if keep <= 0:
         return [], False
     tags = client.get_run(run_id).data.tags

@@ -1,13 +1,12 @@
 """MLflow system metrics (CPU, memory, disk, network, GPU) for a training run.
 
 One monitor per node (local rank 0), named `node<N>` under torchrun so the UI keeps the nodes
-apart: MLflow's own SystemMetricsMonitor, a thread of the training process that samples every
-10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). A monitor MLflow cannot make (no psutil, no GPU
-library) turns system metrics off with a warning; the job trains on. `stop_monitor` sends the
-last, partial interval too (MLflow's monitor drops it, so a job shorter than one interval had none)
-and never holds the job's exit longer than a few seconds on a tracking server that is down.
-MLflow's loop ends for good at the first request that fails; here it starts again an interval
-later, so a server's blip does not end a days-long job's system metrics (helper-73).
+apart: MLflow's own SystemMetricsMonitor, a thread that samples every 10 s
+(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). A monitor MLflow cannot make (no psutil, no GPU library)
+turns system metrics off with a warning; the job trains on. MLflow's monitor drops the last, partial
+interval (`stop_monitor` sends it, bounded when the server is down), and its loop ends for good at
+the first failed request (here it restarts an interval later: a server's blip must not end a
+days-long job's system metrics, helper-73).
 """
 from __future__ import annotations
 

@@ -12,18 +12,16 @@ path is driven here, with the repository's own multipart protocol:
   each read from the open file when its turn comes; the server then completes the upload.
 - Otherwise one streamed PUT, which the server answers only once it has stored the whole file.
 
-Timeouts are idle timeouts (requests: no byte moved for that long), so a slow transfer that moves
-never times out. What they must allow for is the silence while the far side works on what it
-received: nothing for a part (the store answers as soon as it has it), the server's onward upload
-of the whole file for a single PUT. So each request's timeout is the base (MLFLOW_HTTP_REQUEST_TIMEOUT)
-plus that work at STORE_FLOOR_BPS: 31 s for a 10 MB part, about 2.5 minutes for a 1 GB single PUT.
+Timeouts are idle timeouts (no byte moved for that long), so a slow transfer that moves never times
+out. They must allow for the far side's silence while it works: none for a part (the store answers
+once it has it), the server's onward upload of the whole file for a single PUT. So each request's
+timeout is MLFLOW_HTTP_REQUEST_TIMEOUT plus that work at STORE_FLOOR_BPS.
 
-Downloads. Through the proxy, a file under MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE (MLflow's own
-threshold for ranged downloads, 500 MB) comes in one streamed GET, read 1 MB at a time. MLflow's
-ranged download reads each part in requests' 10 kB pieces: ten times the client's CPU (0.7 s for
-150 MB), and GIL time that a resuming job takes from torch's import. The server sends the first byte
-only once it has fetched the whole file from its store, so that GET's idle timeout is sized like a
-single PUT's, and the file is hashed as it arrives. Larger files, and every other store, go through
+Downloads. Through the proxy, a file under MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE (500 MB) comes
+in one streamed GET, read 1 MB at a time: MLflow's ranged download reads requests' 10 kB pieces, ten
+times the client's CPU, and GIL time a resuming job takes from torch's import. The server sends the
+first byte only once it has the whole file from its store, so that GET's idle timeout is sized like
+a single PUT's; the file is hashed as it arrives. Larger files, and every other store, go through
 MLflow's own download, then are hashed.
 """
 from __future__ import annotations
@@ -80,7 +78,7 @@ def upload(repo, path: Path, artifact_path: str, written: tuple | None = None) -
     """`path` into the run's `artifact_path` folder. With `written` (file_identity as the file was
     handed over), the descriptor the upload reads must still be that file: one replaced, rewritten or
     cut short since is never sent for a checkpoint that its sha256 tag would then call complete.
-    A stat, not a second read: a 1 GB upload took 0.6 s longer when it hashed the file again."""
+    A stat, not a second read of the whole file."""
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     if not isinstance(repo, HttpArtifactRepository):
