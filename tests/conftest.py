@@ -19,9 +19,10 @@ DEMO = ROOT / "configs" / "demo.yaml"
 
 @pytest.fixture(autouse=True, scope="session")
 def _nothing_written_into_the_checkout():
-    """Tests keep stores and artifacts under tmp: a ./mlruns in the checkout (MLflow's default
-    artifact root, for an experiment made without one) is a test writing where a user's runs go."""
-    made = [p for p in (ROOT / "mlruns", ROOT / "mlflow.db") if not p.exists()]
+    """Tests keep stores, artifacts and outputs under tmp: a ./mlruns in the checkout (MLflow's default
+    artifact root, for an experiment made without one) or ./output (the default OUTPUT_DIR) is a test
+    writing where a user's runs go."""
+    made = [p for p in (ROOT / "mlruns", ROOT / "mlflow.db", ROOT / "output", ROOT / "datasets") if not p.exists()]
     yield
     assert not [p for p in made if p.exists()], f"a test wrote {[str(p) for p in made if p.exists()]} into the checkout"
 

@@ -583,7 +583,7 @@ def test_an_evaluation_on_some_of_a_runs_sets_scores_what_the_run_names():
 def test_another_tools_checkpoint_with_its_own_categories_key_is_evaluated(shapes, tmp_path):
     """{"model": state_dict, "categories": ["circle", ...]} (another tool's way to name them) is not a
     tracktron checkpoint: its categories are not held to tracktron's shape, its weights are used."""
-    cfg = make_cfg(shapes)
+    cfg = make_cfg(shapes, OUTPUT_DIR=str(tmp_path / "out"))
     torch.manual_seed(0)
     path = tmp_path / "other_tool.pth"
     torch.save({"model": build_model(cfg, 4).state_dict(), "categories": ["circle", "square", "triangle"]}, path)
