@@ -26,7 +26,6 @@ RESNETS = {
     "resnext152_32x8d": (Bottleneck, [3, 8, 36, 3], 32, 8),  # Detectron's X-152; torchvision has no builder
 }
 BACKBONES = (*RESNETS, "mobilenet_v3_large")
-NORMS = ("", "GN")
 
 
 def norm_layer(kind: str):
