@@ -261,6 +261,37 @@ def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
     assert load_weights(tiny_faster, "") is None
 
 
+
+# Each MODEL.* key that a type or backbone cannot build is the one line that names the key (the suite
+# never asked for one of these: a coverage run, helper-91). FG_IOU alone stays -1 in BG_IOU: both set.
+_ARCHITECTURE_CASES = [
+    ("c4-single-stage", tiny_cfg("retinanet_resnet50_fpn", FEATURES="c4"),
+     "MODEL.FEATURES c4 builds Faster and Mask R-CNN only, not retinanet_resnet50_fpn"),
+    ("c4-mobilenet", tiny_cfg(FEATURES="c4"), "MODEL.FEATURES c4 needs a ResNet-50 or deeper MODEL.BACKBONE"),
+    ("stride-in-1x1-resnet18", tiny_cfg("retinanet_resnet50_fpn", STRIDE_IN_1X1=True),
+     "MODEL.STRIDE_IN_1X1 applies to ResNet-50 and deeper backbones, not 'resnet18'"),
+    ("gn-mobilenet", tiny_cfg(BACKBONE_NORM="GN"),
+     "MODEL.BACKBONE_NORM GN applies to the ResNet backbones, not 'mobilenet_v3_large'"),
+    ("p6-from-c5-rcnn", tiny_cfg(P6_FROM_C5=True), "MODEL.P6_FROM_C5 applies to the single-stage types"),
+    ("box-head-single-stage", tiny_cfg("retinanet_resnet50_fpn", BOX_HEAD="4conv1fc"),
+     "MODEL.BOX_HEAD 4conv1fc applies to R-CNN types on an FPN"),
+    ("cls-agnostic-mask-faster", tiny_cfg(CLS_AGNOSTIC_MASK=True), "MODEL.CLS_AGNOSTIC_MASK applies to maskrcnn types"),
+    ("head-norm-c4", make_cfg(BACKBONE="resnet50", FEATURES="c4", HEAD_NORM="GN"), "MODEL.HEAD_NORM applies to the FPN heads"),
+    ("iou-fcos", tiny_cfg("fcos_resnet50_fpn", FG_IOU=0.6, BG_IOU=0.3),
+     "MODEL.FG_IOU and BG_IOU do not apply to fcos_resnet50_fpn"),
+    ("width-resnet", tiny_cfg(BACKBONE="resnet18"), "MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only"),
+    ("ssdlite-anchors", make_cfg("ssdlite320_mobilenet_v3_large", ANCHOR_SIZES=[16]),
+     "MODEL.BACKBONE, ANCHOR_SIZES, ANCHOR_RATIOS and TRAINABLE_BACKBONE_LAYERS do not apply to ssdlite"),
+]
+
+
+@pytest.mark.parametrize("cfg, message", [c[1:] for c in _ARCHITECTURE_CASES], ids=[c[0] for c in _ARCHITECTURE_CASES])
+def test_architecture_keys_the_type_or_backbone_cannot_build_are_one_line(cfg, message):
+    with pytest.raises(UserError) as e:
+        build_model(cfg, num_classes=3)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 def test_test_size_and_back():
     cfg = make_cfg("fcos_resnet50_fpn", BACKBONE="resnet18", FPN_CHANNELS=64)
     model = build_model(cfg, num_classes=3)
