@@ -282,6 +282,8 @@ _ARCHITECTURE_CASES = [
     ("width-resnet", tiny_cfg(BACKBONE="resnet18"), "MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only"),
     ("ssdlite-anchors", make_cfg("ssdlite320_mobilenet_v3_large", ANCHOR_SIZES=[16]),
      "MODEL.BACKBONE, ANCHOR_SIZES, ANCHOR_RATIOS and TRAINABLE_BACKBONE_LAYERS do not apply to ssdlite"),
+    ("fcos-ratios", tiny_cfg("fcos_resnet50_fpn", ANCHOR_RATIOS=[0.5, 1.0]),
+     "fcos takes one square anchor per location: MODEL.ANCHOR_RATIOS does not apply"),
 ]
 
 

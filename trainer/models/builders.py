@@ -209,7 +209,7 @@ def _set_anchors(model: nn.Module, cfg, family: str) -> None:
         if family == "retinanet" and model.head.classification_head.num_anchors != count:
             model.head = RetinaNetHead(model.backbone.out_channels, count, model.head.classification_head.num_classes,
                                        norm_layer=_retinanet_norm(model))
-        elif family == "fcos" and count != 1:
+        elif family == "fcos" and ratios not in ((), (1.0,)):  # anchor_generator gives fcos one square anchor whatever they say
             raise UserError("fcos takes one square anchor per location: MODEL.ANCHOR_RATIOS does not apply")
         return
     rpn = model.rpn
