@@ -47,6 +47,8 @@ def predict_command(weights: str, images: list[str], out_dir: str, config_file: 
     """Check every input, load the detector, then predict, draw and write each image in turn."""
     if not 0.0 <= score_threshold <= 1.0:  # NaN fails this too
         raise UserError(f"--score-threshold {score_threshold}: must be between 0 and 1")
+    if not weights.strip():  # an unset $WEIGHTS: "" is the working folder, read as a model folder
+        raise UserError("--weights is empty: give a checkpoint path, a model folder, runs:/<id>/... or models:/name/version")
     if not images:
         raise UserError("no IMAGE given: tracktron predict --weights PATH --out DIR IMAGE... [KEY VALUE ...]")
     out = check_out_dir(out_dir)
