@@ -258,7 +258,9 @@ def test_a_tampered_model_folder_is_one_clear_user_error(trained, tmp_path, how,
     ("runs:/{run}/config.yaml", "runs:/{run}/config.yaml"),  # the message names the URI, not a temp file
     ("models:/rt", "models:/rt: names a registered model, not one of its versions: add one (models:/rt/3, "
                    "models:/rt/latest or models:/rt@best)"),  # was MLflow's "'version' must be an integer, got ''"
-], ids=["missing-model", "not-a-checkpoint", "no-version"])
+    ("runs:/{run}", "TRAIN.WEIGHTS runs:/{run}: names a whole run: add the checkpoint or model, e.g. "
+                    "/checkpoints/model_final.pth or /model"),  # no test named a run alone (helper-91's coverage run)
+], ids=["missing-model", "not-a-checkpoint", "no-version", "whole-run"])
 def test_bad_train_weights_fail_before_a_run_is_made(trained, tmp_path, weights, expect):
     """TRAIN.WEIGHTS from MLflow is checked before the job's run is made (each bad URI left a FAILED
     run), and messages name the URI, not the temporary file it was downloaded to."""
