@@ -820,7 +820,6 @@ def test_a_tilde_of_a_user_that_does_not_exist_is_one_line(tmp_path, monkeypatch
     assert not list(tmp_path.iterdir())
 
 
-
 @pytest.mark.parametrize("argv", [
     ["eval", "--config", str(DEMO), "--weights", "", "DATA_DIR", "DATA"],
     ["eval", "--config", str(DEMO), "--weights", "  ", "DATA_DIR", "DATA"],

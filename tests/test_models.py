@@ -261,7 +261,6 @@ def test_bad_weights_are_user_errors(tmp_path, tiny_faster, monkeypatch):
     assert load_weights(tiny_faster, "") is None
 
 
-
 # Each MODEL.* key that a type or backbone cannot build is the one line that names the key (the suite
 # never asked for one of these: a coverage run, helper-91). FG_IOU alone stays -1 in BG_IOU: both set.
 _ARCHITECTURE_CASES = [
@@ -298,7 +297,6 @@ def test_architecture_keys_the_type_or_backbone_cannot_build_are_one_line(cfg, m
     with pytest.raises(UserError) as e:
         build_model(cfg, num_classes=3)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
-
 
 
 def test_a_class_agnostic_mask_model_trains_with_one_mask_channel_and_predicts_a_mask_per_box():
