@@ -821,18 +821,19 @@ def test_a_tilde_of_a_user_that_does_not_exist_is_one_line(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("argv", [
-    ["eval", "--config", str(DEMO), "--weights", "", "DATA_DIR", "DATA"],
-    ["eval", "--config", str(DEMO), "--weights", "  ", "DATA_DIR", "DATA"],
+    ["eval", "--config", str(DEMO), "--weights", "", "DATA_DIR", "data"],
+    ["eval", "--config", str(DEMO), "--weights", "  ", "DATA_DIR", "data"],
     ["predict", "--weights", "", "--out", "o", "IMAGE"],
 ], ids=["eval", "eval-blank", "predict"])
-def test_an_empty_weights_is_one_line_that_says_so(tmp_path, monkeypatch, data_dir, argv):
+def test_an_empty_weights_is_one_line_that_says_so_before_anything_is_made(tmp_path, monkeypatch, data_dir, argv):
     """--weights "$WEIGHTS" with the variable unset. `predict` read "" as the working folder and said it was
-    "neither a checkpoint nor a tracktron model"; eval's line was never run by a test (helper-91's coverage run)."""
+    "neither a checkpoint nor a tracktron model"; `eval` generated the synthetic test set first (helper-91's
+    coverage run)."""
     monkeypatch.chdir(tmp_path)
     image = next((data_dir / "synth_shapes" / "val").rglob("*.png"))
-    result = run_cli([{"IMAGE": str(image), "DATA": str(data_dir)}.get(a, a) for a in argv])
-    assert_exit_2(result, "error: --weights is empty: give a checkpoint path")
-    assert not (tmp_path / "o").exists()
+    result = run_cli([str(image) if a == "IMAGE" else a for a in argv])
+    assert_exit_2(result, "error: --weights is empty: give a checkpoint path, a model folder, ")
+    assert not list(tmp_path.iterdir())  # no OUT, no DATA_DIR with a test set made in it
 
 
 def test_a_config_that_is_the_output_dirs_own_config_yaml_is_refused_and_kept(train, tmp_path):

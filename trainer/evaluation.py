@@ -44,7 +44,7 @@ from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.output_dir import make_writable
 from trainer.eval_images import drawings, per_category_rows
-from trainer.inference import categories_of, category_key_of, checked_categories, detections_to_coco
+from trainer.inference import categories_of, category_key_of, check_weights_given, checked_categories, detections_to_coco
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
 from trainer.tracking.launcher_run import record_evaluation  # `mlflow run -e eval`'s own run gets the scores too
@@ -247,8 +247,6 @@ def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, test
     """(model, iteration, the categories it was trained on or None, the MODEL.TYPE of a model that
     carries its own config or None); the categories of a checkpoint file are checked against the test
     sets before the model is built from `cfg`."""
-    if not weights.strip():
-        raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
     if user_path(weights, "--weights").is_dir():  # a model folder tracktron wrote (output/model/detector)
         return _of_detector(load_detector(cfg, weights))
     if not weights.startswith(MLFLOW_URIS):
@@ -271,9 +269,7 @@ def _load_file(cfg, path: str, num_classes: int, num_keypoints: int, tests: list
     iteration, categories = _stored(path, shown or path)
     check_categories(shown or path, categories, tests)
     model = build_model(cfg, num_classes, num_keypoints)
-    report = load_weights(model, path, option="--weights", shown=shown)
-    if report is None:
-        raise UserError("--weights is empty: give a checkpoint path, runs:/<id>/... or models:/name/version")
+    report = load_weights(model, path, option="--weights", shown=shown)  # path is no "": checked first
     if report.skipped or report.missing:  # an evaluation of random heads would be meaningless
         bad = (report.skipped + report.missing)[:3]
         raise UserError(f"weights {shown or path} do not fit {cfg.MODEL.TYPE} with {num_classes} classes: "
@@ -317,6 +313,7 @@ def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
 
 def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, float]:
     """`tracktron eval --config FILE --weights PATH_OR_URI`: evaluate, print, log into the run."""
+    check_weights_given(weights)  # before a test set is read (or the synthetic one made)
     if not cfg.TEST.DATASETS:
         raise UserError("TEST.DATASETS is empty: name at least one dataset (e.g. synth_shapes_val)")
     ctx = ctx or Context(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -31,6 +31,13 @@ from trainer.models import build_model, load_error, set_test_size
 WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
 
 
+def check_weights_given(weights: str) -> None:
+    """`--weights "$WEIGHTS"` with the variable unset: said before anything is read or made ("" would
+    be the working folder, read as a model folder)."""
+    if not weights.strip():
+        raise UserError("--weights is empty: give a checkpoint path, a model folder, runs:/<id>/... or models:/name/version")
+
+
 def on_host(output: dict) -> dict:
     """One output on the CPU, its masks thresholded where they are: on a GPU they are [N, 1, H, W]
     floats the size of the image (hundreds of MB for 100 detections), their booleans a quarter."""

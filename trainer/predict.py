@@ -25,7 +25,7 @@ from trainer.config import defaults, flatten, load_config
 from trainer.data.images import read_file
 from trainer.errors import UserError, first_line, user_path
 from trainer.redaction import printable
-from trainer.inference import decode
+from trainer.inference import check_weights_given, decode
 from trainer.logs import write_or_drop
 from trainer.output_dir import make_writable, named_folder
 from trainer.tracking.logged_model import load_detector
@@ -47,8 +47,7 @@ def predict_command(weights: str, images: list[str], out_dir: str, config_file: 
     """Check every input, load the detector, then predict, draw and write each image in turn."""
     if not 0.0 <= score_threshold <= 1.0:  # NaN fails this too
         raise UserError(f"--score-threshold {score_threshold}: must be between 0 and 1")
-    if not weights.strip():  # an unset $WEIGHTS: "" is the working folder, read as a model folder
-        raise UserError("--weights is empty: give a checkpoint path, a model folder, runs:/<id>/... or models:/name/version")
+    check_weights_given(weights)
     if not images:
         raise UserError("no IMAGE given: tracktron predict --weights PATH --out DIR IMAGE... [KEY VALUE ...]")
     out = check_out_dir(out_dir)
