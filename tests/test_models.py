@@ -188,7 +188,13 @@ def tiny_faster():
     return build_model(tiny_cfg(), num_classes=3)
 
 
-@pytest.mark.parametrize("wrap", [lambda sd: sd, lambda sd: {"model": sd, "iter": 7}])
+def _ddp(state: dict) -> dict:
+    """As saved from a DistributedDataParallel-wrapped model by another codebase: every key under module."""
+    return {"module." + k: v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("wrap", [lambda sd: sd, lambda sd: {"model": sd, "iter": 7}, _ddp,
+                                  lambda sd: {"model": _ddp(sd), "iter": 7}], ids=["plain", "ours", "ddp", "ddp-in-model"])
 def test_weights_load_from_a_file(tmp_path, tiny_faster, wrap):
     path = tmp_path / "w.pth"
     torch.save(wrap(tiny_faster.state_dict()), path)
