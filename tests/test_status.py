@@ -426,7 +426,8 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     trainer.wait()
     huge = '{"time": 1' + "0" * 400 + "}"  # helper-56: an OverflowError's traceback, every job unreadable
     for name, tags in (("live", {"tracktron.heartbeat": beat()}), ("killed", {"tracktron.heartbeat": old}), ("none", {}),
-                       ("huge", {"tracktron.heartbeat": huge}),
+                       ("huge", {"tracktron.heartbeat": huge}), ("edited", {"tracktron.heartbeat": "alive, I promise"}),
+                       ("deep", {"tracktron.heartbeat": "[" * 100_000}),  # a tag anyone may edit: not JSON, or too deep
                        ("ahead", {"tracktron.heartbeat": ahead}), ("sigkilled", {"tracktron.heartbeat": dead})):
         run = client.create_run(exp, run_name=name, tags={"tracktron.job": "j", **tags})
         client.log_metric(run.info.run_id, "eta_seconds", 600, step=1)
@@ -435,7 +436,7 @@ def test_status_shows_a_run_whose_trainer_stopped_beating_as_lost(empty_store, t
     assert rows["live"] == "RUNNING -/? - - 0:10:00", out.stdout
     killed = re.fullmatch(r"LOST -/\? - - - no heartbeat for (\d+) s", rows["killed"])
     assert killed and 100 <= int(killed[1]) < 400, out.stdout
-    assert rows["none"] == rows["huge"] == "LOST -/? - - - no heartbeat", out.stdout
+    assert rows["none"] == rows["huge"] == rows["edited"] == rows["deep"] == "LOST -/? - - - no heartbeat", out.stdout
     # a beat seconds old from a process of this machine that is gone: RUNNING for 80 s (red team of 2026-12-03, third)
     assert rows["sigkilled"] == "LOST -/? - - - its trainer's process on this machine has ended", out.stdout
     # shown RUNNING with an ETA for as long as the clocks differ (red team of 2026-12-03, second)
