@@ -249,3 +249,24 @@ def test_a_home_relative_output_dir_is_the_home_folders(monkeypatch, tmp_path):
     assert cfg.OUTPUT_DIR == str(tmp_path / "runs" / "demo")
     with pytest.raises(UserError, match="OUTPUT_DIR ~nobody-tracktron/x: no home folder is known"):
         load_config(None, ["OUTPUT_DIR", "~nobody-tracktron/x"])
+
+
+@pytest.mark.parametrize("written, as_bool", [("true", True), ("'true'", True), ("'False'", False), ("yes", True),
+                                              ("off", False), ("True", True)])
+def test_a_bool_key_in_a_file_takes_yamls_words_and_the_quoted_string(tmp_path, written, as_bool):
+    assert load_config(write(tmp_path, f"DETERMINISTIC: {written}\n")).DETERMINISTIC is as_bool
+
+
+@pytest.mark.parametrize("written, text", [("null", ""), ("~", ""), ("2024", "2024"), ("true", "true"), ("yes", "yes"),
+                                           ("True", "True"), ("off", "off")])
+def test_a_string_key_in_a_file_keeps_null_booleans_and_numbers_as_written(tmp_path, written, text):
+    """RUN_NAME: yes was 'true' (YAML 1.1's boolean, lowered), where the override TRACKING.RUN_NAME yes is 'yes'."""
+    from_file = load_config(write(tmp_path, f"TRACKING:\n  RUN_NAME: {written}\n"))
+    assert from_file.TRACKING.RUN_NAME == text == load_config(None, ["TRACKING.RUN_NAME", written]).TRACKING.RUN_NAME
+    assert job_hash(from_file) == job_hash(load_config(None, ["TRACKING.RUN_NAME", written]))  # plain data: dumps, hashes
+
+
+def test_a_bool_key_given_a_word_that_is_no_boolean_is_one_error(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, "DETERMINISTIC: 'maybe'\n"))
+    assert "DETERMINISTIC must be bool, got 'maybe'" in str(refused.value)

@@ -17,7 +17,7 @@ import yaml
 from trainer.atomic_write import write_atomic
 from trainer.config_checks import finite_float, int_text, validate
 from trainer.config_detectron import Translation, is_detectron, translate
-from trainer.config_yaml import Float, Int, literal, parse_override, plain, read_yaml
+from trainer.config_yaml import Bool, Float, Int, literal, parse_override, plain, read_yaml
 from trainer.errors import ConfigError, user_path
 from trainer.redaction import REDACTED, is_secret_key, redact_typed_url, redact_urls, remember, remember_url_credentials
 
@@ -206,6 +206,8 @@ def _coerce(key: str, value, default):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return plain(value)
     if isinstance(default, bool):
+        if isinstance(value, Bool):  # true, yes, off... as YAML 1.1 reads them
+            return value.truth
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         if isinstance(value, bool):

@@ -46,6 +46,18 @@ class Float(float):
     source = ""
 
 
+class Bool(str):
+    """A YAML 1.1 boolean (`true`, `yes`, `off`...) as written: a bool key takes its truth, a string key
+    its text (`RUN_NAME: yes` is 'yes', as the override `TRACKING.RUN_NAME yes` is)."""
+    truth = False
+
+
+def _bool(loader, node):
+    value = Bool(node.value)
+    value.truth = yaml.SafeLoader.construct_yaml_bool(loader, node)
+    return value
+
+
 def _with_source(kind, construct):
     def constructor(loader, node):
         try:
@@ -60,6 +72,7 @@ def _with_source(kind, construct):
 _Loader.add_constructor("tag:yaml.org,2002:int", _with_source(Int, yaml.SafeLoader.construct_yaml_int))
 _Loader.add_constructor("tag:yaml.org,2002:float", _with_source(Float, yaml.SafeLoader.construct_yaml_float))
 _Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_scalar)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _bool)
 
 
 def load_yaml(text: str):
@@ -72,6 +85,8 @@ def plain(value):
         return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
+    if isinstance(value, Bool):
+        return value.truth
     if isinstance(value, Int):
         return int(value)
     if isinstance(value, Float):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config_yaml import literal, plain
+from trainer.config_yaml import Bool, literal, plain
 from trainer.errors import ConfigError
 
 DEFAULTS: dict = {'TRAIN.WEIGHTS': '',
@@ -297,6 +297,7 @@ _LARGEST = 2**53  # config.MAX_INT: the largest integer a config takes exactly
 
 def _scalar(key: str, value, default):
     if isinstance(default, bool):
+        value = value.truth if isinstance(value, Bool) else value
         ok = isinstance(value, bool)
     elif isinstance(default, (int, float)):
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _LARGEST:  # float() overflows
