@@ -263,6 +263,7 @@ def test_a_string_key_in_a_file_keeps_null_booleans_and_numbers_as_written(tmp_p
     """RUN_NAME: yes was 'true' (YAML 1.1's boolean, lowered), where the override TRACKING.RUN_NAME yes is 'yes'."""
     from_file = load_config(write(tmp_path, f"TRACKING:\n  RUN_NAME: {written}\n"))
     assert from_file.TRACKING.RUN_NAME == text == load_config(None, ["TRACKING.RUN_NAME", written]).TRACKING.RUN_NAME
+    assert type(from_file.TRACKING.RUN_NAME) is str  # torch.load(weights_only=True) of a checkpoint takes plain data only
     assert job_hash(from_file) == job_hash(load_config(None, ["TRACKING.RUN_NAME", written]))  # plain data: dumps, hashes
 
 

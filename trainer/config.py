@@ -230,7 +230,7 @@ def _coerce(key: str, value, default):
             return finite_float(key, number, value)
     elif isinstance(default, str):
         if isinstance(value, str):
-            return value
+            return str(value)  # a Bool (yes, off) as written, as a plain str: a checkpoint holds only plain data
         if isinstance(value, (Int, Float)):  # as written, not as YAML 1.1 reads it
             return value.source
         if value is None:
