@@ -905,6 +905,8 @@ def test_a_start_over_sets_the_earlier_checkpoints_aside_so_its_own_resume(tmp_p
     assert again.wait() == 128 + signal.SIGTERM
     [aside] = list(out.glob("earlier-*"))
     assert sha256_of(aside / "model_final.pth") == earlier_final and (aside / "json_stats.log").is_file()
+    assert (aside / "log.txt").read_text().endswith("the job ends FINISHED\n")  # the new start's log is its own
+    assert (out / "log.txt").read_text().count("started on") == 1 and "the job ends KILLED" in (out / "log.txt").read_text()
     assert "model_final.pth" not in os.listdir(out)
     # helper-70: `predict --weights output/model/detector` used the earlier job's model until the new one's end
     assert sha256_of(aside / "model" / "detector" / "weights.pt") == earlier_model and (aside / "eval").is_dir()

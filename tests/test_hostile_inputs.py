@@ -126,7 +126,8 @@ def test_an_empty_resume_id_is_refused(here):
     lambda p: os.mkfifo(p),  # the resume scan hung on it
     lambda p: p.symlink_to("/dev/zero"),  # the resume scan read until the OOM killer came
 ], ids=["folder", "fifo", "link-to-dev-zero"])
-@pytest.mark.parametrize("name", ["model_iter1.pth", "json_stats.log", "config.yaml", "model.txt", "unsent_metrics.json"])
+@pytest.mark.parametrize("name", ["model_iter1.pth", "json_stats.log", "config.yaml", "model.txt", "unsent_metrics.json",
+                                  "log.txt"])
 def test_an_output_name_that_is_no_file_is_refused_before_the_run(here, make, name):
     """Found for json_stats.log, config.yaml and model.txt too: the run made, then a hang at the first
     stats line (a FIFO) or an IsADirectoryError traceback (a folder)."""
@@ -182,7 +183,7 @@ def test_files_named_like_checkpoints_never_push_out_the_jobs_own(here, data_dir
 
 
 
-@pytest.mark.parametrize("name", ["json_stats.log", "model", "model/detector", "eval", "eval/synth_shapes_val"])
+@pytest.mark.parametrize("name", ["json_stats.log", "log.txt", "model", "model/detector", "eval", "eval/synth_shapes_val"])
 def test_a_link_the_job_would_write_through_is_refused_before_anything_is_written(here, name):
     """helper-51's red team: an `OUTPUT_DIR/json_stats.log` link (a `cp -as` copy of another job's
     folder) had the job append to the file it points at; a `model` link had it overwrite another
@@ -195,7 +196,7 @@ def test_a_link_the_job_would_write_through_is_refused_before_anything_is_writte
     before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
     link = here / "output" / name
     link.parent.mkdir(parents=True)
-    link.symlink_to(elsewhere / "json_stats.log" if name == "json_stats.log" else elsewhere)
+    link.symlink_to(elsewhere / "json_stats.log" if name.endswith((".log", ".txt")) else elsewhere)
     for dry_run in (True, False):
         assert_exit_2(train(here, dry_run=dry_run), f"{name} there is a link to {link.readlink()}, which the job would "
                                                     "write through; move it away")

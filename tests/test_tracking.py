@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -104,9 +105,10 @@ def _wait_for_tag(client, experiment, tag, timeout=120):
     raise TimeoutError(tag)
 
 
-def _start_and_kill_after_upload(tmp, args, client, exp):
+def _start_and_kill_after_upload(tmp, args, client, exp, artifact: str | None = None):
     """Run the job on 'machine 1' and SIGKILL it once a model_iter checkpoint is complete on the
-    server (which one depends on timing: one superseded before its upload starts is never sent)."""
+    server (which one depends on timing: one superseded before its upload starts is never sent),
+    and `artifact` is in the run too."""
     import signal
     import subprocess
 
@@ -116,7 +118,8 @@ def _start_and_kill_after_upload(tmp, args, client, exp):
         while time.monotonic() < end:
             exp_obj = client.get_experiment_by_name(exp)
             runs = client.search_runs([exp_obj.experiment_id]) if exp_obj else []
-            if runs and runs[0].data.tags.get("tracktron.ckpt.latest", "").startswith("model_iter"):
+            if runs and runs[0].data.tags.get("tracktron.ckpt.latest", "").startswith("model_iter") and (
+                    artifact is None or artifact in {a.path for a in client.list_artifacts(runs[0].info.run_id)}):
                 return runs[0]
             time.sleep(0.05)
         raise TimeoutError("no model_iter checkpoint completed on the server")
@@ -129,7 +132,7 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     exp = f"resume-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(mlflow_server.url)
     first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
-    run = _start_and_kill_after_upload(first, args, client, exp)
+    run = _start_and_kill_after_upload(first, args, client, exp, artifact="log.txt")
 
     second = tmp_path / "machine2"  # nothing local: only the tracking URI
     second.mkdir()
@@ -151,6 +154,13 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     assert all(torch.equal(a[k], b[k]) for k in a)
     entries = [json.loads(x)["iter"] for x in (second / "output" / "json_stats.log").read_text().splitlines()]
     assert entries == sorted(set(entries)) and entries[-1] == 59
+    # log.txt goes on too: the killed start's, from the run (sent with its first checkpoint), then this one's
+    log_txt = (second / "output" / "log.txt").read_text()
+    starts = re.findall(r"tracktron\] started on \S+ \(pid (\d+)\)", log_txt)
+    assert len(starts) == 2 and starts[0] != starts[1], log_txt[:2000]
+    assert log_txt.index("resuming from run") > log_txt.rindex("started on") and log_txt.endswith("the job ends FINISHED\n")
+    assert client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path)) and \
+        (tmp_path / "log.txt").read_text() == log_txt  # the run's copy is the whole of it
 
 
 def test_tampered_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir, mlflow_server, s3_server):

@@ -342,6 +342,8 @@ def test_nan_loss_stops_the_job_naming_iteration_and_terms(tmp_path, data_dir):
     assert last.startswith("error: loss is nan at iteration") or last.startswith("error: loss is inf")
     assert "loss_classifier=" in last
     assert not list((tmp_path / "output").glob("*.pth"))  # no NaN weights saved
+    log_txt = (tmp_path / "output" / "log.txt").read_text().splitlines()  # untracked: log.txt is the job's record
+    assert " tracktron] started on " in log_txt[0] and log_txt[-1].endswith(f"the job ends FAILED: {last[len('error: '):]}")
 
 
 def test_check_finite_accepts_numbers_and_rejects_nan_and_inf():

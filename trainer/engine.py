@@ -24,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, checkpoint_name, iteration_of, prune
+from trainer.checkpoint.files import FINAL, JOB_LOG, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, redacted, write_config
@@ -46,7 +46,7 @@ from trainer.tracking.runs import eval_sets_tag
 
 log = logging.getLogger(__name__)
 
-STATS_UPLOAD_PERIOD_S = 300.0  # json_stats.log goes up whole, so now and then (and with model_final)
+STATS_UPLOAD_PERIOD_S = 300.0  # json_stats.log and log.txt go up whole, so now and then (and with model_final)
 
 
 class NonFiniteLoss(Exception):
@@ -72,6 +72,8 @@ def train_model(job: Job) -> AlreadyFinished | None:
     """Train one job to MAX_ITER; says so when model_final already existed (nothing to train)."""
     cfg = job.cfg
     created = create_model(job)  # seeded by preflight.prepare, before the network was built
+    if job.log:  # the folder is settled: an earlier job's files set aside, the run's logs fetched
+        job.log.open(job.output_dir / JOB_LOG)
     if created.start.final:
         log.info("model_final already exists (%s): nothing to train", created.start.source)
         done = AlreadyFinished(created.start.source)
@@ -266,7 +268,7 @@ def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
 class CheckpointPublisher:
     """What follows a complete checkpoint file, on the writer thread, in this order: its upload is
     queued (a newer checkpoint supersedes it if it has not started), the local ones past
-    TRAIN.CHECKPOINTS_KEEP are deleted, and now and then json_stats.log goes to the run too."""
+    TRAIN.CHECKPOINTS_KEEP are deleted, and now and then json_stats.log and log.txt go to the run too."""
 
     def __init__(self, job: Job):
         self.job = job
@@ -277,11 +279,18 @@ class CheckpointPublisher:
         last = self.job.cfg.SOLVER.MAX_ITER - 1  # model_final holds it: no model_iter of this job is newer
         prune(self.job.output_dir, self.job.cfg.TRAIN.CHECKPOINTS_KEEP, min(iteration_of(path.name), last),
               spare=self.job.tracker.uploading())  # an evaluated one whose upload an outage holds
-        now, stats = time.monotonic(), self.job.output_dir / "json_stats.log"
-        due = path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S
-        if due and stats.exists():  # none yet: a resume from copied checkpoints, before its first log line
+        now = time.monotonic()
+        if path.name == FINAL or now - self.last_stats_upload >= STATS_UPLOAD_PERIOD_S:
             self.last_stats_upload = now
-            self.job.tracker.log_artifact(stats)
+            upload_logs(self.job)
+
+
+def upload_logs(job: Job) -> None:
+    """json_stats.log and log.txt to the run, whole; none yet: a resume from copied checkpoints,
+    before its first log line."""
+    for name in ("json_stats.log", JOB_LOG):
+        if (job.output_dir / name).exists():
+            job.tracker.log_artifact(job.output_dir / name)
 
 
 def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:
@@ -331,5 +340,5 @@ def save_preemption_snapshot(job: Job, s: LoopState, cur_iter: int, saved_by_loo
     if s.writer is None:
         return
     s.writer.close()
-    job.tracker.log_artifact(job.output_dir / "json_stats.log")  # the resumed job continues it
+    upload_logs(job)  # the resumed job continues them
     job.tracker.wait(max(0.0, deadline - time.monotonic() - 3.0))  # leave time to flush and exit

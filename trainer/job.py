@@ -7,6 +7,7 @@ from typing import Callable
 
 from trainer.config import Config
 from trainer.distributed import Context
+from trainer.logs import JobLog
 from trainer.preflight import Prepared
 from trainer.tracking import Tracker
 
@@ -21,3 +22,4 @@ class Job:
     output_dir: Path
     prepared: Prepared | None = None  # the dataset and network the CLI checked the job with
     in_its_folder: Callable[[], bool] = lambda: True  # OUTPUT_DIR is still the folder rank 0 locked
+    log: JobLog | None = None  # OUTPUT_DIR/log.txt, which rank 0 writes once the folder is settled

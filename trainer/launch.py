@@ -14,7 +14,7 @@ import click
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.files import FINAL
 from trainer.errors import SharedError, UserError, first_line
-from trainer.logs import held_while_checking, write_or_drop
+from trainer.logs import JobLog, held_while_checking, write_or_drop
 from trainer.open_files import check_open_files
 from trainer.output_dir import check_config_file_kept, check_output_dir
 from trainer.output_lock import OutputLock
@@ -36,6 +36,9 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
         return
     tracker = create_tracker(cfg, rank, world_size)
     lock = OutputLock(Path(cfg.OUTPUT_DIR)).acquire() if rank == 0 else None  # one trainer per OUTPUT_DIR
+    job_log = JobLog() if rank == 0 else None  # OUTPUT_DIR/log.txt, from the engine's first step on
+    if job_log:
+        logging.getLogger().addHandler(job_log)
     monitor = ctx = None
     try:
         with StopOnSignal(cfg.TRAIN.PREEMPT_GRACE_S):  # the loop has its own, gentler handling
@@ -63,10 +66,13 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
             monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
-            _train(cfg, tracker, ctx, prepared, lock)
+            _train(cfg, tracker, ctx, prepared, lock, job_log)
     except StopRequested as e:  # before the loop began: there is nothing of this start to resume
         _stopped(tracker, e, before_training=True, world_size=world_size)
     finally:
+        if job_log:
+            logging.getLogger().removeHandler(job_log)
+            job_log.close()
         if monitor is not None:
             stop_monitor(monitor)
         if ctx is not None:
@@ -197,36 +203,36 @@ def _write_run_id(run_id: str) -> None:
         write_atomic(Path(target), run_id)
 
 
-def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
+def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None, job_log: JobLog | None) -> None:
     from trainer import distributed
     from trainer.engine import NonFiniteLoss, train_model
     from trainer.job import Job
 
-    job = Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared)
+    job = Job(cfg, ctx, tracker, Path(cfg.OUTPUT_DIR), prepared, log=job_log)
     if lock is not None:
         job.in_its_folder = lock.still_here
     try:
         done = train_model(job)
     except Preempted as e:
-        _stopped(tracker, e)
+        _stopped(tracker, e, job_log=job_log)
     except StopRequested as e:  # before the loop (setting up, a finished job's rerun): this start trained nothing
         finished = cfg.TRAIN.AUTO_RESUME and (job.output_dir / FINAL).is_file()  # --no-resume sets it aside
-        _stopped(tracker, e, before_training=True, finished=finished)
+        _stopped(tracker, e, before_training=True, finished=finished, job_log=job_log)
     except NonFiniteLoss as e:
-        tracker.finish("FAILED", str(e))
+        _finish(tracker, job_log, "FAILED", str(e))
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     except UserError as e:
-        tracker.finish("FAILED", str(e))
+        _finish(tracker, job_log, "FAILED", str(e))
         if isinstance(e, SharedError):  # every rank has it: none exits (torchrun then stops the rest) before the run is marked
             distributed.teardown(ctx, together=True)
         raise
     except BaseException as e:
-        tracker.finish("FAILED", f"{type(e).__name__}: {e}")
+        _finish(tracker, job_log, "FAILED", f"{type(e).__name__}: {e}")
         raise
     with PreemptionGuard(cfg.TRAIN.PREEMPT_GRACE_S) as guard:
         guard.finishing = True  # a signal while model_final and the model upload: they go on, within the grace period
-        missing = tracker.finish("FINISHED")
+        missing = _finish(tracker, job_log, "FINISHED")
     if ctx.rank != 0:  # only rank 0 writes checkpoints: another node has no model_final to show
         return
     if done is not None and done.sent:  # the job's run lacked them; when some did not arrive, the error says which
@@ -243,6 +249,14 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None) -> None:
         raise Stopped(1)  # an upload left running (MLflow running the model's example) must not meet the teardown
 
 
+def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
+    """The run's end: log.txt says it (the console's last line is the CLI's) and goes to the run, whole."""
+    if job_log and job_log.path:
+        job_log.note(f"the job ends {status}" + (f": {reason}" if reason else ""))
+        tracker.log_artifact(job_log.path)
+    return tracker.finish(status, reason, timeout)
+
+
 class Stopped(SystemExit):
     """The exit of a job stopped by a signal, or one that left uploads running past its flush timeout:
     main() skips the interpreter's teardown for it (with a daemon thread inside torch, C++'s teardown
@@ -250,9 +264,9 @@ class Stopped(SystemExit):
 
 
 def _stopped(tracker, e: Preempted | StopRequested, before_training: bool = False, world_size: int = 1,
-             finished: bool = False):
+             finished: bool = False, job_log: JobLog | None = None):
     """A stop signal (preemption.STOP_SIGNALS): the run is KILLED (not FAILED), and the next start resumes it."""
-    missing = tracker.finish("KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
+    missing = _finish(tracker, job_log, "KILLED", str(e), timeout=max(0.0, e.deadline - time.monotonic() - 2.0))
     if missing:  # the server down at the stop: where the metrics the run lacks are kept, too
         log.warning("the tracking server did not get: %s", ", ".join(missing))
     if not before_training:

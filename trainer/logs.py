@@ -7,16 +7,21 @@ import logging
 import logging.handlers
 import os
 import sys
+import time
 import warnings
+from pathlib import Path
 from typing import TextIO
 
 from trainer import redaction
+from trainer.atomic_write import HOST
 from trainer.errors import UserError
 
 
+FORMAT = "[%(asctime)s %(levelname)s %(name)s] %(message)s"
+
+
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(level=level, format=FORMAT, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
     for noisy in ("alembic", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # It logs every SQLite error with its traceback (~90 lines), then raises it: our retries say it in one line.
@@ -46,6 +51,72 @@ def held_while_checking():
                 for handler in shown:
                     if record.levelno >= handler.level:
                         handler.handle(record)
+
+
+class JobLog(logging.Handler):
+    """OUTPUT_DIR/log.txt, detectron2's: what the job logs, appended start after start (each start's
+    host and pid said first), for the run to keep. Lines wait in memory until open(): until the
+    job's checks passed and its folder is settled (an earlier job's files set aside, a moved job's
+    log fetched from its run); a job that never gets there writes nothing. A write that fails (a full
+    disk) ends the file, said once: the console and json_stats.log go on."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter(FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+        self.path: Path | None = None
+        self._file: TextIO | None = None
+        self._waiting: list[str] | None = []
+        self._started = time.time()
+
+    def open(self, path: Path) -> None:
+        with self.lock:
+            try:
+                self._file = open(path, "a", encoding="utf-8", errors="backslashreplace")
+                self.path = path
+            except OSError as e:
+                self._failed(e, path)
+                return
+            waiting, self._waiting = self._waiting or [], None
+            self.note(f"started on {HOST} (pid {os.getpid()})", when=self._started)
+            for line in waiting:
+                self._write(line)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.format(record) + "\n"
+        if self._waiting is not None:
+            self._waiting.append(line)
+        elif self._file is not None:
+            self._write(line)
+
+    def note(self, text: str, when: float | None = None) -> None:
+        """A line for the file alone: the console says it otherwise (the job's last line)."""
+        with self.lock:
+            if self._file is not None:
+                self._write(f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} tracktron] {text}\n")
+
+    def close(self) -> None:
+        with self.lock:
+            self._waiting = None
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+        super().close()
+
+    def _write(self, line: str) -> None:
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            self._failed(e, self.path)
+
+    def _failed(self, e: OSError, path: Path) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        self._file, self._waiting = None, None  # first, so that the warning below is not written here
+        logging.getLogger("tracktron").warning("cannot write %s (%s): the job goes on without it; its stats are in "
+                                               "json_stats.log and on the tracking server", path, e.strerror or e)
 
 
 def hold_console_descriptors() -> None:

@@ -38,7 +38,8 @@ def iteration_of(name: str) -> float:
 
 
 UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
-JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
+JOB_LOG = "log.txt"  # what the job logged (logs.JobLog)
+JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", JOB_LOG, UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 # Temporary files of write_atomic and save_atomic (`.<name>.tmp.<host>.<pid>`; before the host was
 # in the name, `.<name>.tmp.<pid>`), and a download's folder.
 EVAL_FILES = ("detections.json", "per_category_ap.md")  # what an evaluation writes in eval/<set>/
@@ -90,7 +91,7 @@ def not_files(output_dir: Path) -> list[Path]:
 
 
 # What the job writes into rather than replaces: a log it appends to, folders it writes files in.
-WRITTEN_THROUGH = ("json_stats.log", "model", "model/detector", "eval")
+WRITTEN_THROUGH = ("json_stats.log", JOB_LOG, "model", "model/detector", "eval")
 
 
 def links_written_through(output_dir: Path) -> list[Path]:
@@ -162,7 +163,7 @@ def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset())
 
 def set_aside(output_dir: Path) -> Path | None:
     """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
-    they move to `earlier-<time>/` with json_stats.log (and the metrics its run never got), the model
+    they move to `earlier-<time>/` with its logs (and the metrics its run never got), the model
     folder and the evaluations, kept but out of the way. Left in place, a later resume of the new
     start took their model_final for its own (nothing to do) or their newest model_iter for its
     newest, and until the new start finished, `predict --weights OUTPUT_DIR/model/detector` used the
@@ -170,7 +171,7 @@ def set_aside(output_dir: Path) -> Path | None:
     found = local_checkpoints(output_dir)
     if not found:
         return None
-    files = [p for p in (output_dir / "json_stats.log", output_dir / UNSENT_METRICS) if p.is_file()]
+    files = [output_dir / name for name in ("json_stats.log", JOB_LOG, UNSENT_METRICS) if (output_dir / name).is_file()]
     folders = [p for p in (output_dir / "model", output_dir / "eval") if p.is_dir() or p.is_symlink()]
     return move_aside(output_dir, [*found, *files, *folders])
 

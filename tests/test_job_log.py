@@ -1,0 +1,82 @@
+"""OUTPUT_DIR/log.txt (logs.JobLog): what the job logged, kept with its checkpoints. The end-to-end
+checks are with the jobs that make one: test_train (a failed job's), test_tracking (a job moved to
+another machine), test_faults (a start over), test_hostile_inputs (a name that is no file),
+test_security (no secret in it)."""
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from trainer.logs import JobLog
+
+
+@pytest.fixture
+def logger():
+    """A logger of its own, with a console (a StringIO) beside the JobLog, as setup_logging's stderr."""
+    log = logging.getLogger(f"test_job_log.{id(object())}")
+    log.propagate, log.level = False, logging.INFO
+    console = logging.StreamHandler(io.StringIO())
+    log.addHandler(console)
+    job_log = JobLog()
+    log.addHandler(job_log)
+    yield log, job_log, console.stream
+    job_log.close()
+    log.handlers.clear()
+
+
+def test_lines_wait_until_the_folder_is_settled_then_come_first(logger, tmp_path):
+    log, job_log, _ = logger
+    path = tmp_path / "log.txt"
+    log.info("the dataset: 64 images")
+    log.debug("not at INFO")
+    assert not path.exists()  # the checks have not passed: nothing written yet
+    job_log.open(path)
+    log.warning("after open")
+    lines = path.read_text().splitlines()
+    assert "tracktron] started on " in lines[0]
+    assert lines[1].endswith("INFO " + log.name + "] the dataset: 64 images")
+    assert lines[2].endswith("WARNING " + log.name + "] after open") and len(lines) == 3
+
+
+def test_a_job_that_never_opens_it_writes_nothing(logger, tmp_path):
+    """A job that fails its checks, or stops before its folder is settled: no log.txt."""
+    log, job_log, _ = logger
+    log.warning("a check failed")
+    job_log.close()
+    log.warning("after the end")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_earlier_log_is_appended_to(logger, tmp_path):
+    log, job_log, _ = logger
+    path = tmp_path / "log.txt"
+    path.write_text("[2026-12-01 10:00:00 tracktron] started on elsewhere (pid 7)\n")
+    job_log.open(path)
+    log.info("this start")
+    text = path.read_text()
+    assert text.startswith("[2026-12-01 10:00:00 tracktron] started on elsewhere (pid 7)\n") and text.count("started on") == 2
+
+
+def test_a_full_disk_ends_the_file_says_so_once_and_logging_goes_on(logger, caplog, capsys):
+    """/dev/full: every write fails with ENOSPC. Logging's own handling printed `--- Logging error ---`
+    and a traceback on stderr for every line."""
+    log, job_log, console = logger
+    job_log.open(Path("/dev/full"))
+    for i in range(3):
+        log.info("line %d", i)
+    said = [r.getMessage() for r in caplog.records if r.name == "tracktron"]
+    assert said == ["cannot write /dev/full (No space left on device): the job goes on without it; its stats are in "
+                    "json_stats.log and on the tracking server"]
+    assert console.getvalue().splitlines() == ["line 0", "line 1", "line 2"]  # the console goes on
+    assert "Logging error" not in capsys.readouterr().err
+
+
+def test_a_folder_that_cannot_take_it_is_said_once(logger, caplog, tmp_path):
+    log, job_log, console = logger
+    job_log.open(tmp_path / "gone" / "log.txt")
+    log.info("still logged")
+    assert [r.name for r in caplog.records if "cannot write" in r.getMessage()] == ["tracktron"]
+    assert console.getvalue() == "still logged\n"
