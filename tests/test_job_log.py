@@ -80,3 +80,13 @@ def test_a_folder_that_cannot_take_it_is_said_once(logger, caplog, tmp_path):
     log.info("still logged")
     assert [r.name for r in caplog.records if "cannot write" in r.getMessage()] == ["tracktron"]
     assert console.getvalue() == "still logged\n"
+
+
+def test_the_closing_line_is_redacted_as_log_records_are(logger, tmp_path):
+    """The end's reason is written to the file alone, outside logging's record factory: a reason that
+    quotes a URL with its password (a tracking server refused) must not put it in the file the run keeps."""
+    _, job_log, _ = logger
+    job_log.open(tmp_path / "log.txt")
+    job_log.note("the job ends FAILED: cannot reach http://alice:s3cret-pw@127.0.0.1:9/api")
+    text = (tmp_path / "log.txt").read_text()
+    assert "s3cret-pw" not in text and "the job ends FAILED: cannot reach http://" in text

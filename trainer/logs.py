@@ -89,9 +89,11 @@ class JobLog(logging.Handler):
             self._write(line)
 
     def note(self, text: str, when: float | None = None) -> None:
-        """A line for the file alone: the console says it otherwise (the job's last line)."""
+        """A line for the file alone: the console says it otherwise (the job's last line). Redacted as
+        the log records are: a reason may quote a URL with its password."""
         with self.lock:
             if self._file is not None:
+                text = redaction.printable(redaction.redact_text(text), keep_newlines=True)
                 self._write(f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} tracktron] {text}\n")
 
     def close(self) -> None:
