@@ -9,7 +9,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # torchrun), so two pytest workers share 2 cores well.
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo demo-long test bench clean
+.PHONY: setup demo demo-long test coverage bench clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -28,8 +28,18 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check trainer tests bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
+# The suite under coverage.py: the trainers, servers' clients and xdist workers the tests start are
+# measured too ([tool.coverage.run] patch in pyproject.toml); `make coverage TESTS=tests/test_train.py`
+# measures a part. The report lists trainer/'s files that have lines no test runs.
+TESTS ?= tests
+coverage: $(STAMP)
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest -q -n $(TEST_WORKERS) $(TESTS)
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report --skip-covered --sort=cover
+
 bench: $(STAMP)
 	$(PY) -m bench.run
 
 clean:
-	rm -rf output mlflow.db mlflow.db.lock mlruns mlartifacts datasets .pytest_cache
+	rm -rf output mlflow.db mlflow.db.lock mlruns mlartifacts datasets .pytest_cache .coverage .coverage.*
