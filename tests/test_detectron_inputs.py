@@ -537,6 +537,25 @@ def _load(model, path: Path):
         return "refused", str(e)
 
 
+class _Reduce:
+    """Pickles as fn(*args), then `state` set on the result: a hand-made numpy array part."""
+
+    def __init__(self, fn, *args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+def _array_parts(shape=(4,), data=b"\0" * 16, state=True) -> dict:
+    """{'conv1_w': an array pickled as numpy does, with the shape, bytes or whole state given}."""
+    from numpy.core import multiarray
+
+    dtype = _Reduce(np.dtype, "f4", False, True, state=(3, "<", None, None, None, -1, -1, 0))
+    state = (1, shape, dtype, False, data) if state is True else state
+    return {"conv1_w": _Reduce(multiarray._reconstruct, np.ndarray, (0,), b"b", state=state)}
+
+
 N = 100_000
 PKLS = [  # (id, model, the file's bytes or object, 'loaded' or the refusal's words)
     ("empty-file", "faster", b"", "not a Detectron weights file"),
@@ -552,6 +571,19 @@ PKLS = [  # (id, model, the file's bytes or object, 'loaded' or the refusal's wo
      b"\x80\x02}X\x07\x00\x00\x00conv1_w" + b"]" * N + b"a" * (N - 1) + b"s.", "holds no float arrays"),
     ("retinanet-80-other-classes", "retinanet", {"retnet_cls_pred_fpn3_w": np.ones((18, 256, 3, 3), np.float32)},
      "has no tensor that fits"),
+    # helper-94's red team: each behaved (one line naming the file), kept so
+    ("a-list-of-arrays", "faster", [np.ones((64, 3, 7, 7), np.float32)], "holds no Detectron blobs"),
+    ("a-dict-without-blobs-or-arrays", "faster", {"cfg": "MODEL: {}", "iter": 5}, "holds no float arrays"),
+    ("blobs-that-are-no-arrays", "faster", {"blobs": {"conv1_w": "weights", "fc6_w": [1.0, 2.0]}}, "holds no float arrays"),
+    ("array-without-state", "faster", _array_parts(state=None), "(an array without a plain state)"),
+    ("array-of-negative-shape", "faster", _array_parts(shape=(-4,)), "(an array shape (-4,))"),
+    ("array-data-not-bytes", "faster", _array_parts(data=12345), "(array data that is not bytes)"),
+    ("array-shorter-than-its-shape", "faster", _array_parts(shape=(10**9, 10**9)), "(buffer is smaller than requested size)"),
+    ("codecs-to-another-encoding", "faster", {"conv1_w": _Reduce(__import__("_codecs").encode, "abc", "utf-8")},
+     "(_codecs.encode to 'utf-8' is not a numpy array part)"),
+    ("protocol-5-bytes-outside-the-file", "faster",
+     pickle.dumps({"conv1_w": np.ones(4, np.float32)}, protocol=5, buffer_callback=lambda b: False), "out-of-band data"),
+    ("persistent-id", "faster", b"\x80\x02P1\n.", "is not a Detectron weights file tracktron loads"),
 ]
 
 
@@ -632,4 +664,23 @@ def test_a_directory_named_pkl_is_one_line(tmp_path, capsys, data_dir):
     folder = tmp_path / "R-50.pkl"
     folder.mkdir()
     assert "R-50.pkl" in error_line(*run_cli(_dry_run(tmp_path, data_dir, str(folder)), capsys))
+
+
+R50_FPN_BLOBS = {"conv1_w": np.ones((64, 3, 7, 7), np.float32), "fpn_inner_res5_2_sum_w": np.ones((256, 2048, 1, 1), np.float32),
+                 "conv_rpn_fpn2_w": np.ones((256, 256, 3, 3), np.float32), "fc6_w": np.ones((1024, 256 * 7 * 7), np.float32)}
+
+
+def test_a_detectron_pkl_on_a_mobilenet_fpn_is_one_line_or_loads_what_fits(tmp_path, capsys, data_dir):
+    """helper-94's red team: Detectron's R-50-FPN weights given to the demo config (a MobileNet FPN), or to
+    fasterrcnn_mobilenet_v3_large_fpn, were a TypeError traceback: the FPN's Detectron names were looked up
+    in the MobileNet's blocks as if they were ResNet stages. Now they have none, and what fits loads."""
+    from tests.conftest import DEMO
+
+    pkl = _pkl(tmp_path, {"blobs": R50_FPN_BLOBS})
+    line = error_line(*run_cli(_dry_run(tmp_path, data_dir, str(pkl), DEMO.read_text()), capsys))
+    assert line == f"error: TRAIN.WEIGHTS {pkl} has no tensor that fits FasterRCNN (skipped for shape: 2)", line
+    assert not (tmp_path / "out").exists()
+    model = build_model(load_config(None, ["MODEL.TYPE", "fasterrcnn_mobilenet_v3_large_fpn"]), 81)
+    kind, report = _load(model, pkl)
+    assert kind == "loaded" and report.loaded == ["rpn.head.conv.0.0.weight", "roi_heads.box_head.fc6.weight"], report
 

@@ -110,7 +110,8 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
     except UserError:
         raise
     except Exception as e:  # malformed bytes fail in many ways; none of them runs code here
-        raise UserError(f"{option} {shown} is not a Detectron weights file tracktron loads ({e}); only numpy "
+        why = " ".join(str(e).split())  # pickle's own message for a persistent id runs over two lines
+        raise UserError(f"{option} {shown} is not a Detectron weights file tracktron loads ({why}); only numpy "
                         "arrays in dicts are read, so a pickle that holds anything else is refused") from None
     arrays = {k: v for k, v in arrays.items() if v.dtype.kind == "f"}
     if not arrays:
@@ -222,6 +223,8 @@ def _fpn(path: str, model: nn.Module) -> str | None:
         kind, index, part = found.group(1), int(found.group(2)), found.group(3)
         layers = list(model.backbone.body.return_layers)  # layer1..layer4, or layer2..layer4
         layer = layers[index]
+        if not layer.startswith("layer"):  # a MobileNet's blocks ('13', '16'): Detectron's FPNs are on ResNets
+            return None
         stage = int(layer[-1]) + 1
         last = len(getattr(model.backbone.body, layer)) - 1
         base = f"fpn_inner_res{stage}_{last}_sum" if kind == "inner_blocks" else f"fpn_res{stage}_{last}_sum"
