@@ -446,6 +446,85 @@ def test_degenerate_and_out_of_image_boxes_are_dropped_or_clipped_and_training_g
     assert [0.0, 0.0, 20.0, 20.0] in boxes and [50.0, 50.0, 64.0, 64.0] in boxes  # clipped to the image
 
 
+# ---- keypoints and RLE masks: checked when the model uses them --------------------------------------
+# helper-94's red team; the synthetic set's annotations have 4 keypoints (all visible) and polygons, on 64x64 images.
+
+def _visibility(value):
+    def mutate(data, root):
+        data["annotations"][0]["keypoints"][2] = value
+    return mutate
+
+
+KEYPOINT_CASES = [
+    ("not-a-multiple-of-3", _set("annotations", "keypoints", [1, 2, 2, 3, 4]),
+     "annotation 1 has keypoints [1, 2, 2, 3, 4]: a flat list of x, y, visibility numbers"),
+    ("fewer-than-the-categories-name", _set("annotations", "keypoints", [1, 2, 2, 3, 4, 2]),
+     "annotation 1 has 2 keypoints; its categories name 4"),
+    ("strings", _set("annotations", "keypoints", ["1", 2, 2] * 4), "a flat list of x, y, visibility numbers"),
+    ("points-as-lists", _set("annotations", "keypoints", [[1, 2, 2]] * 4), "a flat list of x, y, visibility numbers"),
+    ("an-object", _set("annotations", "keypoints", {"top": [1, 2, 2]}), "a flat list of x, y, visibility numbers"),
+    # each was trained and scored as labelled (v > 0) or not without a word
+    ("visibility-5", _visibility(5),
+     "annotation 1 has keypoint visibility 5; COCO's are 0 (not labelled), 1 (labelled, hidden) or 2 (visible)"),
+    ("visibility-minus-1", _visibility(-1), "annotation 1 has keypoint visibility -1; COCO's are 0"),
+    ("visibility-a-score", _visibility(0.5), "annotation 1 has keypoint visibility 0.5; COCO's are 0"),
+]
+
+
+@pytest.mark.parametrize("case, mutate, message", KEYPOINT_CASES, ids=_ids(KEYPOINT_CASES))
+def test_bad_keypoints_for_a_keypoint_model(train, tmp_path, good_dataset, case, mutate, message):
+    root = make_dataset(tmp_path / "data", good_dataset, mutate)
+    result = train("TRAIN.DATASETS", f"('{root}',)", "MODEL.TYPE", "keypointrcnn_resnet50_fpn")
+    assert_exit_2(result, message)
+    assert result.last_line.startswith(f"error: {root / 'annotations.json'}: annotation 1 has "), result.last_line
+    assert not list((tmp_path / "output").glob("*.pth"))
+
+
+def test_a_num_keypoints_that_disagrees_with_the_points_is_counted_again(train, tmp_path, good_dataset):
+    """COCO's num_keypoints is derived data (COCOeval ignores an object whose count is 0): a wrong or
+    missing one is counted again from the visibilities, a string too; visibilities 2.0 are 2."""
+    def mutate(data, root):
+        data["annotations"][0].update(num_keypoints="four")
+        data["annotations"][1].update(num_keypoints=0)
+        data["annotations"][2].pop("num_keypoints")
+
+    root = make_dataset(tmp_path / "data", good_dataset, mutate)
+    result = train("TRAIN.DATASETS", f"('{root}',)", "MODEL.TYPE", "keypointrcnn_resnet50_fpn")
+    assert result.code is None, result.stderr[-2000:]
+    from trainer.data import CocoDetection
+
+    ds = CocoDetection(root / "images", root / "annotations.json", train=False, keypoints=True)
+    assert [ds.coco.anns[i]["num_keypoints"] for i in (1, 2, 3)] == [4, 4, 4]
+
+
+FULL_32 = "0PP1"  # pycocotools' compressed counts of a full 32x32 mask (runs 0 and 1024)
+RLE_CASES = [
+    ("size-not-its-images", {"size": [32, 64], "counts": [2048]},
+     "annotation 1 has an RLE mask of size [32, 64] on an image of 64x64 (height x width)"),
+    ("size-of-three", {"size": [64, 64, 3], "counts": [4096]}, "has an RLE mask of size [64, 64, 3] on an image of 64x64"),
+    ("size-strings", {"size": ["64", "64"], "counts": [4096]}, "has an RLE mask of size ['64', '64'] on an image of 64x64"),
+    ("no-size", {"counts": [4096]}, "polygons (lists of numbers) or RLE ({'counts', 'size'}) expected"),
+    ("counts-short-of-the-image", {"size": [64, 64], "counts": [100, 20]},
+     "annotation 1 has an RLE mask whose counts cover 120 pixels, not the 64x64 of its image"),
+    ("counts-past-the-image", {"size": [64, 64], "counts": [4000, 200]}, "whose counts cover 4200 pixels, not the 64x64"),
+    ("compressed-counts-of-another-size", {"size": [64, 64], "counts": FULL_32},
+     "whose counts cover 1024 pixels, not the 64x64 of its image"),
+    ("compressed-counts-empty", {"size": [64, 64], "counts": ""}, "whose counts cover 0 pixels"),
+    ("counts-not-integers", {"size": [64, 64], "counts": [4000.0, 96.0]}, "polygons (lists of numbers) or RLE"),
+    ("counts-negative", {"size": [64, 64], "counts": [5000, -904]}, "polygons (lists of numbers) or RLE"),
+    ("counts-a-list-of-strings", {"size": [64, 64], "counts": [FULL_32]}, "polygons (lists of numbers) or RLE"),
+]
+
+
+@pytest.mark.parametrize("case, segmentation, message", RLE_CASES, ids=_ids(RLE_CASES))
+def test_bad_rle_masks_for_a_mask_model(train, tmp_path, good_dataset, case, segmentation, message):
+    root = make_dataset(tmp_path / "data", good_dataset, _set("annotations", "segmentation", segmentation))
+    result = train("TRAIN.DATASETS", f"('{root}',)", "MODEL.TYPE", "maskrcnn_resnet50_fpn")
+    assert_exit_2(result, message)
+    assert result.last_line.startswith(f"error: {root / 'annotations.json'}: annotation 1 has "), result.last_line
+    assert not list((tmp_path / "output").glob("*.pth"))
+
+
 # ---- tracking -------------------------------------------------------------------------------------
 
 def test_run_id_that_does_not_exist_on_a_tracking_server(train, mlflow_server):

@@ -148,6 +148,10 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
                 raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
             if len(kp) != 3 * num_keypoints:  # COCOeval and the keypoint head both assume the count
                 raise UserError(f"{what} has {len(kp) // 3} keypoints; its categories name {num_keypoints}")
+            # torchvision, COCOeval and the flip read any v > 0 as labelled: a score (0.3) or a -1 went unseen
+            if odd := [v for v in kp[2::3] if v not in (0, 1, 2)]:
+                raise UserError(f"{what} has keypoint visibility {odd[0]!r}; COCO's are 0 (not labelled), 1 (labelled, "
+                                "hidden) or 2 (visible)")
     if not data["images"]:
         raise UserError(f"{path} lists no images")
     if not image_dir.is_dir():
