@@ -543,6 +543,39 @@ def test_unsupported_tracking_uri_is_one_line(train, uri):
     assert_exit_2(result, uri)
 
 
+NO_DATABASE = "is not an MLflow tracking store (file is not a database)"
+STORE_FILES = [  # (id, how the file is made, the words of the one line)
+    ("random-bytes", lambda p: p.write_bytes(bytes(range(256)) * 20), NO_DATABASE),
+    ("a-text-file", lambda p: p.write_text("experiments, runs\n" * 100), NO_DATABASE),
+    ("an-sqlite-header-then-garbage", lambda p: p.write_bytes(b"SQLite format 3\x00" + b"\xff" * 2000), NO_DATABASE),
+    ("an-empty-file", lambda p: p.touch(), "is not an MLflow tracking store (it has no MLflow tables)"),
+    ("a-folder", lambda p: p.mkdir(), "is a folder or a device, not a database file"),
+    ("unreadable", lambda p: (p.write_bytes(b"x" * 100), p.chmod(0)), "cannot read the tracking store"),
+]
+
+
+@pytest.mark.parametrize("case, make, message", STORE_FILES, ids=_ids(STORE_FILES))
+def test_a_store_file_that_is_no_database_is_one_line_and_left_as_it_was(train, tmp_path, case, make, message):
+    """helper-94's red team: TRACKING.URI (and status --uri) naming a file that is there but no database.
+    MLflow would create its tables in it, or retry opening it for minutes; the job, its plan and status
+    say so in one line, and nothing is written beside it."""
+    if case == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads a file whatever its mode")
+    folder = tmp_path / "stores"
+    folder.mkdir()
+    store = folder / "mlflow.db"
+    make(store)
+    before = store.read_bytes() if store.is_file() and case != "unreadable" else None
+    uri = f"sqlite:///{store}"
+    for result in (train("TRACKING.URI", uri, tracking=True), train("--dry-run", "TRACKING.URI", uri, tracking=True),
+                   run_cli(["status", "--uri", uri])):
+        assert_exit_2(result, message)
+        assert str(store) in result.last_line
+    assert before is None or store.read_bytes() == before
+    assert [p.name for p in folder.iterdir()] == ["mlflow.db"]  # no lock beside it
+    assert not (tmp_path / "output").exists() and not (tmp_path / "mlruns").exists()
+
+
 # ---- property: random overrides never give a traceback --------------------------------------------
 
 _SECTIONS = sorted({k.split(".")[0] for k in _ALL_KEYS})
