@@ -135,6 +135,20 @@ CONFIG_CASES = [
     ("box-head-huge", ["MODEL.FPN_CHANNELS", "4096", "MODEL.REPRESENTATION_SIZE", "16384", "MODEL.BOX_POOL_SIZE", "64"],
      "MODEL.FPN_CHANNELS x BOX_POOL_SIZE² x REPRESENTATION_SIZE (the box head's first layer) must be at most "
      "1,000,000,000 weights, got 274,877,906,944"),
+    # the box head's keys (helper-94's red team: each behaved)
+    ("representation-size-0", ["MODEL.REPRESENTATION_SIZE", "0"], "error: MODEL.REPRESENTATION_SIZE must be > 0, got 0"),
+    ("representation-size-negative", ["MODEL.REPRESENTATION_SIZE", "-4"], "MODEL.REPRESENTATION_SIZE must be > 0, got -4"),
+    ("representation-size-huge", ["MODEL.REPRESENTATION_SIZE", "100000"],
+     "MODEL.REPRESENTATION_SIZE must be at most 16,384, got 100,000"),
+    ("representation-size-fraction", ["MODEL.REPRESENTATION_SIZE", "64.5"], "MODEL.REPRESENTATION_SIZE must be int, got 64.5"),
+    ("representation-size-boolean", ["MODEL.REPRESENTATION_SIZE", "true"],
+     "MODEL.REPRESENTATION_SIZE must be int, got 'true'"),
+    ("box-pool-size-0", ["MODEL.BOX_POOL_SIZE", "0"], "MODEL.BOX_POOL_SIZE must be > 0, got 0"),
+    ("box-pool-size-on-torchvisions-build", ["MODEL.BACKBONE", "''", "MODEL.BACKBONE_WIDTH", "1.0", "MODEL.FPN_CHANNELS",
+                                             "256", "MODEL.ANCHOR_SIZES", "[]", "MODEL.BOX_POOL_SIZE", "5"],
+     "error: MODEL.BOX_POOL_SIZE needs MODEL.BACKBONE set (torchvision's own builders fix it)"),
+    ("fpn-channels-on-torchvisions-build", ["MODEL.BACKBONE", "''", "MODEL.BACKBONE_WIDTH", "1.0"],
+     "error: MODEL.FPN_CHANNELS 32 needs MODEL.BACKBONE set (torchvision's own builders use 256)"),
     # trained into ./s3:/bkt/out, then failed to log the model at every rerun; the password printed (helper-47)
     # `OUTPUT_DIR '~'` (quoted, so the shell leaves it): YAML's null; the line said only "an empty value" (helper-52)
     ("output-dir-tilde", ["OUTPUT_DIR", "~"], "OUTPUT_DIR must name a folder, got an empty value (YAML reads a bare `~`"),

@@ -593,6 +593,17 @@ def test_the_demos_rpn_keys_under_retinanet_are_said_to_be_ignored(here, data_di
     assert plain.code is None and "mean nothing" not in plain.stderr
 
 
+def test_the_demos_fpn_and_box_head_widths_under_c4_are_said_to_be_ignored(here, data_dir):
+    """helper-94's red team: configs/demo.yaml switched to MODEL.FEATURES c4 keeps its FPN_CHANNELS 32 and
+    REPRESENTATION_SIZE 64, which C4 (res5 as the box head, no FPN) never reads: it trained without a word."""
+    result = train(here, "MODEL.BACKBONE", "resnet50", "MODEL.BACKBONE_WIDTH", "1.0", "MODEL.FEATURES", "c4",
+                   "MODEL.ANCHOR_SIZES", "[]", data_dir=data_dir, dry_run=True)
+    assert result.code is None, result.stderr[-2000:]
+    (line,) = [x for x in result.stderr.splitlines() if "mean nothing" in x]
+    assert line.endswith("2 of the MODEL keys set mean nothing for fasterrcnn_resnet50_fpn and are ignored: "
+                         "MODEL.FPN_CHANNELS, MODEL.REPRESENTATION_SIZE"), line
+
+
 def test_a_registered_model_with_no_model_logged_is_said_to_be_ignored(here, data_dir):
     """TRACKING.REGISTERED_MODEL with TRACKING.LOG_MODEL false: nothing is logged, so nothing can be
     registered; the job trains (the demo names a model, a user turns logging off) and says so once.

@@ -377,3 +377,18 @@ def test_the_model_keys_said_to_be_ignored_are_the_ones_the_build_never_reads(fa
         torch.manual_seed(0)
         same = _fingerprint(build_model(cfg, 4, keypoints)) == base
         assert same == (f"MODEL.{key}" in unread_keys(cfg)), (family, key, same)
+
+
+def test_the_keys_said_to_be_ignored_on_c4_are_the_ones_its_build_never_reads():
+    """C4's box head is res5 and it has no FPN: REPRESENTATION_SIZE, FPN_CHANNELS and FPN_NORM change
+    nothing there (helper-94's red team: nothing said so), BOX_POOL_SIZE does."""
+    from trainer.models import unread_keys
+
+    keys = {"BACKBONE": "resnet50", "FEATURES": "c4", "BOX_POOL_SIZE": 14}
+    torch.manual_seed(0)
+    base = _fingerprint(build_model(make_cfg("fasterrcnn_resnet50_fpn", **keys), 4))
+    for key, value in {"REPRESENTATION_SIZE": 48, "FPN_CHANNELS": 64, "FPN_NORM": "GN", "BOX_POOL_SIZE": 7}.items():
+        cfg = make_cfg("fasterrcnn_resnet50_fpn", **{**keys, key: value})
+        torch.manual_seed(0)
+        same = _fingerprint(build_model(cfg, 4)) == base
+        assert same == (f"MODEL.{key}" in unread_keys(cfg)) == (key != "BOX_POOL_SIZE"), (key, same)

@@ -172,7 +172,8 @@ _RCNN_ONLY = {"REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TO
 
 def unread_keys(cfg) -> list[str]:
     """MODEL keys set away from their defaults that MODEL.TYPE's family never reads (_size_kwargs and
-    the heads say which it does): a demo's RPN keys under retinanet, a mask pool size on Faster R-CNN."""
+    the heads say which it does): a demo's RPN keys under retinanet, a mask pool size on Faster R-CNN,
+    the FPN and box-head widths on C4."""
     from trainer.config import defaults
 
     family, default = _family(cfg.MODEL.TYPE), defaults().MODEL
@@ -181,6 +182,7 @@ def unread_keys(cfg) -> list[str]:
     unread |= {"KEYPOINT_POOL_SIZE"} if family != "keypointrcnn" else set()
     unread |= {"TOPK_CANDIDATES"} if family.endswith("rcnn") else set()
     unread |= {"FG_IOU", "BG_IOU"} if family in ("fcos", "ssdlite320") else set()
+    unread |= {"REPRESENTATION_SIZE", "FPN_CHANNELS", "FPN_NORM"} if cfg.MODEL.FEATURES == "c4" else set()  # res5 heads, no FPN
     return sorted(f"MODEL.{k}" for k in unread if cfg.MODEL[k] != default[k])
 
 
