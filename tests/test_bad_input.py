@@ -755,6 +755,22 @@ def test_tracking_stores_that_cannot_hold_the_job_are_one_line(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir() if p.name != "data"] == []  # no lock beside a store, no OUTPUT_DIR
 
 
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
+def test_a_store_that_is_a_link_into_a_folder_not_there_is_one_line(tmp_path, monkeypatch, data_dir, dry_run):
+    """mlflow.db a link to a shared volume that is not mounted: --dry-run planned `a new store`, and the job
+    said `tracking server sqlite:///...: (sqlite3.OperationalError) unable to open database file` and left
+    mlflow.db.lock beside the link. Found by helper-94's red team."""
+    monkeypatch.chdir(tmp_path)
+    link = tmp_path / "mlflow.db"
+    link.symlink_to("/nonexistent-tracktron/shared/mlflow.db")
+    result = run_cli(["train", *(["--dry-run"] if dry_run else []), "--config", str(DEMO), "DATA_DIR", str(data_dir),
+                      "TRACKING.URI", f"sqlite:///{link}"])
+    assert_exit_2(result, f"error: tracking URI sqlite:///{link}: the folder /nonexistent-tracktron/shared does not exist "
+                          f"({link} is a link into it)")
+    assert [p.name for p in tmp_path.iterdir()] == ["mlflow.db"]  # no lock beside it, no OUTPUT_DIR
+    assert not Path("/nonexistent-tracktron").exists()
+
+
 @pytest.fixture
 def read_only_folder(tmp_path):
     yield from tmpfs_mount(tmp_path / "ro")

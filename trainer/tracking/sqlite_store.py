@@ -40,11 +40,15 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
     """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
     named by --resume or by a launcher (MLFLOW_RUN_ID), or an experiment named by its id, is the
     user's mistake, said now."""
-    if not uri.startswith("sqlite:///") or sqlite_path(uri).exists():
+    path = sqlite_path(uri)
+    if not uri.startswith("sqlite:///") or path.exists():
         return False
-    folder = sqlite_path(uri).parent
+    folder = path.parent
+    if path.is_symlink():  # a link to nothing: SQLite makes the file it names (on a volume not mounted, cannot)
+        folder = Path(os.path.realpath(path)).parent
     if not folder.is_dir():
-        raise UserError(f"tracking URI {uri}: the folder {folder} does not exist")
+        link = f" ({path} is a link into it)" if path.is_symlink() else ""
+        raise UserError(f"tracking URI {uri}: the folder {folder} does not exist{link}")
     if os.statvfs(folder).f_flag & os.ST_RDONLY or not os.access(folder, os.W_OK | os.X_OK):
         raise UserError(f"tracking URI {uri}: the store cannot be made in {_shown(folder)} (a read-only file system, or "
                         f"no permission to write there); {ELSEWHERE}")
