@@ -57,9 +57,15 @@ def test_a_finished_job_has_nothing_to_do_whatever_became_of_its_data(tmp_path, 
     shutil.rmtree(tmp_path / "output")  # another machine: only the tracking server knows the job finished
     again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
-    # the job's product is back where Detectron's train.py leaves it, byte for byte, and nothing else
+    # the job's product is back where Detectron's train.py leaves it, byte for byte, and nothing else but
+    # log.txt: the run's, this start's lines added (uploaded at the end, this start's alone replaced it)
     assert (tmp_path / "output" / "model_final.pth").read_bytes() == final
-    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [".lock", "model_final.pth"]
+    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [".lock", "log.txt", "model_final.pth"]
+    log_txt = (tmp_path / "output" / "log.txt").read_text()
+    assert log_txt.count(" tracktron] started on ") == 2 and log_txt.count("the job ends FINISHED") == 2, log_txt
+    client = MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert Path(client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path))).read_text() == log_txt
 
 
 def _with_a_star(data_dir: Path, tmp_path: Path) -> Path:

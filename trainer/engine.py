@@ -72,8 +72,8 @@ def train_model(job: Job) -> AlreadyFinished | None:
     """Train one job to MAX_ITER; says so when model_final already existed (nothing to train)."""
     cfg = job.cfg
     created = create_model(job)  # seeded by preflight.prepare, before the network was built
-    if job.log:  # the folder is settled: an earlier job's files set aside, the run's logs fetched
-        job.log.open(job.output_dir / JOB_LOG)
+    if job.log:  # the folder is settled: an earlier job's files set aside, a checkpoint fetched
+        open_job_log(job)
     if created.start.final:
         log.info("model_final already exists (%s): nothing to train", created.start.source)
         done = AlreadyFinished(created.start.source)
@@ -117,6 +117,15 @@ def train_model(job: Job) -> AlreadyFinished | None:
         if s.writer:
             s.writer.close(raise_errors=False)  # a checkpoint being written is finished, not torn
     return None
+
+
+def open_job_log(job: Job) -> None:
+    """log.txt goes on where the job left it: from the run's copy when this machine has none (a job
+    moved, a finished job's rerun), which the upload at its end would otherwise replace with this start's."""
+    path = job.output_dir / JOB_LOG
+    if job.tracker.run.resumed and not path.exists():
+        job.tracker.fetch_artifact(JOB_LOG, job.output_dir)
+    job.log.open(path)
 
 
 def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -> bool:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL, JOB_LOG, iteration_of, remove_stale_temps, set_aside
+from trainer.checkpoint.files import FINAL, iteration_of, remove_stale_temps, set_aside
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.distributed import broadcast_object
 from trainer.errors import UserError
@@ -119,9 +119,8 @@ def find_start_point(job: Job) -> StartPoint:
         except CheckpointError as e:  # tampered with or not ours: never loaded, the one before is tried
             log.warning("skipping %s", e)
             continue
-        for kept in ("json_stats.log", JOB_LOG):  # the logs go on where the job left them
-            if not (job.output_dir / kept).exists():
-                job.tracker.fetch_artifact(kept, job.output_dir)
+        if not (job.output_dir / "json_stats.log").exists():
+            job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:  # one the run lacks goes up: a job that dies on this machine can resume from it on another
         upload = None
