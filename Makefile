@@ -28,8 +28,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check trainer tests bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
-# The suite under coverage.py: the trainers, servers' clients and xdist workers the tests start are
-# measured too ([tool.coverage.run] patch in pyproject.toml); `make coverage TESTS=tests/test_train.py`
+# The suite under coverage.py: the Python processes the tests start (trainers, torchrun's workers, the
+# CLI, pytest's workers) are measured too ([tool.coverage.run] patch in pyproject.toml); `make coverage TESTS=tests/test_train.py`
 # measures a part. The report lists trainer/'s files that have lines no test runs.
 TESTS ?= tests
 coverage: $(STAMP)
