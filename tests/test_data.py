@@ -561,6 +561,21 @@ def test_keypoint_counts_must_agree_for_a_keypoint_model(tmp_path):
     check(ann, data, image_dir, keypoints=False)
 
 
+def test_keypoints_missing_or_empty_are_none_labelled(tmp_path):
+    """An object with no keypoints field and one with [] (exporters write either) mean the same: no point
+    labelled. [] was refused as "0 keypoints" while a missing field was read as none (helper-94)."""
+    images = [{"id": 1, "file_name": "1.png", "width": 20, "height": 10}]
+    cats = [{"id": 7, "name": "a", "keypoints": ["l", "r"]}]
+    anns = [_ann(1, 1, [0, 0, 4, 4], keypoints=[1, 1, 2, 3, 3, 2]), _ann(2, 1, [5, 5, 4, 4], keypoints=[]),
+            _ann(3, 1, [9, 5, 4, 4])]
+    image_dir, ann = _write_coco(tmp_path, images, anns, cats)
+    ds = CocoDetection(image_dir, ann, train=False, keypoints=True)
+    points = ds[0][1]["keypoints"]
+    assert points.shape == (3, 2, 3)
+    assert points[0, :, 2].tolist() == [2, 2] and points[1:].abs().sum() == 0
+    assert [ds.coco.anns[i]["num_keypoints"] for i in (1, 2, 3)] == [2, 0, 0]
+
+
 def test_an_animated_image_is_read_as_its_first_frame(tmp_path):
     images = [{"id": 1, "file_name": "1.gif", "width": 16, "height": 8}]
     image_dir, ann = _write_coco(tmp_path, [{"id": 1, "file_name": "1.png", "width": 16, "height": 8}],

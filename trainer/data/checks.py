@@ -142,7 +142,7 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
             raise UserError(f"{what} has iscrowd {_short(ann.get('iscrowd'))}; it must be 0 or 1")
         if masks:
             _check_segmentation(what, ann.get("segmentation"), image_ids[image])
-        if keypoints and ann.get("keypoints") is not None:
+        if keypoints and ann.get("keypoints") not in (None, []):  # none or [] is none labelled, as in _keypoints
             kp = ann["keypoints"]
             if not isinstance(kp, list) or len(kp) % 3 or not _all_numbers(kp):
                 raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
