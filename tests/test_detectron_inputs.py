@@ -598,6 +598,25 @@ def test_a_pkl_that_is_not_detectrons_weights_is_refused_in_one_line(tmp_path, m
     assert kind == "refused" and expected in what, what
 
 
+def test_one_array_under_many_names_is_read_once(tmp_path, models):
+    """A pickle names an object it holds twice by reference: 1,000 names of one 1 MB array made 1,000
+    copies (a 1 GB file of this kind, 1 TB) before any check could refuse them (helper-94)."""
+    import tracemalloc
+
+    weight = np.random.default_rng(0).normal(size=(64, 3, 7, 7)).astype(np.float32)
+    big = np.zeros(256 * 1024, np.float32)
+    path = _pkl(tmp_path, {"conv1_w": weight, **{f"unread_{i}_w": big for i in range(1000)}})
+    assert path.stat().st_size < 2 * big.nbytes  # the file holds it once
+    tracemalloc.start()
+    try:
+        kind, report = _load(models["faster"], path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert kind == "loaded" and report.loaded == ["backbone.body.conv1.weight"]
+    assert peak < 20 * big.nbytes, f"{peak / 2**20:.0f} MiB to read a {path.stat().st_size / 2**20:.1f} MiB file"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float64"])
 def test_half_and_double_blobs_load_as_float(tmp_path, models, dtype):
     blob = np.random.default_rng(0).normal(size=(64, 3, 7, 7)).astype(dtype)

@@ -13,6 +13,7 @@ torchvision's ratio-major order.
 """
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import re
@@ -105,7 +106,8 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
         blobs = obj.get("blobs", obj) if isinstance(obj, dict) else None
         if not isinstance(blobs, dict):
             raise UserError(f"{option} {shown} holds no Detectron blobs (a dict of arrays, or {{'blobs': ...}})")
-        arrays = {k: _array(v) for k, v in blobs.items() if isinstance(k, str) and isinstance(v, _Array)
+        array = functools.cache(_array)  # the pickle's memo can name one array under many keys: copy it once
+        arrays = {k: array(v) for k, v in blobs.items() if isinstance(k, str) and isinstance(v, _Array)
                   and not k.endswith("_momentum")}
     except UserError:
         raise
@@ -116,7 +118,8 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
     arrays = {k: v for k, v in arrays.items() if v.dtype.kind == "f"}
     if not arrays:
         raise UserError(f"{option} {shown} holds no float arrays")
-    broken = next((k for k, v in arrays.items() if not np.isfinite(v).all()), None)
+    distinct = {id(v): k for k, v in arrays.items()}.values()  # each array once, however many keys name it
+    broken = next((k for k in distinct if not np.isfinite(arrays[k]).all()), None)
     if broken is not None:  # training would stop at its first loss, after its run was made
         raise UserError(f"{option} {shown}: blob {broken} holds NaN or infinite values")
     return arrays
