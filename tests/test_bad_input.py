@@ -565,6 +565,8 @@ STORE_FILES = [  # (id, how the file is made, the words of the one line)
     ("an-empty-file", lambda p: p.touch(), "is not an MLflow tracking store (it has no MLflow tables)"),
     ("a-folder", lambda p: p.mkdir(), "is a folder or a device, not a database file"),
     ("unreadable", lambda p: (p.write_bytes(b"x" * 100), p.chmod(0)), "cannot read the tracking store"),
+    # status said "(... does not exist)" and the job "unable to open database file" after its lock was made (helper-94)
+    ("a-link-to-itself", lambda p: p.symlink_to(p.name), "is a link to mlflow.db, which leads back to itself"),
 ]
 
 

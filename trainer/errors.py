@@ -1,8 +1,11 @@
 """The one exception type that means "the user's input is wrong", and how errors are shown.
 
 The CLI turns a UserError into a single line on stderr and exit status 2; everything else is a bug
-or a fault and keeps its traceback.
+or a fault and keeps its traceback. Beside them, two reads of a path the user gave that would
+otherwise end in someone else's error: a ~ with no home, a link that leads back to itself.
 """
+import errno
+import os
 from pathlib import Path
 
 from trainer.redaction import redact_text
@@ -39,3 +42,12 @@ def user_path(text: str, what: str) -> Path:
         return Path(text).expanduser()
     except RuntimeError:  # pathlib's "Could not determine home directory."
         raise UserError(f"{what} {text}: no home folder is known for {text.split('/')[0]}") from None
+
+
+def leads_back(link: Path) -> bool:
+    """A link that leads back to itself (ELOOP), which exists() calls missing, as if a file could be made there."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False

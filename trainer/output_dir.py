@@ -2,13 +2,12 @@
 cannot be made or written, or that holds what a job would trip over, is the user's to fix."""
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
 from trainer.atomic_write import write_probe
 from trainer.checkpoint.files import links_written_through, not_files
-from trainer.errors import UserError, first_line, user_path
+from trainer.errors import UserError, first_line, leads_back, user_path
 
 _NAMES_INSIDE = 200  # bytes for the longest path the job writes under OUTPUT_DIR (temporary files, the model)
 
@@ -33,7 +32,7 @@ def check_output_dir(path: Path) -> None:
         raise UserError(f"cannot use OUTPUT_DIR {path}: {e}") from None
     if dangling is not None:  # mkdir would fail on it after the run was made
         target = os.readlink(dangling)
-        why = "links that lead back to themselves" if _loops(dangling) else "which does not exist"
+        why = "links that lead back to themselves" if leads_back(dangling) else "which does not exist"
         raise UserError(f"cannot make OUTPUT_DIR {path}: {dangling} is a link to {target}, {why}")
     if not existing.is_dir():
         raise UserError(f"cannot write to OUTPUT_DIR {path}: {existing} is a file")
@@ -65,11 +64,3 @@ def check_config_file_kept(config_file: str | None, output_dir: Path) -> None:
     if config_file and Path(config_file).resolve() == (output_dir / "config.yaml").resolve():
         raise UserError(f"--config {config_file} is the file this job writes its resolved config to "
                         f"(OUTPUT_DIR/config.yaml): copy it elsewhere and give that copy")
-
-
-def _loops(link: Path) -> bool:
-    try:
-        os.stat(link)
-    except OSError as e:
-        return e.errno == errno.ELOOP
-    return False

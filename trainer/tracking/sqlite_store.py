@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from trainer.errors import UserError
+from trainer.errors import UserError, leads_back
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,13 @@ def _shown(path: Path) -> str:
     return f"the working folder {path.absolute()}" if path == Path(".") else str(path.absolute())
 
 
+def _refuse_a_loop(uri: str, path: Path) -> None:
+    """exists() calls a link that leads back to itself missing: status said "does not exist", and the job
+    SQLite's "unable to open database file" after its lock was made beside it (helper-94)."""
+    if leads_back(path):
+        raise UserError(f"tracking URI {uri}: {path} is a link to {os.readlink(path)}, which leads back to itself")
+
+
 def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None = None) -> bool:
     """A SQLite store that does not exist yet (a lookup never makes one), so no run is in it: one
     named by --resume or by a launcher (MLFLOW_RUN_ID), or an experiment named by its id, is the
@@ -44,6 +51,7 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
     if not uri.startswith("sqlite:///") or path.exists():
         return False
     folder = path.parent
+    _refuse_a_loop(uri, path)
     if path.is_symlink():  # a link to nothing: SQLite makes the file it names (on a volume not mounted, cannot)
         folder = Path(os.path.realpath(path)).parent
     if not folder.is_dir():
@@ -174,6 +182,7 @@ def check_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path.exists() and not path.is_file():  # MLflow would retry opening a folder for minutes
         raise UserError(f"tracking URI {uri}: {path} is a folder or a device, not a database file")
+    _refuse_a_loop(uri, path)
     if not path.is_file():
         raise UserError(f"no tracking store at {uri} ({path} does not exist)")
     try:
