@@ -382,6 +382,7 @@ def test_the_model_keys_said_to_be_ignored_are_the_ones_the_build_never_reads(fa
 def test_the_keys_said_to_be_ignored_on_c4_are_the_ones_its_build_never_reads():
     """C4's box head is res5 and it has no FPN: REPRESENTATION_SIZE, FPN_CHANNELS and FPN_NORM change
     nothing there (helper-94's red team: nothing said so), BOX_POOL_SIZE does."""
+    from trainer.config_checks import validate
     from trainer.models import unread_keys
 
     keys = {"BACKBONE": "resnet50", "FEATURES": "c4", "BOX_POOL_SIZE": 14}
@@ -392,3 +393,8 @@ def test_the_keys_said_to_be_ignored_on_c4_are_the_ones_its_build_never_reads():
         torch.manual_seed(0)
         same = _fingerprint(build_model(cfg, 4)) == base
         assert same == (f"MODEL.{key}" in unread_keys(cfg)) == (key != "BOX_POOL_SIZE"), (key, same)
+    # nor are they counted in the box head's size limit, which an FPN box head of these sizes breaks
+    huge = {"FPN_CHANNELS": 4096, "REPRESENTATION_SIZE": 16384, "BOX_POOL_SIZE": 64}
+    validate(make_cfg("fasterrcnn_resnet50_fpn", **{**keys, **huge}))
+    with pytest.raises(UserError, match="the box head's first layer"):
+        validate(make_cfg("fasterrcnn_resnet50_fpn", **{**keys, **huge, "FEATURES": "fpn"}))
