@@ -57,10 +57,12 @@ def test_a_finished_job_has_nothing_to_do_whatever_became_of_its_data(tmp_path, 
     shutil.rmtree(tmp_path / "output")  # another machine: only the tracking server knows the job finished
     again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
-    # the job's product is back where Detectron's train.py leaves it, byte for byte, and nothing else but
-    # log.txt: the run's, this start's lines added (uploaded at the end, this start's alone replaced it)
+    # the job's product is back where Detectron's train.py leaves it, byte for byte, with its record (the
+    # run's json_stats.log) and nothing else but log.txt: the run's, this start's lines added (uploaded at
+    # the end, this start's alone replaced it)
     assert (tmp_path / "output" / "model_final.pth").read_bytes() == final
-    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [".lock", "log.txt", "model_final.pth"]
+    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [".lock", "json_stats.log", "log.txt",
+                                                                       "model_final.pth"]
     log_txt = (tmp_path / "output" / "log.txt").read_text()
     assert log_txt.count(" tracktron] started on ") == 2 and log_txt.count("the job ends FINISHED") == 2, log_txt
     client = MlflowClient(uri)

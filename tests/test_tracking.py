@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -161,6 +162,32 @@ def test_killed_job_resumes_from_the_server_on_an_empty_machine(tmp_path, data_d
     assert log_txt.index("resuming from run") > log_txt.rindex("started on") and log_txt.endswith("the job ends FINISHED\n")
     assert client.download_artifacts(run.info.run_id, "log.txt", str(tmp_path)) and \
         (tmp_path / "log.txt").read_text() == log_txt  # the run's copy is the whole of it
+
+
+def test_a_resume_from_a_copied_checkpoint_keeps_the_runs_logs(tmp_path, data_dir, mlflow_server, s3_server):
+    """A killed job's newest checkpoint copied by hand to another machine, its logs left behind: the job
+    resumes from the copy, and json_stats.log and log.txt go on from the run's copies. json_stats.log was
+    fetched only beside a checkpoint downloaded from the run, so the run's copy lost the lines before."""
+    exp = f"copied-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(mlflow_server.url)
+    first, args, keys = _resume_setup(tmp_path, data_dir, mlflow_server, exp)
+    run = _start_and_kill_after_upload(first, args, client, exp, artifact="json_stats.log")
+    newest = max((first / "output").glob("model_iter*.pth"), key=lambda p: iteration_of(p.name))
+
+    second = tmp_path / "machine2"
+    (second / "output").mkdir(parents=True)
+    shutil.copy(newest, second / "output")
+    resumed = run_trainer(tracked(second, data_dir, mlflow_server, exp, **keys), cwd=second, env=s3_server.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(rf"resuming from \S*/{newest.name} at iteration", resumed.stderr), resumed.stderr[-3000:]
+    server_copy = tmp_path / "run"
+    server_copy.mkdir()
+    for name in ("json_stats.log", "log.txt"):
+        client.download_artifacts(run.info.run_id, name, str(server_copy))
+    for folder in (second / "output", server_copy):
+        entries = [json.loads(x)["iter"] for x in (folder / "json_stats.log").read_text().splitlines()]
+        assert entries[0] == 0 and entries[-1] == 59 and entries == sorted(set(entries)), (folder, entries)
+        assert len(re.findall(r"tracktron\] started on", (folder / "log.txt").read_text())) == 2, folder
 
 
 def test_tampered_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir, mlflow_server, s3_server):

@@ -24,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.atomic_write import write_atomic
-from trainer.checkpoint.files import FINAL, JOB_LOG, checkpoint_name, iteration_of, prune
+from trainer.checkpoint.files import FINAL, JOB_LOG, STATS_LOG, checkpoint_name, iteration_of, prune
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Config, redacted, write_config
@@ -72,8 +72,8 @@ def train_model(job: Job) -> AlreadyFinished | None:
     """Train one job to MAX_ITER; says so when model_final already existed (nothing to train)."""
     cfg = job.cfg
     created = create_model(job)  # seeded by preflight.prepare, before the network was built
-    if job.log:  # the folder is settled: an earlier job's files set aside, a checkpoint fetched
-        open_job_log(job)
+    if job.ctx.is_main:  # the folder is settled: an earlier job's files set aside, a checkpoint fetched
+        open_job_logs(job)
     if created.start.final:
         log.info("model_final already exists (%s): nothing to train", created.start.source)
         done = AlreadyFinished(created.start.source)
@@ -119,13 +119,16 @@ def train_model(job: Job) -> AlreadyFinished | None:
     return None
 
 
-def open_job_log(job: Job) -> None:
-    """log.txt goes on where the job left it: from the run's copy when this machine has none (a job
-    moved, a finished job's rerun), which the upload at its end would otherwise replace with this start's."""
-    path = job.output_dir / JOB_LOG
-    if job.tracker.run.resumed and not path.exists():
-        job.tracker.fetch_artifact(JOB_LOG, job.output_dir)
-    job.log.open(path)
+def open_job_logs(job: Job) -> None:
+    """json_stats.log and log.txt go on where the job left them: from the run's copies when this machine
+    has none (a job moved, a resume from copied checkpoints, a finished job's rerun), which the uploads
+    would otherwise replace with this start's lines alone. TrainingStats drops the entries retrained."""
+    if job.tracker.run.resumed:
+        for name in (STATS_LOG, JOB_LOG):
+            if not (job.output_dir / name).exists():
+                job.tracker.fetch_artifact(name, job.output_dir)
+    if job.log:
+        job.log.open(job.output_dir / JOB_LOG)
 
 
 def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -> bool:
@@ -155,7 +158,7 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
     images = image_list_of(prepared.dataset)
     if start.state is not None:
         restore_training_state(start.state, optimizer, scheduler, scaler, ctx, images)
-    stats = TrainingStats(cfg, start.iteration, job.output_dir / "json_stats.log" if ctx.is_main else None,
+    stats = TrainingStats(cfg, start.iteration, job.output_dir / STATS_LOG if ctx.is_main else None,
                           is_main=ctx.is_main)
     writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
     return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer,
@@ -297,7 +300,7 @@ class CheckpointPublisher:
 def upload_logs(job: Job) -> None:
     """json_stats.log and log.txt to the run, whole; none yet: a resume from copied checkpoints,
     before its first log line."""
-    for name in ("json_stats.log", JOB_LOG):
+    for name in (STATS_LOG, JOB_LOG):
         if (job.output_dir / name).exists():
             job.tracker.log_artifact(job.output_dir / name)
 

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.checkpoint.files import FINAL
+from trainer.checkpoint.files import FINAL, STATS_LOG
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import CheckpointError, load
 from trainer.config import Config
@@ -52,9 +52,9 @@ def complete_finished_run(cfg: Config, tracker: Tracker, output_dir: Path, prepa
         log.info("the run lacks %s: uploading the local one", FINAL)
         tracker.log_checkpoint(final, sha256_of(final))
         sent.append(FINAL)
-        if (output_dir / "json_stats.log").exists():
-            tracker.log_artifact(output_dir / "json_stats.log")
-            sent.append("json_stats.log")
+        if (output_dir / STATS_LOG).exists():
+            tracker.log_artifact(output_dir / STATS_LOG)
+            sent.append(STATS_LOG)
     evaluating = bool(cfg.TEST.DATASETS) and _evaluation_due(cfg, tracker)
     logging_model = cfg.TRACKING.LOG_MODEL and not run.model_logged  # killed while the model was being logged
     if evaluating or logging_model:

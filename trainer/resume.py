@@ -119,8 +119,6 @@ def find_start_point(job: Job) -> StartPoint:
         except CheckpointError as e:  # tampered with or not ours: never loaded, the one before is tried
             log.warning("skipping %s", e)
             continue
-        if not (job.output_dir / "json_stats.log").exists():
-            job.tracker.fetch_artifact("json_stats.log", job.output_dir)
         return StartPoint(state["iteration"] + 1, state, f"run {run.run_id} ({name})")
     if local:  # one the run lacks goes up: a job that dies on this machine can resume from it on another
         upload = None

@@ -39,7 +39,8 @@ def iteration_of(name: str) -> float:
 
 UNSENT_METRICS = "unsent_metrics.json"  # metric points the run never got, for the job's next start to send
 JOB_LOG = "log.txt"  # what the job logged (logs.JobLog)
-JOB_FILES = ("config.yaml", "model.txt", "json_stats.log", JOB_LOG, UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
+STATS_LOG = "json_stats.log"  # Detectron's json_stats lines (stats.TrainingStats)
+JOB_FILES = ("config.yaml", "model.txt", STATS_LOG, JOB_LOG, UNSENT_METRICS)  # what else the job writes in OUTPUT_DIR
 # Temporary files of write_atomic and save_atomic (`.<name>.tmp.<host>.<pid>`; before the host was
 # in the name, `.<name>.tmp.<pid>`), and a download's folder.
 EVAL_FILES = ("detections.json", "per_category_ap.md")  # what an evaluation writes in eval/<set>/
@@ -91,7 +92,7 @@ def not_files(output_dir: Path) -> list[Path]:
 
 
 # What the job writes into rather than replaces: a log it appends to, folders it writes files in.
-WRITTEN_THROUGH = ("json_stats.log", JOB_LOG, "model", "model/detector", "eval")
+WRITTEN_THROUGH = (STATS_LOG, JOB_LOG, "model", "model/detector", "eval")
 
 
 def links_written_through(output_dir: Path) -> list[Path]:
@@ -171,7 +172,7 @@ def set_aside(output_dir: Path) -> Path | None:
     found = local_checkpoints(output_dir)
     if not found:
         return None
-    files = [output_dir / name for name in ("json_stats.log", JOB_LOG, UNSENT_METRICS) if (output_dir / name).is_file()]
+    files = [output_dir / name for name in (STATS_LOG, JOB_LOG, UNSENT_METRICS) if (output_dir / name).is_file()]
     folders = [p for p in (output_dir / "model", output_dir / "eval") if p.is_dir() or p.is_symlink()]
     return move_aside(output_dir, [*found, *files, *folders])
 
