@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
+from tests.conftest import demo_overrides, kill_tree, trainer_cmd
 from trainer.logs import JobLog
 
 
@@ -90,3 +95,38 @@ def test_the_closing_line_is_redacted_as_log_records_are(logger, tmp_path):
     job_log.note("the job ends FAILED: cannot reach http://alice:s3cret-pw@127.0.0.1:9/api")
     text = (tmp_path / "log.txt").read_text()
     assert "s3cret-pw" not in text and "the job ends FAILED: cannot reach http://" in text
+
+
+# ---- with a job: the run's copy of log.txt ----
+
+def _store(tmp_path: Path) -> tuple[str, MlflowClient]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return uri, MlflowClient(uri)
+
+
+def _artifacts_of(client: MlflowClient) -> tuple[str, Path]:
+    """The run of the store's one job, and the folder its artifacts are in (a local artifact store)."""
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return run.info.run_id, Path(urllib.parse.urlparse(run.info.artifact_uri).path)
+
+
+def test_a_log_txt_deleted_while_the_job_runs_fails_nothing_and_the_run_keeps_its_copy(tmp_path, data_dir):
+    """A clean-up of *.txt in OUTPUT_DIR as the job trains: its end's upload of log.txt failed, and
+    the job exited 1 (`the tracking server did not get: upload log.txt`) with model_final saved."""
+    uri, client = _store(tmp_path)
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 300,
+                                                 "TRAIN.SNAPSHOT_ITERS": 10})
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and job.poll() is None:  # sent with the first checkpoint
+            if list(tmp_path.glob("mlruns/*/*/artifacts/log.txt")):  # the store's artifact root: ./mlruns
+                break
+            time.sleep(0.1)
+        (tmp_path / "output" / "log.txt").unlink()
+        out, err = job.communicate(timeout=300)
+    finally:
+        kill_tree(job.pid)
+    assert job.returncode == 0 and "training finished" in out, err[-2000:]
+    assert err.count("log.txt (it was deleted or replaced while the job ran)") == 1, err[-2000:]
+    assert " tracktron] started on " in (_artifacts_of(client)[1] / "log.txt").read_text()  # the run's copy

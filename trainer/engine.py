@@ -300,9 +300,10 @@ class CheckpointPublisher:
 def upload_logs(job: Job) -> None:
     """json_stats.log and log.txt to the run, whole; none yet: a resume from copied checkpoints,
     before its first log line."""
-    for name in (STATS_LOG, JOB_LOG):
-        if (job.output_dir / name).exists():
-            job.tracker.log_artifact(job.output_dir / name)
+    if (job.output_dir / STATS_LOG).exists():
+        job.tracker.log_artifact(job.output_dir / STATS_LOG)
+    if job.log and job.log.sendable():
+        job.tracker.log_artifact(job.log.path)
 
 
 def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:

@@ -253,7 +253,8 @@ def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", time
     """The run's end: log.txt says it (the console's last line is the CLI's) and goes to the run, whole."""
     if job_log and job_log.path:
         job_log.note(f"the job ends {status}" + (f": {reason}" if reason else ""))
-        tracker.log_artifact(job_log.path)
+        if job_log.sendable():
+            tracker.log_artifact(job_log.path)
     return tracker.finish(status, reason, timeout)
 
 

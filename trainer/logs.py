@@ -6,6 +6,7 @@ import contextlib
 import logging
 import logging.handlers
 import os
+import stat
 import sys
 import time
 import warnings
@@ -58,7 +59,8 @@ class JobLog(logging.Handler):
     host and pid said first), for the run to keep. Lines wait in memory until open(): until the
     job's checks passed and its folder is settled (an earlier job's files set aside, a moved job's
     log fetched from its run); a job that never gets there writes nothing. A write that fails (a full
-    disk) ends the file, said once: the console and json_stats.log go on."""
+    disk) ends the file, said once: the console and json_stats.log go on. It goes to the run only while
+    it is the file opened (sendable)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -67,12 +69,15 @@ class JobLog(logging.Handler):
         self._file: TextIO | None = None
         self._waiting: list[str] | None = []
         self._started = time.time()
+        self._identity: tuple | None = None  # (device, inode) of the file opened
+        self._send = False
 
     def open(self, path: Path) -> None:
         with self.lock:
             try:
                 self._file = open(path, "a", encoding="utf-8", errors="backslashreplace")
-                self.path = path
+                st = os.fstat(self._file.fileno())
+                self.path, self._identity, self._send = path, (st.st_dev, st.st_ino), True
             except OSError as e:
                 self._failed(e, path)
                 return
@@ -96,6 +101,24 @@ class JobLog(logging.Handler):
                 text = redaction.printable(redaction.redact_text(text), keep_newlines=True)
                 self._write(f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} tracktron] {text}\n")
 
+    def sendable(self) -> bool:
+        """Whether log.txt may go to the run, whole: it is still the file this job opened. One deleted
+        since (a clean-up of *.txt) failed the job's end on its upload, and one replaced (by a folder,
+        by a link to another job's log) would fail it or put another job's log in the run; the run
+        keeps the copy it had, and that is said once."""
+        with self.lock:
+            if not self._send:
+                return False
+            try:
+                st = os.stat(self.path)
+                intact = (st.st_dev, st.st_ino) == self._identity and stat.S_ISREG(st.st_mode)
+            except OSError:
+                intact = False
+            if not intact:
+                self._send = False
+                self._failed(None, self.path, "it was deleted or replaced while the job ran")
+            return intact
+
     def close(self) -> None:
         with self.lock:
             self._waiting = None
@@ -112,13 +135,14 @@ class JobLog(logging.Handler):
         except OSError as e:
             self._failed(e, self.path)
 
-    def _failed(self, e: OSError, path: Path) -> None:
+    def _failed(self, e: OSError | None, path: Path, why: str = "") -> None:
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
         self._file, self._waiting = None, None  # first, so that the warning below is not written here
         logging.getLogger("tracktron").warning("cannot write %s (%s): the job goes on without it; its stats are in "
-                                               "json_stats.log and on the tracking server", path, e.strerror or e)
+                                               "json_stats.log and on the tracking server", path,
+                                               why or e.strerror or e)
 
 
 def hold_console_descriptors() -> None:
