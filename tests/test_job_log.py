@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import shutil
 import subprocess
 import time
 import urllib.parse
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import demo_overrides, kill_tree, trainer_cmd
+from tests.conftest import demo_overrides, kill_tree, run_trainer, trainer_cmd
 from trainer.logs import JobLog
 
 
@@ -108,6 +109,26 @@ def _artifacts_of(client: MlflowClient) -> tuple[str, Path]:
     """The run of the store's one job, and the folder its artifacts are in (a local artifact store)."""
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     return run.info.run_id, Path(urllib.parse.urlparse(run.info.artifact_uri).path)
+
+
+def test_a_runs_log_txt_that_is_a_folder_stays_in_the_run_and_out_of_output_dir(tmp_path, data_dir):
+    """Someone's `mlflow artifacts log-artifacts` of a folder named log.txt into the run: MLflow
+    downloaded it whole into OUTPUT_DIR, where log.txt could not be written, and every later start
+    in that folder was refused (log.txt there is not a regular file)."""
+    uri, client = _store(tmp_path)
+    keys = {"TRACKING.URI": uri, "SOLVER.MAX_ITER": 2}
+    assert run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path).returncode == 0
+    run_id, artifacts = _artifacts_of(client)
+    (artifacts / "log.txt").unlink()
+    (artifacts / "log.txt" / "sub").mkdir(parents=True)
+    (artifacts / "log.txt" / "sub" / "notes.md").write_text("not tracktron's\n")
+    shutil.rmtree(tmp_path / "output")  # another machine: the finished job's rerun fetches the run's log
+    again = run_trainer(demo_overrides(tmp_path, data_dir, **keys), cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
+    assert "cannot fetch the run's log.txt (the run's log.txt is a folder, not a file tracktron wrote)" in again.stderr
+    log_txt = (tmp_path / "output" / "log.txt").read_text()  # a file, this start's alone
+    assert log_txt.count(" tracktron] started on ") == 1 and log_txt.endswith("the job ends FINISHED\n")
+    assert [p.name for p in (artifacts / "log.txt").rglob("*")] == ["sub", "notes.md"]  # the run's, as it was
 
 
 def test_a_log_txt_deleted_while_the_job_runs_fails_nothing_and_the_run_keeps_its_copy(tmp_path, data_dir):

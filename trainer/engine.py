@@ -122,13 +122,23 @@ def train_model(job: Job) -> AlreadyFinished | None:
 def open_job_logs(job: Job) -> None:
     """json_stats.log and log.txt go on where the job left them: from the run's copies when this machine
     has none (a job moved, a resume from copied checkpoints, a finished job's rerun), which the uploads
-    would otherwise replace with this start's lines alone. TrainingStats drops the entries retrained."""
+    would otherwise replace with this start's lines alone. TrainingStats drops the entries retrained.
+    A log.txt that cannot be had (a folder of that name, a download that failed) stays in the run as it is."""
+    unfetched = []
     if job.tracker.run.resumed:
         for name in (STATS_LOG, JOB_LOG):
             if not (job.output_dir / name).exists():
-                job.tracker.fetch_artifact(name, job.output_dir)
+                try:
+                    job.tracker.fetch_artifact(name, job.output_dir)
+                except Exception as e:
+                    unfetched.append(name)
+                    log.warning("cannot fetch the run's %s (%s): %s", name, first_line(e), _UNFETCHED[name])
     if job.log:
-        job.log.open(job.output_dir / JOB_LOG)
+        job.log.open(job.output_dir / JOB_LOG, send=JOB_LOG not in unfetched)
+
+
+_UNFETCHED = {STATS_LOG: "this start's lines replace it there (the run's metrics hold every logged iteration too)",
+              JOB_LOG: "this start's lines stay in OUTPUT_DIR/log.txt alone, and the run keeps its own"}
 
 
 def is_snapshot_iter(cfg: Config, cur_iter: int, start_iter: int, period: int) -> bool:

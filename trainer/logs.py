@@ -60,7 +60,7 @@ class JobLog(logging.Handler):
     job's checks passed and its folder is settled (an earlier job's files set aside, a moved job's
     log fetched from its run); a job that never gets there writes nothing. A write that fails (a full
     disk) ends the file, said once: the console and json_stats.log go on. It goes to the run only while
-    it is the file opened (sendable)."""
+    it is the file opened, and only when it holds the run's copy (sendable)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -72,12 +72,14 @@ class JobLog(logging.Handler):
         self._identity: tuple | None = None  # (device, inode) of the file opened
         self._send = False
 
-    def open(self, path: Path) -> None:
+    def open(self, path: Path, send: bool = True) -> None:
+        """send: False when the run holds a log.txt that is not in this one (it could not be fetched):
+        this file, sent whole, would replace it."""
         with self.lock:
             try:
                 self._file = open(path, "a", encoding="utf-8", errors="backslashreplace")
                 st = os.fstat(self._file.fileno())
-                self.path, self._identity, self._send = path, (st.st_dev, st.st_ino), True
+                self.path, self._identity, self._send = path, (st.st_dev, st.st_ino), send
             except OSError as e:
                 self._failed(e, path)
                 return

@@ -31,7 +31,7 @@ from trainer.tracking.server_errors import run_refusal, start_error
 from trainer.tracking.sqlite_store import first_use_guard, not_made_yet
 from trainer.tracking.tables import log_table
 from trainer.tracking.first_upload import send_first
-from trainer.tracking.transfers import run_repository, upload as upload_file
+from trainer.tracking.transfers import download, run_repository, upload as upload_file
 from trainer.tracking.unsent import UnsentMetrics
 
 log = logging.getLogger(__name__)
@@ -180,10 +180,23 @@ class MlflowTracker(Tracker):
             drop_download_folder(folder)
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
-        try:
-            return Path(self.client.download_artifacts(self.run.run_id, name, str(dest_dir)))
-        except Exception:  # optional files (json_stats.log) may not exist yet
+        """dest_dir/name from the run; None when the run has none (yet). It is downloaded into a hidden
+        folder first: a download cut short left a partial file, which the job appended to and sent
+        back in place of the run's whole one. Raises when the run's cannot be had: a folder of that
+        name (`mlflow artifacts log-artifacts`), which MLflow downloaded whole into OUTPUT_DIR, where
+        it refused every later start; a download that failed."""
+        repo = self._artifacts()
+        listed = next((info for info in repo.list_artifacts() if info.path == name), None)
+        if listed is None:
             return None
+        if listed.is_dir:
+            raise ValueError(f"the run's {name} is a folder, not a file tracktron wrote")
+        folder = download_folder(dest_dir)
+        try:
+            path, _ = download(repo, name, folder, size=listed.file_size)
+            return path.replace(dest_dir / name)
+        finally:
+            drop_download_folder(folder)
 
     # ---- during training: all queued ----
 

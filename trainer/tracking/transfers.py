@@ -192,13 +192,13 @@ def _put_part(fd: int, credential, start: int, length: int):
         return MultipartUploadPart(credential.part_number, resp.headers.get("ETag", ""), credential.url)
 
 
-def download(repo, artifact_path: str, folder: Path) -> tuple[Path, str]:
-    """The run's `artifact_path` into `folder`: its local path and sha256."""
+def download(repo, artifact_path: str, folder: Path, size: int | None = None) -> tuple[Path, str]:
+    """The run's `artifact_path` into `folder`: its local path and sha256 (`size`: as a listing gave it)."""
     from mlflow.environment_variables import MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     if isinstance(repo, HttpArtifactRepository):
-        size = _size(repo, artifact_path)
+        size = _size(repo, artifact_path) if size is None else size
         if size is not None and size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
             return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
     path = Path(repo.download_artifacts(artifact_path, str(folder)))
