@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -151,3 +152,24 @@ def test_a_log_txt_deleted_while_the_job_runs_fails_nothing_and_the_run_keeps_it
     assert job.returncode == 0 and "training finished" in out, err[-2000:]
     assert err.count("log.txt (it was deleted or replaced while the job ran)") == 1, err[-2000:]
     assert " tracktron] started on " in (_artifacts_of(client)[1] / "log.txt").read_text()  # the run's copy
+
+
+def test_a_stopped_job_s_log_txt_ends_with_how_it_ended_as_the_runs_copy_does(tmp_path, data_dir):
+    """The stop's advice (`…; the job resumes from its last checkpoint`) was written after the closing
+    line, locally alone: the file's last line was not how the job ended, and it was not the run's copy."""
+    uri, client = _store(tmp_path)
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 300,
+                                                 "TRAIN.SNAPSHOT_ITERS": 10})
+    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and job.poll() is None and not (tmp_path / "output" / "model_iter9.pth").exists():
+            time.sleep(0.1)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        kill_tree(job.pid)
+    assert job.returncode == 128 + signal.SIGTERM and "the job resumes from its last checkpoint" in err, err[-2000:]
+    log_txt = (tmp_path / "output" / "log.txt").read_text()
+    assert log_txt.endswith("the job ends KILLED: stopped by SIGTERM\n"), log_txt[-500:]
+    assert (_artifacts_of(client)[1] / "log.txt").read_text() == log_txt

@@ -250,11 +250,14 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None, job_log: JobLog
 
 
 def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
-    """The run's end: log.txt says it (the console's last line is the CLI's) and goes to the run, whole."""
+    """The run's end: log.txt says it, last (the console's last line is the CLI's), and goes to the run,
+    whole. What is logged after (a stop's advice, what the server did not get) is the console's alone:
+    the file ends as the run's copy does."""
     if job_log and job_log.path:
         job_log.note(f"the job ends {status}" + (f": {reason}" if reason else ""))
         if job_log.sendable():
             tracker.log_artifact(job_log.path)
+        job_log.close()
     return tracker.finish(status, reason, timeout)
 
 
