@@ -308,8 +308,8 @@ class CheckpointPublisher:
 
 
 def upload_logs(job: Job) -> None:
-    """json_stats.log and log.txt to the run, whole; none yet: a resume from copied checkpoints,
-    before its first log line."""
+    """json_stats.log and log.txt to the run, whole (none yet: a job whose first log line is still
+    to come); log.txt only while it is the job's own file (JobLog.sendable)."""
     if (job.output_dir / STATS_LOG).exists():
         job.tracker.log_artifact(job.output_dir / STATS_LOG)
     if job.log and job.log.sendable():
