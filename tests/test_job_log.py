@@ -8,15 +8,14 @@ import io
 import logging
 import shutil
 import signal
-import subprocess
-import time
 import urllib.parse
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import demo_overrides, kill_tree, run_trainer, trainer_cmd
+from tests.conftest import demo_overrides, run_trainer
+from tests.faultkit import jobs, wait_until  # noqa: F401 - jobs is a fixture
 from trainer.logs import JobLog
 
 
@@ -132,44 +131,33 @@ def test_a_runs_log_txt_that_is_a_folder_stays_in_the_run_and_out_of_output_dir(
     assert [p.name for p in (artifacts / "log.txt").rglob("*")] == ["sub", "notes.md"]  # the run's, as it was
 
 
-def test_a_log_txt_deleted_while_the_job_runs_fails_nothing_and_the_run_keeps_its_copy(tmp_path, data_dir):
+def _long_job(start, tmp_path: Path, data_dir: Path):
+    """A tracked job of 300 iterations (a checkpoint every 10, log.txt sent with the first), and its store."""
+    uri, client = _store(tmp_path)
+    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 300, "TRAIN.SNAPSHOT_ITERS": 10})
+    return start(args, tmp_path), client
+
+
+def test_a_log_txt_deleted_while_the_job_runs_fails_nothing_and_the_run_keeps_its_copy(jobs, tmp_path, data_dir):  # noqa: F811 - the fixture
     """A clean-up of *.txt in OUTPUT_DIR as the job trains: its end's upload of log.txt failed, and
     the job exited 1 (`the tracking server did not get: upload log.txt`) with model_final saved."""
-    uri, client = _store(tmp_path)
-    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 300,
-                                                 "TRAIN.SNAPSHOT_ITERS": 10})
-    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end and job.poll() is None:  # sent with the first checkpoint
-            if list(tmp_path.glob("mlruns/*/*/artifacts/log.txt")):  # the store's artifact root: ./mlruns
-                break
-            time.sleep(0.1)
-        (tmp_path / "output" / "log.txt").unlink()
-        out, err = job.communicate(timeout=300)
-    finally:
-        kill_tree(job.pid)
-    assert job.returncode == 0 and "training finished" in out, err[-2000:]
-    assert err.count("log.txt (it was deleted or replaced while the job ran)") == 1, err[-2000:]
+    job, client = _long_job(jobs, tmp_path, data_dir)
+    wait_until(lambda: list(tmp_path.glob("mlruns/*/*/artifacts/log.txt")), job,  # the store's artifact root: ./mlruns
+               "log.txt in the run", timeout=120)
+    (tmp_path / "output" / "log.txt").unlink()
+    assert job.wait(300) == 0 and "training finished" in job.out_path.read_text(), job.stderr[-2000:]
+    assert job.stderr.count("log.txt (it was deleted or replaced while the job ran)") == 1, job.stderr[-2000:]
     assert " tracktron] started on " in (_artifacts_of(client)[1] / "log.txt").read_text()  # the run's copy
 
 
-def test_a_stopped_job_s_log_txt_ends_with_how_it_ended_as_the_runs_copy_does(tmp_path, data_dir):
+def test_a_stopped_job_s_log_txt_ends_with_how_it_ended_as_the_runs_copy_does(jobs, tmp_path, data_dir):  # noqa: F811 - the fixture
     """The stop's advice (`…; the job resumes from its last checkpoint`) was written after the closing
     line, locally alone: the file's last line was not how the job ended, and it was not the run's copy."""
-    uri, client = _store(tmp_path)
-    args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "SOLVER.MAX_ITER": 300,
-                                                 "TRAIN.SNAPSHOT_ITERS": 10})
-    job = subprocess.Popen(trainer_cmd(*args), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end and job.poll() is None and not (tmp_path / "output" / "model_iter9.pth").exists():
-            time.sleep(0.1)
-        job.send_signal(signal.SIGTERM)
-        _, err = job.communicate(timeout=120)
-    finally:
-        kill_tree(job.pid)
-    assert job.returncode == 128 + signal.SIGTERM and "the job resumes from its last checkpoint" in err, err[-2000:]
+    job, client = _long_job(jobs, tmp_path, data_dir)
+    wait_until((tmp_path / "output" / "model_iter9.pth").exists, job, "model_iter9.pth", timeout=120)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == 128 + signal.SIGTERM and "the job resumes from its last checkpoint" in job.stderr, \
+        job.stderr[-2000:]
     log_txt = (tmp_path / "output" / "log.txt").read_text()
     assert log_txt.endswith("the job ends KILLED: stopped by SIGTERM\n"), log_txt[-500:]
     assert (_artifacts_of(client)[1] / "log.txt").read_text() == log_txt
