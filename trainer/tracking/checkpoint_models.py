@@ -17,13 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.tracking.runs import CHECKPOINT_TAG, CHECKPOINT_TYPE, takes_scores
+from trainer.tracking.runs import CHECKPOINT_TAG, CHECKPOINT_TYPE, checkpoint_artifact, takes_scores
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
 
 MODEL_TAG = "tracktron.model_id"  # on the run: its servable model is logged (and registered, if asked)
-BEST_TAGS = ("tracktron.best_checkpoint", "tracktron.best_model_id", "tracktron.best_metric")
+BEST_CHECKPOINT_TAG = "tracktron.best_checkpoint"  # the run's best checkpoint, its LoggedModel and its score
+BEST_MODEL_TAG, BEST_METRIC_TAG = "tracktron.best_model_id", "tracktron.best_metric"
 
 
 def checkpoint_models(client, experiment_id: str, run_id: str, order_by: str | None = None,
@@ -48,7 +49,7 @@ def link_evaluation(client, experiment_id: str, run_id: str, checkpoint: str, me
     if model is None:
         model = client.create_logged_model(
             experiment_id, name=_name(checkpoint), source_run_id=run_id, model_type=CHECKPOINT_TYPE,
-            tags={CHECKPOINT_TAG: f"runs:/{run_id}/checkpoints/{checkpoint}", "tracktron.iteration": str(step)})
+            tags={CHECKPOINT_TAG: f"runs:/{run_id}/{checkpoint_artifact(checkpoint)}", "tracktron.iteration": str(step)})
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, v, now, step, model_id=model.model_id) for k, v in metrics.items()],
                      synchronous=True)
@@ -76,8 +77,8 @@ def update_best(client, experiment_id: str, run_id: str, metric: str):
         return None
     best = ranked[0]
     value = max(x.value for x in best.metrics if x.key == metric)
-    client.log_batch(run_id, tags=[RunTag(BEST_TAGS[0], checkpoint_file(best)), RunTag(BEST_TAGS[1], best.model_id),
-                                   RunTag(BEST_TAGS[2], f"{metric}={value:.6g}")])
+    client.log_batch(run_id, tags=[RunTag(BEST_CHECKPOINT_TAG, checkpoint_file(best)), RunTag(BEST_MODEL_TAG, best.model_id),
+                                   RunTag(BEST_METRIC_TAG, f"{metric}={value:.6g}")])
     return best
 
 
@@ -102,18 +103,18 @@ def detector_folder(client, run_id: str, local: Path, tmp: Path) -> Path:
     from trainer.inference import save as save_model
     from trainer.tracking.logged_model import ARTIFACT
 
-    path = local if local.is_file() else Path(client.download_artifacts(run_id, f"checkpoints/{local.name}", str(tmp)))
+    path = local if local.is_file() else Path(client.download_artifacts(run_id, checkpoint_artifact(local.name), str(tmp)))
     state = load_checkpoint(path)
     return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
                       state["categories"]["categories"], state["categories"]["keypoint_names"])
 
 
 def servable_name(checkpoint: str) -> str:
-    """The name in its run of a checkpoint's servable copy (log_checkpoint): best-model_iter399."""
+    """The name in its run of a checkpoint's servable copy (log_servable_copy): best-model_iter399."""
     return f"best-{Path(checkpoint).stem}"
 
 
-def log_checkpoint(client, uri: str, run_id: str, local: Path, registered: str) -> str:
+def log_servable_copy(client, uri: str, run_id: str, local: Path, registered: str) -> str:
     """A checkpoint of the run (its best) logged as a servable model too, registered; its version."""
     from trainer.tracking.logged_model import log_detector  # torch
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from trainer.checkpoint.files import FINAL, iteration_of
 from trainer.errors import first_line
 from trainer.tracking.pruning import prune_run
-from trainer.tracking.runs import LATEST_TAG, sha_tag
+from trainer.tracking.runs import CHECKPOINT_DIR, LATEST_TAG, sha_tag
 from trainer.tracking.transfers import file_identity, upload as upload_file
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class CheckpointUploads:
             return
         if not sent:
             raise TimeoutError(f"metrics up to {path.name} not delivered yet")
-        upload_file(self._to.artifacts(), path, "checkpoints", written)  # still that file; parts, timeouts: transfers.py
+        upload_file(self._to.artifacts(), path, CHECKPOINT_DIR, written)  # still that file; parts, timeouts: transfers.py
         # The tags say "complete": set only after the bytes are on the artifact store.
         self._to.client().log_batch(self._to.run_id(), tags=[RunTag(sha_tag(path.name), sha256),
                                                              RunTag(LATEST_TAG, path.name)])

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
-from trainer.tracking.checkpoint_models import (checkpoint_file, log_checkpoint, servable_name, set_alias,
+from trainer.tracking.checkpoint_models import (checkpoint_file, log_servable_copy, servable_name, set_alias,
                                                update_best)
 from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
@@ -108,7 +108,7 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
     elif logged := _ready_model(client, experiment_id, run_id, servable_name(name)):
         version = register_logged(uri, client, run_id, logged.model_id, registered)
     else:
-        version = log_checkpoint(client, uri, run_id, output_dir / name, registered)
+        version = log_servable_copy(client, uri, run_id, output_dir / name, registered)
     return version
 
 

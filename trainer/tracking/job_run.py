@@ -19,7 +19,7 @@ from trainer.tracking.checkpoint_models import MODEL_TAG
 from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import context_tags, describe_job, git_commit
-from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoints_of, env_experiment_id,
+from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_of, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, sha_tag)
 from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
@@ -150,7 +150,7 @@ def _drop_tags_of_what_is_gone(client, run):
     """A finished run's model_final deleted from its artifact store, or its logged model deleted (by
     hand, a lifecycle rule): the tag that claims it goes, and the job completes the run again."""
     run_id, gone = run.info.run_id, []
-    if FINAL in checkpoints_of(run) and not _holds_file(client, run_id, f"checkpoints/{FINAL}"):
+    if FINAL in checkpoints_of(run) and not _holds_file(client, run_id, checkpoint_artifact(FINAL)):
         log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
                     "and the job completes the run again", run_id, FINAL)
         gone.append(sha_tag(FINAL))

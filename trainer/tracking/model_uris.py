@@ -16,8 +16,8 @@ from concurrent.futures import wait
 
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import (CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape, is_model_id, lists_artifact,
-                                   registry_uri, tracking_uri)
+from trainer.tracking.runs import (CHECKPOINT_DIR, CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape, is_model_id,
+                                   lists_artifact, registry_uri, tracking_uri)
 from trainer.tracking.sqlite_store import store_settled, unmade
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _checkpoint_named(cfg, spec: str) -> str | None:
     if model is None or model.model_type != CHECKPOINT_TYPE or not model.source_run_id:
         return None
     tagged = model.tags.get(CHECKPOINT_TAG, "")  # only a checkpoint of the model's own run
-    return tagged if re.fullmatch(rf"runs:/{re.escape(model.source_run_id)}/checkpoints/[\w.-]+[.]pth", tagged) else None
+    return tagged if re.fullmatch(rf"runs:/{re.escape(model.source_run_id)}/{CHECKPOINT_DIR}/[\w.-]+[.]pth", tagged) else None
 
 
 def model_version(client, target: str):

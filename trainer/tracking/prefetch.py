@@ -15,7 +15,7 @@ from pathlib import Path
 from trainer.checkpoint.files import FINAL, download_folder, drop_download_folder, iteration_of, local_checkpoints
 from trainer.checkpoint.state import CheckpointError
 from trainer.errors import first_line
-from trainer.tracking.runs import checkpoints_from, sha_tag
+from trainer.tracking.runs import checkpoint_artifact, checkpoints_from, sha_tag
 from trainer.tracking.transfers import download, repository
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def download_verified(repo, name: str, folder: Path, expected: str | None) -> tu
     `folder` and matches its sha256 tag; (None, why) when it cannot be downloaded. Bytes that are
     not the tagged ones raise CheckpointError: that checkpoint is bad, not merely out of reach."""
     try:
-        path, sha256 = download(repo, f"checkpoints/{name}", folder)
+        path, sha256 = download(repo, checkpoint_artifact(name), folder)
     except Exception as e:  # a missing or unreadable artifact: the caller tries an older one
         return None, f"could not download checkpoint {name}: {first_line(e)}"
     if sha256 != expected:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from trainer.checkpoint.files import FINAL, iteration_of
-from trainer.tracking.checkpoint_models import BEST_TAGS
-from trainer.tracking.runs import CHECKPOINT_TAG, checkpoints_from, sha_tag
+from trainer.tracking.checkpoint_models import BEST_CHECKPOINT_TAG
+from trainer.tracking.runs import CHECKPOINT_DIR, CHECKPOINT_TAG, checkpoint_artifact, checkpoints_from, sha_tag
 from trainer.tracking.search import every_page
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,13 @@ def prune_run(client, repo, run_id: str, experiment_id: str, keep: int, evaluate
     tags = client.get_run(run_id).data.tags
     ours = [n for n in checkpoints_from(tags) if n != FINAL and iteration_of(n) <= newest]
     older = ours[keep:]  # newest first: the one just uploaded is never here
-    doomed = [n for n in older if n not in evaluated and n != tags.get(BEST_TAGS[0])]
+    doomed = [n for n in older if n not in evaluated and n != tags.get(BEST_CHECKPOINT_TAG)]
     if doomed:
         named = _named_by_models(client, experiment_id, run_id) | _registered(client, run_id)
         doomed = [n for n in doomed if n not in named]
     batch = doomed[::-1][:limit]  # oldest first
     for name in batch:
-        repo.delete_artifacts(f"checkpoints/{name}")  # the proxy: DELETE mlflow-artifacts; S3, disk: directly
+        repo.delete_artifacts(checkpoint_artifact(name))  # the proxy: DELETE mlflow-artifacts; S3, disk: directly
         _delete_tag(client, run_id, sha_tag(name))
         log.info("deleted %s from the run (TRACKING.CHECKPOINTS_KEEP %d)", name, keep)
     return batch, len(doomed) > len(batch)
@@ -59,7 +59,7 @@ def _registered(client, run_id: str) -> set[str]:
     """Checkpoint files that a registered model version of the run has as its source."""
     versions = every_page(client.search_model_versions, filter_string=f"run_id = '{run_id}'")
     return {v.source.rstrip("/").rsplit("/", 1)[-1] for v in versions
-            if "/checkpoints/" in (v.source or "")}
+            if f"/{CHECKPOINT_DIR}/" in (v.source or "")}
 
 
 def _delete_tag(client, run_id: str, key: str) -> None:

@@ -1,6 +1,6 @@
 """Where the job's MLflow runs are tracked (URI, credentials, HTTP bounds), the tag protocol a run
-carries (job, checkpoints, status reason), fetching what a run holds, and the store's errors in one
-line. Finding or opening the job's run is job_run.py's, which builds on these.
+carries (job, checkpoints, status reason) and fetching what a run holds. Finding or opening the job's
+run is job_run.py's, which builds on these; the store's errors in one line, server_errors.py's.
 """
 from __future__ import annotations
 
@@ -36,10 +36,17 @@ EVAL_SETS_TAG = "tracktron.eval.datasets"  # the test sets `tracktron eval` scor
 DETECTOR_TYPE = "tracktron-detector"  # the model_type of every servable model tracktron logs (not a user's)
 CHECKPOINT_TYPE = "tracktron-checkpoint"  # the model_type of a checkpoint's LoggedModel (checkpoint_models.py)
 CHECKPOINT_TAG = "tracktron.checkpoint"  # on such a LoggedModel: runs:/<run>/checkpoints/<file>
+CHECKPOINT_DIR = "checkpoints"  # the folder of a run's artifacts that holds its checkpoints
+_SHA_TAG = ("tracktron.ckpt.", ".sha256")  # a checkpoint's sha256 tag, set once its upload is complete
+
+
+def checkpoint_artifact(name: str) -> str:
+    """The checkpoint `name`'s path in its run's artifacts."""
+    return f"{CHECKPOINT_DIR}/{name}"
 
 
 def sha_tag(name: str) -> str:
-    return f"tracktron.ckpt.{name}.sha256"
+    return f"{_SHA_TAG[0]}{name}{_SHA_TAG[1]}"
 
 
 def lists_artifact(client, run_id: str, path: str) -> bool:
@@ -157,8 +164,8 @@ def checkpoints_of(run) -> list[str]:
 
 
 def checkpoints_from(tags: dict) -> list[str]:
-    names = [k[len("tracktron.ckpt."):-len(".sha256")] for k in tags
-             if k.startswith("tracktron.ckpt.") and k.endswith(".sha256")]
+    prefix, suffix = _SHA_TAG
+    names = [k[len(prefix):-len(suffix)] for k in tags if k.startswith(prefix) and k.endswith(suffix)]
     return sorted(names, key=iteration_of, reverse=True)
 
 
@@ -322,7 +329,7 @@ def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
     """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: the sha256 its
     tag holds, set once its upload finished (an unfinished or tampered upload is refused)."""
     parts = uri[len("runs:/"):].split("/") if uri.startswith("runs:/") else []
-    if len(parts) != 3 or parts[1] != "checkpoints" or not path.is_file():
+    if len(parts) != 3 or parts[1] != CHECKPOINT_DIR or not path.is_file():
         return None
     from mlflow import MlflowClient
 
