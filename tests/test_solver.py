@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, load_config
-from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients, lr_at_iter
+from trainer.lr_policy import lr_at
+from trainer.solver import build_lr_scheduler, build_optimizer, clip_gradients
 
 
 def cfg_of(**solver):
@@ -25,7 +26,7 @@ def f32(x):
 
 def check(cfg, expected: dict):
     for it, lr in expected.items():
-        got = lr_at_iter(cfg, it)
+        got = lr_at(cfg.SOLVER, it)
         assert isinstance(got, float)
         assert got == f32(lr), f"iteration {it}"
         assert got == f32(got)  # representable as a float32, as Detectron's value was
@@ -52,7 +53,7 @@ def test_steps_with_decay_1x_schedule_with_linear_warm_up():
         90000: 0.0002,                                       # past MAX_ITER: still the last step
         120000: 0.0002,
     })
-    assert lr_at_iter(cfg_of(**ONE_X), 250) == pytest.approx(0.02 * 2 / 3, rel=1e-7)
+    assert lr_at(cfg_of(**ONE_X).SOLVER, 250) == pytest.approx(0.02 * 2 / 3, rel=1e-7)
 
 
 def test_steps_with_lrs():
@@ -76,7 +77,7 @@ def test_cosine_decay():
     cfg = cfg_of(BASE_LR=0.02, LR_POLICY="cosine_decay", MAX_ITER=1000, WARM_UP_ITERS=0)
     check(cfg, {0: 0.02, 250: 0.01 * (1 + math.sqrt(2) / 2), 500: 0.01,
                 750: 0.01 * (1 - math.sqrt(2) / 2), 999: 0.01 * (math.cos(math.pi * 0.999) + 1)})
-    assert lr_at_iter(cfg, 1000) == pytest.approx(0.0, abs=1e-12)
+    assert lr_at(cfg.SOLVER, 1000) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_exp_decay_ends_at_gamma_times_base_lr():
@@ -124,15 +125,15 @@ def train_step(model, opt, sched):
     sched.step()
 
 
-def test_scheduler_lr_after_k_steps_is_lr_at_iter_k():
+def test_scheduler_lr_after_k_steps_is_lr_at_k():
     cfg = cfg_of(**SMALL)
     model, opt, sched = built(cfg)
     for k in range(14):
-        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, k), rel=1e-12), k
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(cfg.SOLVER, k), rel=1e-12), k
         train_step(model, opt, sched)
-    assert lr_at_iter(cfg, 0) == f32(0.02 * 0.25)
-    assert lr_at_iter(cfg, 2) == f32(0.02 * (0.25 * 0.5 + 0.5))
-    assert lr_at_iter(cfg, 7) == f32(0.002)
+    assert lr_at(cfg.SOLVER, 0) == f32(0.02 * 0.25)
+    assert lr_at(cfg.SOLVER, 2) == f32(0.02 * (0.25 * 0.5 + 0.5))
+    assert lr_at(cfg.SOLVER, 7) == f32(0.002)
 
 
 def test_a_first_step_skipped_by_the_amp_scaler_gives_no_scheduler_warning(recwarn):
@@ -145,7 +146,7 @@ def test_a_first_step_skipped_by_the_amp_scaler_gives_no_scheduler_warning(recwa
     scaler.step(opt)
     scaler.update()
     sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, 1))
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(cfg.SOLVER, 1))
     assert scaler.get_scale() < 2.0**16  # the step was skipped
     assert not [str(w.message) for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
@@ -167,7 +168,7 @@ def test_scheduler_resumes_from_state_dict():
     sched2.load_state_dict(saved[2])
     assert sched2.last_epoch == 5
     for k, lr in zip(range(5, 12), expected):
-        assert opt2.param_groups[0]["lr"] == lr == pytest.approx(lr_at_iter(cfg, k), rel=1e-12)
+        assert opt2.param_groups[0]["lr"] == lr == pytest.approx(lr_at(cfg.SOLVER, k), rel=1e-12)
         train_step(model2, opt2, sched2)
     assert torch.equal(model.weight, model2.weight)
 
@@ -202,7 +203,7 @@ def test_scheduler_ignores_a_preset_lr():
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=5.0)
     build_lr_scheduler(cfg, opt)
-    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at_iter(cfg, 0), rel=1e-12)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(cfg.SOLVER, 0), rel=1e-12)
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -12,10 +12,9 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 from trainer.redaction import is_secret_key
-from trainer.lr_policy import POLICIES, STEP_POLICIES, check_schedule
+from trainer.lr_policy import POLICIES, STEP_POLICIES, WARM_UP, check_schedule
 
-LR_POLICIES = tuple(POLICIES)  # lr_policy.py has each policy once
-WARM_UP_METHODS = ("constant", "linear")
+LR_POLICIES, WARM_UP_METHODS = tuple(POLICIES), tuple(WARM_UP)  # lr_policy.py has each once
 
 
 def dataset_dirname(name: str) -> str:
@@ -145,7 +144,8 @@ def validate(cfg) -> None:
         (s.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {s.BASE_LR}"),
         (0 < s.MAX_ITER <= MAX_ITERS, f"SOLVER.MAX_ITER must be 1 to {MAX_ITERS:,}, got {s.MAX_ITER}"),
         (s.LR_POLICY in LR_POLICIES, f"SOLVER.LR_POLICY must be one of {', '.join(LR_POLICIES)}; got {s.LR_POLICY!r}"),
-        (s.WARM_UP_METHOD in WARM_UP_METHODS, f"SOLVER.WARM_UP_METHOD must be constant or linear; got {s.WARM_UP_METHOD!r}"),
+        (s.WARM_UP_METHOD in WARM_UP_METHODS,
+         f"SOLVER.WARM_UP_METHOD must be one of {', '.join(WARM_UP_METHODS)}; got {s.WARM_UP_METHOD!r}"),
         (s.WARM_UP_ITERS >= 0, f"SOLVER.WARM_UP_ITERS must be >= 0, got {s.WARM_UP_ITERS}"),
         (s.GAMMA > 0, f"SOLVER.GAMMA must be > 0, got {s.GAMMA}"),
         (s.STEP_SIZE > 0, f"SOLVER.STEP_SIZE must be > 0, got {s.STEP_SIZE}"),

@@ -12,7 +12,7 @@ from trainer.logs import held_while_checking
 from trainer.output_lock import OutputLock
 from trainer.preflight import check_local, load_initial_weights, prepare
 from trainer.redaction import printable, redact_text
-from trainer.solver import lr_at_iter
+from trainer.lr_policy import lr_at
 from trainer.tracking.job_run import find_job_run
 from trainer.tracking.runs import tracking_uri
 
@@ -52,7 +52,7 @@ def _test_sets(cfg: Config, sizes: dict) -> str:
 def _schedule(cfg: Config) -> str:
     s, period = cfg.SOLVER, max(1, cfg.TRAIN.SNAPSHOT_ITERS // cfg.NUM_GPUS)
     marks = sorted({0, min(s.WARM_UP_ITERS, s.MAX_ITER - 1), *[x for x in s.STEPS if x < s.MAX_ITER], s.MAX_ITER - 1})
-    lrs = ", ".join(f"{lr_at_iter(cfg, it):.6g} at {it}" for it in marks)
+    lrs = ", ".join(f"{lr_at(cfg.SOLVER, it):.6g} at {it}" for it in marks)
     return (f"schedule: {s.MAX_ITER} iterations, LR {s.LR_POLICY} ({lrs}); a checkpoint every {period} "
             f"iterations ({max(0, (s.MAX_ITER - 2) // period)} model_iter files, then model_final)")
 

@@ -55,11 +55,11 @@ POLICIES = {
 STEP_POLICIES = ("steps_with_decay", "steps_with_lrs")  # those that read SOLVER.STEPS (from 0)
 
 
-def _warm_up_factor(s, it: int) -> float:
-    if s.WARM_UP_METHOD == "constant":
-        return s.WARM_UP_FACTOR
-    alpha = it / s.WARM_UP_ITERS  # linear
-    return s.WARM_UP_FACTOR * (1 - alpha) + alpha
+# SOLVER.WARM_UP_METHOD: the factor the LR is multiplied by at iteration it < WARM_UP_ITERS.
+WARM_UP = {
+    "constant": lambda s, it: s.WARM_UP_FACTOR,
+    "linear": lambda s, it: s.WARM_UP_FACTOR * (1 - it / s.WARM_UP_ITERS) + it / s.WARM_UP_ITERS,
+}
 
 
 def lr_at(s, it: int) -> float:
@@ -67,7 +67,7 @@ def lr_at(s, it: int) -> float:
     it < WARM_UP_ITERS."""
     lr = POLICIES[s.LR_POLICY](s, it)
     if it < s.WARM_UP_ITERS:
-        lr *= _warm_up_factor(s, it)
+        lr *= WARM_UP[s.WARM_UP_METHOD](s, it)
     return float(np.float32(lr))  # Detectron returns np.float32; keep its rounding
 
 

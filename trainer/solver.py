@@ -22,11 +22,6 @@ log = logging.getLogger(__name__)
 LOG_LR_CHANGE_RATIO = 1.1  # Detectron's SOLVER.LOG_LR_CHANGE_THRESHOLD: a step, not warm-up's small moves
 
 
-def lr_at_iter(cfg: Config, it: int) -> float:
-    """Detectron's get_lr_at_iter: the policy's LR, times the warm-up factor while it < WARM_UP_ITERS."""
-    return lr_at(cfg.SOLVER, it)  # config.validate checked the policy, its keys and that every LR is finite
-
-
 # --------------------------------------------------------------------------------------------- #
 # Optimizer, scheduler, clipping
 # --------------------------------------------------------------------------------------------- #
@@ -65,25 +60,24 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.SGD:
 
 
 def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose lr after k calls of .step() is lr_at_iter(cfg, k).
+    """A LambdaLR whose lr after k calls of .step() is lr_at(cfg.SOLVER, k).
 
     The factor is a plain function, so it is not saved in state_dict: a resumed job uses the
     schedule of its own config and only the iteration count comes from the checkpoint.
     """
     base_lr = cfg.SOLVER.BASE_LR
-    lr_at_iter(cfg, 0)  # fail on a bad policy now, not at the first step
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr * group.get("lr_factor", 1.0)  # LambdaLR scales initial_lr
 
     said = [0]  # the last iteration whose change was looked at: LambdaLR calls factor once per param group
 
     def factor(it: int) -> float:
-        lr = lr_at_iter(cfg, it)
+        lr = lr_at(cfg.SOLVER, it)
         # The previous LR comes from the schedule, not from an earlier call: a resumed scheduler's
         # first call was factor(0). Iteration MAX_ITER never runs (the scheduler steps past the last).
         if said[0] != it and 0 < it < cfg.SOLVER.MAX_ITER:
             said[0] = it
-            _log_change(lr_at_iter(cfg, it - 1), lr, it)
+            _log_change(lr_at(cfg.SOLVER, it - 1), lr, it)
         return lr / base_lr
 
     # AMP's scaler skips optimizer.step() when its first scale overflows; the schedule still counts
