@@ -3,7 +3,7 @@ import pytest
 
 from trainer.config import ConfigError, defaults, load_config, write_config
 from trainer.errors import UserError
-from trainer.job_identity import job_hash
+from trainer.job_identity import job_hash, job_hashes
 
 
 def write(tmp_path, text, name="job.yaml"):
@@ -107,6 +107,12 @@ def test_job_hash_ignores_where_the_job_runs_but_not_what_it_trains():
     # hashed before the key existed is still found)
     assert job_hash(load_config(None, ["CUDNN_BENCHMARK", "true"])) == base
     assert job_hash(load_config(None, ["SOLVER.BASE_LR", "0.02"])) != base
+
+
+def test_the_default_jobs_hash_is_the_one_earlier_tracktrons_tagged_runs_with():
+    """AUTO_RESUME finds a job's run by this hash (since 2026-12-04): a key added to the config must go
+    into job_identity._LATER_KEYS (or _NOT_IN_JOB), or every job started before is no longer found."""
+    assert job_hashes(defaults()) == ("52255b03308b94d7", "5a060fe110d75f1c")
 
 
 def test_every_shipped_config_loads():
