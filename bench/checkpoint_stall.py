@@ -99,7 +99,7 @@ def measure(env: Env, label: str, cfg, num_classes: int, reps: int) -> dict:
     tracker.start(cfg, new_run=True)
     client = MlflowClient(server.url)
     job = Job(cfg, Context(), tracker, out)
-    writer = CheckpointWriter(engine.CheckpointPublisher(job))  # as setup_model_for_training makes it
+    writer = CheckpointWriter(engine.AfterCheckpoint(job))  # as setup_model_for_training makes it
     t = _loop_state_for(cfg, num_classes, writer)
     run_id = tracker.run.run_id  # waits for the run: it exists before the first checkpoint, as in a job
     (out / "json_stats.log").write_text("")  # the publisher uploads it with a checkpoint now and then

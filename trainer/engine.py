@@ -170,7 +170,7 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
         restore_training_state(start.state, optimizer, scheduler, scaler, ctx, images)
     stats = TrainingStats(cfg, start.iteration, job.output_dir / STATS_LOG if ctx.is_main else None,
                           is_main=ctx.is_main)
-    writer = CheckpointWriter(CheckpointPublisher(job)) if ctx.is_main else None
+    writer = CheckpointWriter(AfterCheckpoint(job)) if ctx.is_main else None
     return LoopState(model, optimizer, scheduler, scaler, Prefetcher(loader, ctx.device), stats, writer,
                      categories_of(prepared.dataset), images)
 
@@ -287,7 +287,7 @@ def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
     s.writer.submit(training_state(job.cfg, s, it, rngs), job.output_dir / checkpoint_name(cur_iter))
 
 
-class CheckpointPublisher:
+class AfterCheckpoint:
     """What follows a complete checkpoint file, on the writer thread, in this order: its upload is
     queued (a newer checkpoint supersedes it if it has not started), the local ones past
     TRAIN.CHECKPOINTS_KEEP are deleted, and now and then json_stats.log and log.txt go to the run too."""
