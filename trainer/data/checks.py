@@ -62,7 +62,17 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
     when the model uses them; image sizes against the model's input `sizes` (coco.input_sizes) and
     the decoder's `max_pixels` (images.MAX_PIXELS; images.py imports this module) when given.
     """
-    for im in data["images"]:
+    _check_images(path, data["images"], sizes, max_pixels)
+    num_keypoints = _check_categories(path, data["categories"], keypoints)
+    cat_ids, image_ids = _unique_ids(path, data)
+    ann_ids: set = set()
+    for ann in data["annotations"]:
+        _check_annotation(path, ann, ann_ids, cat_ids, image_ids, masks, keypoints, num_keypoints)
+    _check_image_files(path, data["images"], image_dir)
+
+
+def _check_images(path: Path, images: list, sizes: tuple | None, max_pixels: int | None) -> None:
+    for im in images:
         if not isinstance(im, dict) or not {"id", "file_name", "width", "height"} <= set(im):
             raise UserError(f"{path}: image entry {str(im)[:80]} needs id, file_name, width and height")
         if not _is_id(im["id"]):
@@ -80,10 +90,13 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
                             f"{max_pixels:,} pixels (tile larger images)")
         if sizes:
             _check_resized(path, im, *sizes)
-    if len(data["categories"]) >= MAX_CLASSES:  # with the background, the model's classes
-        raise UserError(f"{path} lists {len(data['categories']):,} categories; a model takes at most "
-                        f"{MAX_CLASSES - 1:,}")
-    for c in data["categories"]:
+
+
+def _check_categories(path: Path, categories: list, keypoints: bool) -> int:
+    """The number of keypoints the categories name (0: none)."""
+    if len(categories) >= MAX_CLASSES:  # with the background, the model's classes
+        raise UserError(f"{path} lists {len(categories):,} categories; a model takes at most {MAX_CLASSES - 1:,}")
+    for c in categories:
         if not isinstance(c, dict) or "id" not in c:
             raise UserError(f"{path}: every category needs an id")
         # COCO's category ids are integers, and its names strings: the model's categories.json keeps them so
@@ -97,11 +110,15 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
         if keypoints and names and len(set(names)) < len(names):  # the flip map pairs points by name
             twice = next(n for n in names if names.count(n) > 1)
             raise UserError(f"{path}: category {c['id']!r} names keypoint {twice!r} twice; each needs its own name")
-    counts = sorted({len(c.get("keypoints") or []) for c in data["categories"] if c.get("keypoints")})
+    counts = sorted({len(c.get("keypoints") or []) for c in categories if c.get("keypoints")})
     if keypoints and len(counts) > 1:  # one keypoint head: one skeleton
         raise UserError(f"{path}: categories name {' and '.join(map(str, counts))} keypoints; a keypoint model "
                         "needs one number for all")
-    num_keypoints = counts[0] if counts else 0
+    return counts[0] if counts else 0
+
+
+def _unique_ids(path: Path, data: dict) -> tuple[set, dict]:
+    """The category ids, and the images by id."""
     cat_ids = {c["id"] for c in data["categories"]}
     if len(cat_ids) != len(data["categories"]):
         raise UserError(f"{path}: a category id appears twice")
@@ -115,50 +132,56 @@ def check(path: Path, data: dict, image_dir: Path, masks: bool = False, keypoint
             sorted(ids)  # labels follow category order, images are read in id order
         except TypeError:
             raise UserError(f"{path}: {what} ids mix numbers and strings") from None
-    ann_ids: set = set()
-    for ann in data["annotations"]:
-        if not isinstance(ann, dict):
-            raise UserError(f"{path}: annotation entry {_short(ann)} is not an object")
-        what = f"{path}: annotation {_short(ann.get('id'))}"
-        if not _is_id(ann.get("id")):
-            raise UserError(f"{what} needs an id (a number or a string)")
-        if ann["id"] in ann_ids:
-            raise UserError(f"{what}: annotation id {ann['id']!r} appears twice")
-        ann_ids.add(ann["id"])
-        category = ann.get("category_id")
-        if not _is_id(category) or category not in cat_ids:
-            raise UserError(f"{what} has category_id {_short(category)}, not among the categories {sorted(cat_ids, key=str)}")
-        image = ann.get("image_id")
-        if not _is_id(image) or image not in image_ids:
-            raise UserError(f"{what} refers to unknown image_id {_short(image)}")
-        bbox = ann.get("bbox")
-        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
-            raise UserError(f"{what} has no [x, y, w, h] bbox")
-        if not _all_numbers(bbox):
-            raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers (float32)")
-        if "area" in ann and not _is_number(ann["area"]):
-            raise UserError(f"{what} has area {_short(ann['area'])}, not a number")
-        if ann.get("iscrowd", 0) not in (0, 1):  # True and False are 1 and 0
-            raise UserError(f"{what} has iscrowd {_short(ann.get('iscrowd'))}; it must be 0 or 1")
-        if masks:
-            _check_segmentation(what, ann.get("segmentation"), image_ids[image])
-        if keypoints and ann.get("keypoints") not in (None, []):  # none or [] is none labelled, as in _keypoints
-            kp = ann["keypoints"]
-            if not isinstance(kp, list) or len(kp) % 3 or not _all_numbers(kp):
-                raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
-            if len(kp) != 3 * num_keypoints:  # COCOeval and the keypoint head both assume the count
-                raise UserError(f"{what} has {len(kp) // 3} keypoints; its categories name {num_keypoints}")
-            # torchvision, COCOeval and the flip read any v > 0 as labelled: a score (0.3) or a -1 went unseen
-            if odd := [v for v in kp[2::3] if v not in (0, 1, 2)]:
-                raise UserError(f"{what} has keypoint visibility {odd[0]!r}; COCO's are 0 (not labelled), 1 (labelled, "
-                                "hidden) or 2 (visible)")
-    if not data["images"]:
+    return cat_ids, image_ids
+
+
+def _check_annotation(path: Path, ann, ann_ids: set, cat_ids: set, image_ids: dict, masks: bool, keypoints: bool,
+                      num_keypoints: int) -> None:
+    if not isinstance(ann, dict):
+        raise UserError(f"{path}: annotation entry {_short(ann)} is not an object")
+    what = f"{path}: annotation {_short(ann.get('id'))}"
+    if not _is_id(ann.get("id")):
+        raise UserError(f"{what} needs an id (a number or a string)")
+    if ann["id"] in ann_ids:
+        raise UserError(f"{what}: annotation id {ann['id']!r} appears twice")
+    ann_ids.add(ann["id"])
+    category = ann.get("category_id")
+    if not _is_id(category) or category not in cat_ids:
+        raise UserError(f"{what} has category_id {_short(category)}, not among the categories {sorted(cat_ids, key=str)}")
+    image = ann.get("image_id")
+    if not _is_id(image) or image not in image_ids:
+        raise UserError(f"{what} refers to unknown image_id {_short(image)}")
+    bbox = ann.get("bbox")
+    if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
+        raise UserError(f"{what} has no [x, y, w, h] bbox")
+    if not _all_numbers(bbox):
+        raise UserError(f"{what} has bbox {_short(bbox)}: x, y, w, h must be finite numbers (float32)")
+    if "area" in ann and not _is_number(ann["area"]):
+        raise UserError(f"{what} has area {_short(ann['area'])}, not a number")
+    if ann.get("iscrowd", 0) not in (0, 1):  # True and False are 1 and 0
+        raise UserError(f"{what} has iscrowd {_short(ann.get('iscrowd'))}; it must be 0 or 1")
+    if masks:
+        _check_segmentation(what, ann.get("segmentation"), image_ids[image])
+    if keypoints and ann.get("keypoints") not in (None, []):  # none or [] is none labelled, as in _keypoints
+        kp = ann["keypoints"]
+        if not isinstance(kp, list) or len(kp) % 3 or not _all_numbers(kp):
+            raise UserError(f"{what} has keypoints {_short(kp)}: a flat list of x, y, visibility numbers")
+        if len(kp) != 3 * num_keypoints:  # COCOeval and the keypoint head both assume the count
+            raise UserError(f"{what} has {len(kp) // 3} keypoints; its categories name {num_keypoints}")
+        # torchvision, COCOeval and the flip read any v > 0 as labelled: a score (0.3) or a -1 went unseen
+        if odd := [v for v in kp[2::3] if v not in (0, 1, 2)]:
+            raise UserError(f"{what} has keypoint visibility {odd[0]!r}; COCO's are 0 (not labelled), 1 (labelled, "
+                            "hidden) or 2 (visible)")
+
+
+def _check_image_files(path: Path, images: list, image_dir: Path) -> None:
+    if not images:
         raise UserError(f"{path} lists no images")
     if not image_dir.is_dir():
         raise UserError(f"image folder not found: {image_dir} (for {path})")
     # One listing, whose entries know a plain file without a stat each (a link or a subfolder's file is stat-ed).
     on_disk = {e.name: e for e in os.scandir(image_dir)}
-    listed = [(im["file_name"], on_disk.get(im["file_name"]) or image_dir / im["file_name"]) for im in data["images"]]
+    listed = [(im["file_name"], on_disk.get(im["file_name"]) or image_dir / im["file_name"]) for im in images]
 
     def refuse(names: list, are: str) -> UserError:
         example = names[0] if names[0].isprintable() else repr(names[0])
