@@ -51,20 +51,11 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
             from trainer import distributed
             from trainer.tracking.system_metrics import start_monitor, stop_monitor
 
-            run = tracker.run
-            if run.run_id:
-                where = run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}"
-                log.info("MLflow run %s: %s", run.run_id, where)
-                try:
-                    _write_run_id(run.run_id)
-                except OSError as e:  # denied, or made a folder since the check: the run must not stay RUNNING
-                    tracker.finish("FAILED", f"cannot write TRACKTRON_RUN_ID_FILE: {first_line(e)}")
-                    raise UserError(f"cannot write TRACKTRON_RUN_ID_FILE {os.environ['TRACKTRON_RUN_ID_FILE']}: "
-                                    f"{e.strerror or first_line(e)}") from None
+            _announce_run(tracker)
             on_hard_exit(lambda reason: tracker.last_words("KILLED", reason))  # stuck past the grace period
             ctx = _join(distributed, tracker, cfg, prepared)
             tracker.set_tags({f"tracktron.{k}": v for k, v in distributed.environment(ctx).items()})
-            monitor = start_monitor(cfg, distributed.broadcast_object(ctx, run.run_id), ctx.local_rank,
+            monitor = start_monitor(cfg, distributed.broadcast_object(ctx, tracker.run.run_id), ctx.local_rank,
                                     ctx.world_size, on_gpu=ctx.device.type == "cuda")
             _train(cfg, tracker, ctx, prepared, lock, job_log)
     except StopRequested as e:  # before the loop began: there is nothing of this start to resume
@@ -195,6 +186,20 @@ def _check_run_id_file() -> None:
     if path.is_dir() or (blocker is not None and blocker != path and not blocker.is_dir()):
         what = "is a folder" if path.is_dir() else f"cannot be made: {blocker} is no folder"
         raise UserError(f"TRACKTRON_RUN_ID_FILE {target} {what}: name the file the job's run id is written to")
+
+
+def _announce_run(tracker) -> None:
+    """The run's address in the log, and its id in TRACKTRON_RUN_ID_FILE if set."""
+    run = tracker.run
+    if not run.run_id:
+        return
+    log.info("MLflow run %s: %s", run.run_id, run.ui_url or f"see it with: mlflow ui --backend-store-uri {tracker.uri}")
+    try:
+        _write_run_id(run.run_id)
+    except OSError as e:  # denied, or made a folder since the check: the run must not stay RUNNING
+        tracker.finish("FAILED", f"cannot write TRACKTRON_RUN_ID_FILE: {first_line(e)}")
+        raise UserError(f"cannot write TRACKTRON_RUN_ID_FILE {os.environ['TRACKTRON_RUN_ID_FILE']}: "
+                        f"{e.strerror or first_line(e)}") from None
 
 
 def _write_run_id(run_id: str) -> None:
