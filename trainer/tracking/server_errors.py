@@ -1,5 +1,6 @@
 """What a tracking server's failure means, in one line for the user: down, answering errors,
-refusing the credentials or a permission, TLS or a proxy failing, or this machine's own limits."""
+refusing the credentials or a permission, TLS or a proxy failing, or this machine's own limits;
+and whether it has the MLflow 3 API the job's models need (lacks_logged_models)."""
 from __future__ import annotations
 
 import re
@@ -90,3 +91,32 @@ def run_refusal(client, run_id: str, timeout: float = 5.0) -> tuple[str, str] | 
     if getattr(e, "get_http_status_code", lambda: None)() in (401, 403):
         return "credentials", first_line(e)
     return ("gone", "") if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" else None
+
+
+NO_MODEL = "m-" + "0" * 32  # a logged model id of MLflow's form that no model has
+
+
+def lacks_logged_models(client) -> bool:
+    """Whether the tracking server has no MLflow 3 logged-model API (an MLflow 2 server, a hosted one
+    without it), asked with one read of a model no one has: a server with the API answers that it
+    does not exist (JSON, RESOURCE_DOES_NOT_EXIST), or that this user may not read it (403); one
+    without answers 404 with an HTML or empty body, which MLflow's client calls ENDPOINT_NOT_FOUND.
+    Any other failure says nothing of the API: False (the job's own requests meet it as ever)."""
+    try:
+        client.get_logged_model(NO_MODEL)
+    except Exception as e:
+        return getattr(e, "error_code", "") in ("ENDPOINT_NOT_FOUND", "NOT_IMPLEMENTED") or " 405 != " in str(e)
+    return False
+
+
+def server_version(client) -> str:
+    """What the server's /version says (`MLflow 2.22.5`), else "" (a hosted server may have none)."""
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        answer = http_request(client._tracking_client.store.get_host_creds(), "/version", "GET", max_retries=0,
+                              timeout=5, raise_on_status=False)
+    except Exception:
+        return ""
+    text = answer.text.strip() if answer.status_code == 200 else ""
+    return f"MLflow {text}" if re.fullmatch(r"\d+\.\d+[\w.+-]{0,30}", text) else ""
