@@ -340,10 +340,7 @@ class MlflowTracker(Tracker):
             return []
         floor = STATUS_FLOOR_S if timeout is None else 0.0
         timeout = self.flush_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        if self._sender.failing and timeout > 0 and self.refusal(min(timeout, 5.0)):
-            deadline = time.monotonic()  # the run deleted, or the credentials refused: no wait sends a thing
-        self._sender.wait_sent(float("inf"), deadline - time.monotonic())  # the metrics first; the sender beats on meanwhile
+        deadline = self._wait_for_metrics(time.monotonic() + timeout)
         if status is not None:
             self._uploader.submit(STATUS_JOB, lambda: self._set_status(status, reason))
         self._uploader.close(max(1.0, deadline - time.monotonic() - STATUS_RESERVE_S))
@@ -355,6 +352,17 @@ class MlflowTracker(Tracker):
         lost = self._checkpoints.lost([d for d in self._uploader.failed if d not in done])
         lost = [f"{d} ({self._uploader.why[d]})" if d in self._uploader.why else d for d in lost]  # a rerun alone won't mend it
         return list(dict.fromkeys(lost + kept))
+
+    def _wait_for_metrics(self, deadline: float) -> float:
+        """The metrics first (the sender beats on meanwhile); the deadline left for the rest. A send that
+        fails, now or during the wait (the job's last one may come after its last iteration), has the
+        server asked why: the run deleted, or the credentials refused, and no wait sends a thing."""
+        while not self._sender.wait_sent(float("inf"), min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            if self._sender.failing and self.refusal(min(deadline - time.monotonic(), 5.0)):
+                return time.monotonic()
+        return deadline
 
     def refusal(self, timeout: float = 5.0) -> tuple[str, str] | None:
         """Why the server refuses the run's writes (server_errors.run_refusal), asked once: finish() and
