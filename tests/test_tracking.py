@@ -19,7 +19,7 @@ import mlflow
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import demo_overrides, run_trainer, trainer_cmd
+from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
 from trainer.checkpoint.files import iteration_of
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
@@ -556,6 +556,30 @@ def test_status_says_in_one_line_that_a_server_lacks_the_logged_model_api(tmp_pa
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if "logged-model API" in line]
     assert len(warnings) == 1 and warnings[0].endswith(
-        f"the tracking server at {server.url} has no logged-model API (MLflow 3's; it reports MLflow "
-        f"{mlflow.__version__}): its jobs' models and evaluations cannot be logged there, and a job that would log "
-        "them is refused at its start; use an MLflow 3 server"), out.stderr
+        f"the tracking server at {server.url} has no logged-model API (/api/2.0/mlflow/logged-models answers 404; it "
+        f"reports MLflow {mlflow.__version__}): its jobs' models and evaluations cannot be logged there, and a job that "
+        "would log them is refused at its start; use an MLflow 3 server"), out.stderr
+
+
+def test_eval_into_a_run_on_a_server_without_the_logged_model_api_prints_the_scores(tmp_path, data_dir, mlflow_server):
+    """`tracktron eval --weights runs:/...` attaches to the run without the training start's lookup: it
+    evaluated, then failed to link the scores to the checkpoint's model (exit 1). Now it says so before it
+    evaluates, prints the scores and logs nothing into the run."""
+    experiment = f"eval-no-logged-models-{uuid.uuid4().hex[:6]}"
+    job = run_trainer(tracked(tmp_path, data_dir, mlflow_server, experiment, **{
+        "SOLVER.MAX_ITER": 4, "TEST.DATASETS": "()", "TRACKING.LOG_MODEL": "false"}), cwd=tmp_path)
+    assert job.returncode == 0, job.stderr
+    client = MlflowClient(mlflow_server.url)
+    run = only_run(client, experiment)
+    run_id = run.info.run_id
+    with _WithoutLoggedModels(mlflow_server.url) as server:
+        out = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config", str(DEMO),
+                              "--weights", f"runs:/{run_id}/checkpoints/model_final.pth", "DATA_DIR", str(data_dir),
+                              "OUTPUT_DIR", str(tmp_path / "eval"), "TRACKING.URI", server.url],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"has no logged-model API (/api/2.0/mlflow/logged-models answers 404; it reports MLflow {mlflow.__version__}): " \
+           f"these scores are printed, not logged into run {run_id}; use an MLflow 3 server" in out.stderr, out.stderr
+    assert f"evaluation of runs:/{run_id}/checkpoints/model_final.pth\n| | AP | AP50 |" in out.stdout  # the scores
+    assert not client.get_metric_history(run_id, "bbox/AP")
+    assert client.get_run(run_id).data.tags == run.data.tags  # nor its test sets taken as the run's own

@@ -10,9 +10,13 @@ from TRACKING.ENABLED and the rank.
 """
 from __future__ import annotations
 
+import logging
+
 from trainer.config import Config
 from trainer.errors import UserError
 from trainer.tracking.base import RunInfo, Tracker
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "resend_advice"]
 
@@ -34,13 +38,15 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
     test sets takes those of its first evaluation as its own."""
     from trainer.tracking.mlflow_tracker import MlflowTracker
     from trainer.tracking.runs import takes_scores
-    from trainer.tracking.server_errors import run_refusal, start_error
+    from trainer.tracking.server_errors import run_refusal, start_error, without_logged_models
 
     tracker = MlflowTracker(cfg)
     tracker.attach(run_id)
     try:
         run = tracker.client.get_run(run_id)
-        taken = run.info.lifecycle_stage == "active" and takes_scores(tracker.client, run, datasets)
+        active = run.info.lifecycle_stage == "active"
+        lacking = active and without_logged_models(tracker.uri, tracker.client)  # scores link to the checkpoint's model
+        taken = active and not lacking and takes_scores(tracker.client, run, datasets)
     except Exception as e:  # the checkpoint's download just worked: a server that fails now
         raise UserError(start_error(tracker.uri, e)) from None
     if run.info.lifecycle_stage != "active":  # MLflow refuses every write to it: said now, not after the evaluation
@@ -50,6 +56,8 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
                if why == "experiment deleted" else f"`mlflow runs restore --run-id {run_id}`")
         raise UserError(f"run {run_id} is deleted, so its evaluation cannot be logged into it: restore it ({how}) "
                         "or evaluate a copy of the checkpoint file")
+    if lacking:
+        log.warning("%s: these scores are printed, not logged into run %s; use an MLflow 3 server", lacking, run_id)
     if not taken:
         tracker.finish(None)
         return Tracker()

@@ -21,7 +21,7 @@ from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen
 from trainer.tracking.run_description import context_tags, describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_of, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, sha_tag)
-from trainer.tracking.server_errors import lacks_logged_models, server_version, start_error
+from trainer.tracking.server_errors import start_error, without_logged_models
 from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,9 @@ def _check_logged_model_api(client, uri: str, cfg: Config) -> None:
     uses = [off for off, used in (("TRACKING.LOG_MODEL false", cfg.TRACKING.LOG_MODEL),
                                   ("TEST.DATASETS '()'", cfg.TEST.DATASETS),
                                   ("TRACKING.CHECKPOINTS_KEEP 0", cfg.TRACKING.CHECKPOINTS_KEEP > 0)) if used]
-    if not uses or not uri.lower().startswith(("http://", "https://")) or not lacks_logged_models(client):
-        return
-    version = server_version(client)
-    raise UserError(f"the tracking server at {redact_text(uri)} has no logged-model API (/api/2.0/mlflow/logged-models "
-                    f"answers 404{f'; it reports {version}' if version else ''}), which the job's model, evaluations and "
-                    "checkpoint pruning need: use an MLflow 3 server (upgrade this one), or train without them "
-                    f"({' '.join(uses)})")
+    if uses and (lacking := without_logged_models(uri, client)):
+        raise UserError(f"{lacking}, which the job's model, evaluations and checkpoint pruning need: use an MLflow 3 "
+                        f"server (upgrade this one), or train without them ({' '.join(uses)})")
 
 
 def _check_artifacts_reachable(client, uri: str, found: FoundRun) -> None:

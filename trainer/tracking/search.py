@@ -9,7 +9,7 @@ from concurrent.futures import wait
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import JOB_TAG, bound_http
-from trainer.tracking.server_errors import lacks_logged_models, server_version, start_error
+from trainer.tracking.server_errors import start_error, without_logged_models
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,9 @@ def _answer(uri: str, client, experiment: str | None) -> list[tuple]:
         if uri.startswith("sqlite:"):
             _check_default_experiment(uri)
         found = _job_runs(uri, client(), experiment)
-        if uri.startswith(("http://", "https://")) and lacks_logged_models(client()):  # asked once the jobs are read
-            version = server_version(client())
-            log.warning("the tracking server at %s has no logged-model API (MLflow 3's%s): its jobs' models and "
-                        "evaluations cannot be logged there, and a job that would log them is refused at its start; "
-                        "use an MLflow 3 server", uri, f"; it reports {version}" if version else "")
+        if lacking := without_logged_models(uri, client()):  # asked once the jobs are read
+            log.warning("%s: its jobs' models and evaluations cannot be logged there, and a job that would log them "
+                        "is refused at its start; use an MLflow 3 server", lacking)
         return found
 
 

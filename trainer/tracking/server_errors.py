@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from trainer.errors import first_line
+from trainer.redaction import redact_text
 
 _SSL_REASON = r"\[SSL[^\]]*\].*?(?= \(_ssl\.c|['\"]\)|$)"  # [SSL: CERTIFICATE_VERIFY_FAILED] certificate ...
 _PROXY_REASON = (r"(?<=ProxyError\(')[^']*", r"Tunnel connection failed:[^'\")]*|\[Errno \d+\][^'\")]*")
@@ -96,6 +97,16 @@ def run_refusal(client, run_id: str, timeout: float = 5.0) -> tuple[str, str] | 
 NO_MODEL = "m-" + "0" * 32  # a logged model id of MLflow's form that no model has
 
 
+def without_logged_models(uri: str, client) -> str | None:
+    """`the tracking server at <uri> has no logged-model API (...)` for an http(s) server that lacks it
+    (a store the client opens itself is this MLflow's own); None when it has it."""
+    if not uri.lower().startswith(("http://", "https://")) or not lacks_logged_models(client):
+        return None
+    version = server_version(uri)
+    return (f"the tracking server at {redact_text(uri)} has no logged-model API (/api/2.0/mlflow/logged-models answers "
+            f"404{f'; it reports {version}' if version else ''})")
+
+
 def lacks_logged_models(client) -> bool:
     """Whether the tracking server has no MLflow 3 logged-model API (an MLflow 2 server, a hosted one
     without it), asked with one read of a model no one has: a server with the API answers that it
@@ -109,12 +120,13 @@ def lacks_logged_models(client) -> bool:
     return False
 
 
-def server_version(client) -> str:
+def server_version(uri: str) -> str:
     """What the server's /version says (`MLflow 2.22.5`), else "" (a hosted server may have none)."""
+    from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
     try:
-        answer = http_request(client._tracking_client.store.get_host_creds(), "/version", "GET", max_retries=0,
+        answer = http_request(get_default_host_creds(uri), "/version", "GET", max_retries=0,
                               timeout=5, raise_on_status=False)
     except Exception:
         return ""
