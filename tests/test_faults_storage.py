@@ -103,7 +103,8 @@ def test_an_artifact_store_that_refuses_uploads_stops_the_job_before_it_trains(t
     """A bucket that does not exist, or no credentials for S3 (a server run with --no-serve-artifacts
     and a client without keys): every checkpoint failed to upload, as a warning, and the job said so
     only at its end, hours of training later, exit 1 (helper-58). The run's first upload (config.yaml)
-    is now sent before training: one line, exit 2, the run FAILED with that line, nothing trained."""
+    is now sent before training: one line, exit 2, the run FAILED with that line, nothing trained. Nor is
+    the job's log.txt then sent to that store at its end: it was retried until TRACKING.FLUSH_TIMEOUT_S."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     client = MlflowClient(uri)
     client.create_experiment("no-bucket", artifact_location="s3://tracktron-no-such-bucket/runs")
@@ -115,12 +116,13 @@ def test_an_artifact_store_that_refuses_uploads_stops_the_job_before_it_trains(t
                                       ("no-keys", no_keys, "Unable to locate credentials")):
         out = tmp_path / experiment
         args = demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri, "TRACKING.EXPERIMENT": experiment,
-                                                     "OUTPUT_DIR": str(out)})
+                                                     "OUTPUT_DIR": str(out), "TRACKING.FLUSH_TIMEOUT_S": 3600})
         done = subprocess.run(trainer_cmd(*args), cwd=tmp_path, env=job_env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2, done.stderr[-3000:]
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("error: the run's artifact store s3://") and "refuses uploads (" in last and said in last, last
         assert "Traceback" not in done.stderr
+        assert "log.txt" not in done.stderr, done.stderr[-3000:]  # no upload of it tried, nor retried
         run = only_run(client, experiment)
         assert run.info.status == "FAILED"
         assert run.data.tags["tracktron.status_reason"] == last.removeprefix("error: ")

@@ -53,6 +53,7 @@ class MlflowTracker(Tracker):
         self._found: Future | None = None  # the lookup before it
         self._checked = threading.Event()  # the job's checks passed: the run may be written
         self._abandoned = threading.Event()  # the job ended before they did
+        self._store_refuses = False  # the run's first upload was refused: no later one is tried
         self._status_set = False  # finish() has recorded the run's end
         self._prefetched: Prefetch | None = None  # the newest checkpoint, downloading since the lookup
         self._sender: MetricSender | None = None
@@ -222,7 +223,14 @@ class MlflowTracker(Tracker):
     def log_artifact(self, path: Path, artifact_path: str | None = None, first: bool = False) -> None:
         def send():
             upload_file(self._artifacts(), path, artifact_path or "")
-        if job := send_first(send, lambda: self._repo.artifact_uri) if first else send:  # None: sent (UserError: refused)
+        if self._store_refuses:  # the job stops on it (said): the end's log.txt would be retried to the deadline
+            return
+        try:
+            job = send_first(send, lambda: self._repo.artifact_uri) if first else send  # None: sent
+        except UserError:  # refused twice: no credentials, no such bucket
+            self._store_refuses = True
+            raise
+        if job:
             self._uploader.submit(f"upload {path.name}", job)
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
