@@ -368,7 +368,7 @@ class MlflowTracker(Tracker):
         while not self._sender.wait_sent(float("inf"), min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 break
-            if self._sender.failing and self.refusal(min(deadline - time.monotonic(), 5.0)):
+            if self._sender.failing and self.refusal(min(max(0.0, deadline - time.monotonic()), 5.0)):
                 return time.monotonic()
         return deadline
 

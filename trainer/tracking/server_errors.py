@@ -1,6 +1,6 @@
 """What a tracking server's failure means, in one line for the user: down, answering errors,
 refusing the credentials or a permission, TLS or a proxy failing, or this machine's own limits;
-and whether it has the MLflow 3 API the job's models need (lacks_logged_models)."""
+and whether it has the MLflow 3 API the job's models need (without_logged_models)."""
 from __future__ import annotations
 
 import re
