@@ -171,6 +171,8 @@ class FaultProxy:
     `delay_requests(pattern, seconds)`: every request matching `pattern` waits that long before it is sent on.
     `max_body`: a request whose Content-Length is larger is answered 413 and closed, as nginx's
     `client_max_body_size` (1 MB by default) does.
+    `missing`: a request whose request line matches this regex (on bytes) is answered 404 with an empty
+    body and closed, as a server without that endpoint (MLflow 2.x, a hosted one) answers.
     """
 
     def __init__(self, target: str, mode: str = "pass", delay: float = 0.05):
@@ -184,6 +186,7 @@ class FaultProxy:
         self._hold: tuple[re.Pattern, int] | None = None
         self._delays: list[tuple[re.Pattern, float]] = []
         self.max_body: int | None = None
+        self.missing: re.Pattern | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener = socket.socket()
@@ -286,6 +289,10 @@ class FaultProxy:
                     if self.max_body is not None and length and int(length.group(1)) > self.max_body:
                         src.sendall(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 0\r\n"
                                     b"Connection: close\r\n\r\n")
+                        break
+                    if self.missing is not None and self.missing.search(data.split(b"\r\n", 1)[0]):
+                        _with_small_body(src, data)  # read before the answer: a client still sending sees no reset
+                        src.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                         break
                     if self._delays:
                         data = _with_small_body(src, data)  # so a pattern sees what the request carries

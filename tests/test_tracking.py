@@ -20,6 +20,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
+from tests.servers import FaultProxy
 from trainer.checkpoint.files import iteration_of
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
@@ -470,57 +471,13 @@ def test_a_model_tag_no_model_can_have_names_none_on_a_server(mlflow_server):
         assert not _holds_model(client, run_id, tag), tag
 
 
-class _WithoutLoggedModels:
+def _without_logged_models(target: str) -> FaultProxy:
     """An MLflow 3 server as a hosted endpoint without MLflow 3's logged-model API shows it (Azure ML's;
     an MLflow 2 server answers alike, with an HTML body): every `/logged-models` request answered 404
     with an empty body, everything else passed to the real server."""
-
-    def __init__(self, target: str):
-        import http.client
-        import http.server
-        from urllib.parse import urlsplit
-
-        from tests.servers import serve_handler
-
-        host, port = urlsplit(target).hostname, urlsplit(target).port
-        self.refused: list[str] = []
-        refused = self.refused
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def relay(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if "/logged-models" in self.path:
-                    refused.append(self.path)
-                    status, headers, data = 404, [], b""
-                else:
-                    upstream = http.client.HTTPConnection(host, port, timeout=30)
-                    upstream.request(self.command, self.path, body, {k: v for k, v in self.headers.items()
-                                                                     if k.lower() not in ("host", "connection")})
-                    answer = upstream.getresponse()
-                    status, data = answer.status, answer.read()
-                    headers = [(k, v) for k, v in answer.getheaders()
-                               if k.lower() not in ("content-length", "transfer-encoding", "connection")]
-                    upstream.close()
-                self.send_response(status)
-                for key, value in headers:
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = relay
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd, self.url = serve_handler(Handler)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    proxy = FaultProxy(target)
+    proxy.missing = re.compile(rb"/logged-models")
+    return proxy
 
 
 def test_a_server_without_the_logged_model_api_is_refused_before_the_run_is_made(tmp_path, data_dir, mlflow_server):
@@ -529,7 +486,7 @@ def test_a_server_without_the_logged_model_api_is_refused_before_the_run_is_made
     (exit 1). Now the start asks first: one line, exit 2, no run, no experiment, no OUTPUT_DIR; --dry-run
     says the same. A job that logs no model nor evaluation needs none of it, and starts."""
     experiment = f"no-logged-models-{uuid.uuid4().hex[:6]}"
-    with _WithoutLoggedModels(mlflow_server.url) as server:
+    with _without_logged_models(mlflow_server.url) as server:
         args = tracked(tmp_path, data_dir, server, experiment, **{"TRACKING.REGISTERED_MODEL": "detector"})
         for extra in ([], ["--dry-run"]):
             result = run_trainer(args + extra, cwd=tmp_path)
@@ -539,7 +496,7 @@ def test_a_server_without_the_logged_model_api_is_refused_before_the_run_is_made
                 f"answers 404; it reports MLflow {mlflow.__version__}), which the job's model, evaluations and "
                 "checkpoint pruning need: use an MLflow 3 server (upgrade this one), or train without them "
                 "(TRACKING.LOG_MODEL false TEST.DATASETS '()')")
-        assert server.refused, "the start never asked for the logged-model API"
+        assert [r for r in server.requests_seen if b"/logged-models" in r], "the start never asked for the logged-model API"
         assert MlflowClient(mlflow_server.url).get_experiment_by_name(experiment) is None  # nor a run in it
         assert not (tmp_path / "output").exists()
         plain = run_trainer(args + ["TRACKING.LOG_MODEL", "false", "TEST.DATASETS", "()", "--dry-run"], cwd=tmp_path)
@@ -550,7 +507,7 @@ def test_a_server_without_the_logged_model_api_is_refused_before_the_run_is_made
 def test_status_says_in_one_line_that_a_server_lacks_the_logged_model_api(tmp_path, mlflow_server):
     """`status` reads runs alone, which such a server serves: it lists them, and says in one warning
     why their models are missing."""
-    with _WithoutLoggedModels(mlflow_server.url) as server:
+    with _without_logged_models(mlflow_server.url) as server:
         out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", server.url], capture_output=True,
                              text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -572,7 +529,7 @@ def test_eval_into_a_run_on_a_server_without_the_logged_model_api_prints_the_sco
     client = MlflowClient(mlflow_server.url)
     run = only_run(client, experiment)
     run_id = run.info.run_id
-    with _WithoutLoggedModels(mlflow_server.url) as server:
+    with _without_logged_models(mlflow_server.url) as server:
         out = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config", str(DEMO),
                               "--weights", f"runs:/{run_id}/checkpoints/model_final.pth", "DATA_DIR", str(data_dir),
                               "OUTPUT_DIR", str(tmp_path / "eval"), "TRACKING.URI", server.url],
