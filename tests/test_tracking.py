@@ -540,3 +540,14 @@ def test_eval_into_a_run_on_a_server_without_the_logged_model_api_prints_the_sco
     assert f"evaluation of runs:/{run_id}/checkpoints/model_final.pth\n| | AP | AP50 |" in out.stdout  # the scores
     assert not client.get_metric_history(run_id, "bbox/AP")
     assert client.get_run(run_id).data.tags == run.data.tags  # nor its test sets taken as the run's own
+
+
+def test_the_logged_model_api_refusal_keeps_a_password_in_the_uri_secret(tmp_path, data_dir, mlflow_server):
+    """The refusal names the server: a password in its URI (http://user:password@host) stays out of it."""
+    with _without_logged_models(mlflow_server.url) as server:
+        uri = server.url.replace("http://", "http://alice:s3cret-Pw99@")
+        result = run_trainer(demo_overrides(tmp_path, data_dir, **{"TRACKING.URI": uri}) + ["--dry-run"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: the tracking server at {server.url} has no logged-model API"), result.stderr  # credentials go apart
+    assert "s3cret-Pw99" not in result.stderr + result.stdout
