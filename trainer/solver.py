@@ -1,10 +1,7 @@
-"""SGD, the learning-rate scheduler over Detectron's policies and warm-up (lr_policy.py, whose
-formulas the config's checks use too), gradient clipping.
+"""SGD, the learning-rate scheduler over Detectron's policies and warm-up (lr_policy.py), gradient clipping.
 
-Momentum: Detectron's Caffe2 MomentumSGDUpdate kept the learning rate inside the momentum buffer
-(v = m * v + lr * g; w -= v), so when the LR changed it rescaled the buffer by new_lr / old_lr
-(SOLVER.SCALE_MOMENTUM). PyTorch's SGD applies the LR outside the buffer (v = m * v + g;
-w -= lr * v), so a change of LR needs no correction and there is none here.
+No SOLVER.SCALE_MOMENTUM: Detectron's Caffe2 SGD kept the LR inside the momentum buffer and rescaled
+it when the LR changed; PyTorch's SGD applies the LR outside the buffer, so nothing needs rescaling.
 """
 from __future__ import annotations
 
@@ -20,11 +17,6 @@ from trainer.lr_policy import lr_at
 
 log = logging.getLogger(__name__)
 LOG_LR_CHANGE_RATIO = 1.1  # Detectron's SOLVER.LOG_LR_CHANGE_THRESHOLD: a step, not warm-up's small moves
-
-
-# --------------------------------------------------------------------------------------------- #
-# Optimizer, scheduler, clipping
-# --------------------------------------------------------------------------------------------- #
 
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
@@ -87,23 +79,16 @@ def build_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.o
 
 
 def _log_change(old: float, new: float, it: int) -> None:
-    if _change_ratio(old, new) > LOG_LR_CHANGE_RATIO:
-        log.info("Changing learning rate %.6f -> %.6f at iter %d", old, new, it)  # Detectron's line
-
-
-def _change_ratio(old: float, new: float) -> float:
-    """Detectron's _get_lr_change_ratio: how many times larger or smaller (an LR of 0 counts as 1e-10:
-    WARM_UP_FACTOR 0 starts there)."""
+    """Detectron's line, when its _get_lr_change_ratio is past LOG_LR_CHANGE_RATIO (an LR of 0, where
+    WARM_UP_FACTOR 0 starts, counts as 1e-10)."""
     eps = 1e-10
-    return max(new / max(old, eps), old / max(new, eps))
+    if max(new / max(old, eps), old / max(new, eps)) > LOG_LR_CHANGE_RATIO:
+        log.info("Changing learning rate %.6f -> %.6f at iter %d", old, new, it)
 
 
 def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM; return the norm before clipping, a
-    tensor on the gradients' device (float() of it would wait for the GPU at every iteration).
-
-    With AMP the caller unscales the gradients first (GradScaler.unscale_).
-    """
+    """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM (unscaled first under AMP); the norm before
+    clipping, left on the gradients' device so that no iteration waits for the GPU."""
     max_norm = cfg.SOLVER.CLIP_GRAD_NORM
     if max_norm <= 0:
         return None
