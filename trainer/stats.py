@@ -1,9 +1,7 @@
 """Detectron's TrainingStats: smoothed losses, iteration timing, ETA and the `json_stats` log.
 
-The engine calls, per iteration: iter_tic(), (the step), iter_toc(), update(...), log(cur_iter),
-maybe_reset_timer(cur_iter); metrics(cur_iter) gives the raw values for experiment tracking.
-Everything per-iteration is a few deque appends; medians, formatting and file I/O happen only on
-log iterations (every LOG_PERIOD and the last), as in Detectron.
+Per iteration only deque appends; medians, formatting and file I/O happen on log iterations (every
+LOG_PERIOD and the last), as in Detectron. metrics(cur_iter) gives the raw values for tracking.
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ class SmoothedValue:
     def median(self) -> float:
         if math.isnan(self.total):  # a NaN is in the window (the job stops at it): NaN, as numpy's median says
             return math.nan
-        return statistics.median(self.deque)  # a few µs on a short window (numpy's: ~20 µs of set-up)
+        return statistics.median(self.deque)
 
     @property
     def avg(self) -> float:
@@ -206,7 +204,7 @@ class TrainingStats:
             stats = self.json_stats(cur_iter)
             if torch.cuda.is_initialized():  # each line's `mem` is its own period's peak, not the job's so far:
                 torch.cuda.reset_peak_memory_stats()  # an evaluation's or the first iterations' would stay in every line
-            self._clear_progress()
+            self._end_line("\r\x1b[K")
             line = json.dumps(stats, sort_keys=True)
             write_or_drop(self.stream, f"json_stats: {line}\n")
             if self.json_log_path is not None:
@@ -273,16 +271,14 @@ class TrainingStats:
         write_or_drop(self.progress_stream, text + ("\n" if last else ""))
         self._line_open = not last
 
-    def _clear_progress(self) -> None:
+    def _end_line(self, text: str) -> None:
         if self._line_open:
-            write_or_drop(self.progress_stream, "\r\x1b[K")
+            write_or_drop(self.progress_stream, text)
             self._line_open = False
 
     def close(self) -> None:
         """End the progress line (kept on screen) if the loop stopped early: preemption, error."""
-        if self._line_open:
-            write_or_drop(self.progress_stream, "\n")
-            self._line_open = False
+        self._end_line("\n")
 
 
 def _isatty(stream) -> bool:
