@@ -35,13 +35,16 @@ SECOND_WORDS_S = 1.0  # a second signal exits at once, after at most this long f
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _stopped_by(self, signum: int, deadline: float) -> None:
+    BaseException.__init__(self, f"stopped by {signal.Signals(signum).name}")
+    self.signum = signum
+    self.deadline = deadline  # time.monotonic() by which the process must be gone
+
+
 class Preempted(Exception):
     """Raised by the engine after the preemption checkpoint is safe."""
 
-    def __init__(self, signum: int, deadline: float):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.deadline = deadline  # time.monotonic() by which the process must be gone
+    __init__ = _stopped_by
 
 
 class StopRequested(BaseException):
@@ -49,10 +52,8 @@ class StopRequested(BaseException):
     finish, so the job stops where it is. A BaseException, so that no `except Exception` on the way
     (a tracking call that turns errors into one line) takes it for a fault."""
 
-    def __init__(self, signum: int, deadline: float):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.deadline = deadline
+    __init__ = _stopped_by
+
 
 
 class _OnSignal:
