@@ -120,10 +120,9 @@ def train_model(job: Job) -> AlreadyFinished | None:
 
 
 def open_job_logs(job: Job) -> None:
-    """json_stats.log and log.txt go on where the job left them: from the run's copies when this machine
-    has none (a job moved, a resume from copied checkpoints, a finished job's rerun), which the uploads
-    would otherwise replace with this start's lines alone. TrainingStats drops the entries retrained.
-    A log.txt that cannot be had (a folder of that name, a download that failed) stays in the run as it is."""
+    """json_stats.log and log.txt go on where the job left them: fetched from the run when this machine
+    has none, or the uploads would replace the run's with this start's lines alone. A log.txt that
+    cannot be fetched stays in the run as it is."""
     unfetched = []
     if job.tracker.run.resumed:
         for name in (STATS_LOG, JOB_LOG):
@@ -176,9 +175,8 @@ def setup_model_for_training(job: Job, created: CreatedModel) -> LoopState:
 
 
 def write_run_files(job: Job, model: torch.nn.Module, parent: dict) -> str | None:
-    """config.yaml and model.txt (the heir of Detectron's net.pbtxt), locally and in the run; the
-    run's inputs: its datasets and the model its weights came from. The line saying the run's
-    artifact store refuses uploads, found by config.yaml's (the run's first), or None."""
+    """config.yaml and model.txt (Detectron's net.pbtxt), locally and in the run, and the run's inputs;
+    the line saying the run's artifact store refuses config.yaml (its first upload), or None."""
     write_config(job.cfg, job.output_dir / "config.yaml")
     write_atomic(job.output_dir / "model.txt", describe_model(model))
     try:
@@ -288,9 +286,8 @@ def save_snapshot(job: Job, s: LoopState, cur_iter: int | None) -> None:
 
 
 class AfterCheckpoint:
-    """What follows a complete checkpoint file, on the writer thread, in this order: its upload is
-    queued (a newer checkpoint supersedes it if it has not started), the local ones past
-    TRAIN.CHECKPOINTS_KEEP are deleted, and now and then json_stats.log and log.txt go to the run too."""
+    """On the writer thread, after each complete checkpoint: its upload queued, the local ones past
+    TRAIN.CHECKPOINTS_KEEP deleted, and now and then json_stats.log and log.txt uploaded."""
 
     def __init__(self, job: Job):
         self.job = job
@@ -308,8 +305,7 @@ class AfterCheckpoint:
 
 
 def upload_logs(job: Job) -> None:
-    """json_stats.log and log.txt to the run, whole (none yet: a job whose first log line is still
-    to come); log.txt only while it is the job's own file (JobLog.sendable)."""
+    """json_stats.log and log.txt to the run, whole, where they exist; log.txt only while it is the job's own file."""
     if (job.output_dir / STATS_LOG).exists():
         job.tracker.log_artifact(job.output_dir / STATS_LOG)
     if job.log and job.log.sendable():
@@ -317,9 +313,8 @@ def upload_logs(job: Job) -> None:
 
 
 def evaluate_checkpoint(job: Job, s: LoopState, cur_iter: int | None) -> None:
-    """COCO evaluation of the checkpoint just saved (model_final when cur_iter is None); its metrics
-    go to the run linked to that checkpoint. The write finishes first, so that the checkpoint's
-    upload is queued before the evaluation that refers to it."""
+    """COCO evaluation of the checkpoint just saved (model_final when cur_iter is None), linked to it in the run.
+    The write finishes first, so that the checkpoint's upload is queued before the evaluation refers to it."""
     if s.writer:
         s.writer.wait()
     step = job.cfg.SOLVER.MAX_ITER - 1 if cur_iter is None else cur_iter
@@ -338,9 +333,8 @@ def evaluate_final(job: Job, s: LoopState) -> None:
 
 
 def evaluate_if_cut_short(job: Job, s: LoopState, start_iter: int) -> None:
-    """A job stopped during a periodic evaluation (a grace period shorter than a COCO evaluation)
-    resumes after the checkpoint it was evaluating, whose scores and model the run lacks for good:
-    that evaluation comes first. As the uninterrupted job did, from the same state."""
+    """A job stopped during a periodic evaluation resumes after the checkpoint it was evaluating, whose
+    scores the run lacks: that evaluation comes first, from the same state as in the uninterrupted job."""
     last, due = start_iter - 1, False
     if last < 0 or not eval_due(job.cfg, last):
         return
