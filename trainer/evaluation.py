@@ -1,13 +1,8 @@
 """COCO evaluation: inference to COCO results json, pycocotools metrics, tracking, `tracktron eval`.
 
-evaluate() for each TEST.DATASETS entry: build_test_loader, set_test_size, run_inference (each rank
-its shard, gathered on rank 0), eval/<dataset>/detections.json + per_category_ap.md, COCOeval, tracker.
-Metrics are COCOeval's stats (0..1): `bbox/AP`, `bbox/AP50`, ..., `segm/...`, `keypoints/...`. A stat
-COCOeval leaves undefined (-1: no ground truth in that area range, e.g. `bbox/APl` without a large
-object) is dropped, not logged as a -1 that would read as a score. With several TEST.DATASETS the
-first keeps the plain names (`bbox/AP`), the others are prefixed: `<dataset>/bbox/AP`. Results go
-to the run through the Tracker; `tracktron eval --weights runs:/<id>/checkpoints/...` logs into that
-run when it scores the run's own test sets (tracking.attach).
+Metrics are COCOeval's stats (0..1): `bbox/AP`, `bbox/AP50`, ..., `segm/...`, `keypoints/...`; one
+COCOeval leaves undefined (-1) is dropped, not logged as a score. With several TEST.DATASETS the
+first keeps the plain names, the others are prefixed: `<dataset>/bbox/AP`.
 """
 from __future__ import annotations
 
@@ -43,7 +38,6 @@ from trainer.job_identity import job_keys
 from trainer.lineage import dataset_inputs
 from trainer.logs import held_while_checking, write_or_drop
 from trainer.output_dir import make_writable
-from trainer.eval_images import drawings, per_category_rows
 from trainer.inference import categories_of, category_key_of, check_weights_given, checked_categories, detections_to_coco
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach
@@ -51,6 +45,7 @@ from trainer.tracking.launcher_run import record_evaluation  # `mlflow run -e ev
 from trainer.tracking.logged_model import load_detector, load_local
 from trainer.tracking.model_uris import MLFLOW_URIS, followed
 from trainer.tracking.runs import CHECKPOINT_DIR, download_uri
+from trainer.visualize import drawings
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +106,8 @@ def run_inference(model, loader, dataset, device, ctx: Context | None = None) ->
 
 
 def _infer(net, images: list, device) -> list[dict]:
-    """The network's outputs, in order, for runs of images of one size: torchvision pads a batch to
-    its largest image, which changes a smaller one's detections. Each image is then detected as the
-    served model and `predict` detect it, whatever TEST.IMS_PER_BATCH, the world size or its neighbours."""
+    """The network's outputs, in order, for runs of images of one size: torchvision pads a batch to its
+    largest image, which would change a smaller one's detections from what the served model finds."""
     outputs = []
     for _, run in itertools.groupby(images, key=lambda im: tuple(im.shape)):
         outputs += net([as_float(im.to(device, non_blocking=True)) for im in run])  # uint8 from the workers
@@ -175,6 +169,23 @@ def per_category_table(ev: COCOeval) -> str:
     for name, ap, ap50, count in zip(*per_category_rows(ev).values()):
         lines.append(f"| {name} | {_number(ap)} | {_number(ap50)} | {count} |")
     return "\n".join(lines) + "\n"
+
+
+def per_category_rows(ev: COCOeval) -> dict:
+    """Columns for mlflow's log_table: category, AP, AP50 (area all, 100 detections), instances."""
+    precision, gt = ev.eval["precision"], ev.cocoGt  # [iou thresholds, recall, category, area, max dets]
+    table: dict = {"category": [], "AP": [], "AP50": [], "instances": []}
+    for k, cat_id in enumerate(ev.params.catIds):
+        p = precision[:, :, k, 0, -1]
+        table["category"].append(gt.cats[cat_id].get("name", str(cat_id)))
+        table["AP"].append(_mean_defined(p))
+        table["AP50"].append(_mean_defined(p[0]))
+        table["instances"].append(len(gt.getAnnIds(catIds=[cat_id], iscrowd=False)))
+    return table
+
+
+def _mean_defined(p: np.ndarray) -> float | None:
+    return float(p[p > -1].mean()) if (p > -1).any() else None  # -1: no such ground truth
 
 
 def _number(x: float | None) -> str:
@@ -244,9 +255,8 @@ def load_model_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int 
 
 
 def _load_for_eval(cfg, weights: str, num_classes: int, num_keypoints: int, tests: list = ()):
-    """(model, iteration, the categories it was trained on or None, the MODEL.TYPE of a model that
-    carries its own config or None); the categories of a checkpoint file are checked against the test
-    sets before the model is built from `cfg`."""
+    """(model, iteration, its categories or None, the MODEL.TYPE of a model that carries its own config
+    or None); a checkpoint file's categories are checked against the test sets before the model is built."""
     if user_path(weights, "--weights").is_dir():  # a model folder tracktron wrote (output/model/detector)
         return _of_detector(load_detector(cfg, weights))
     if not weights.startswith(MLFLOW_URIS):
@@ -295,9 +305,8 @@ def _stored(path: str, shown: str) -> tuple[int | None, dict | None]:
 
 
 def check_categories(weights: str, theirs: dict | None, tests: list) -> None:
-    """A label means the category the model was trained on: scored against a test set whose
-    categories differ, its detections would count under other names (or have no category at all).
-    Weights that do not say (a torchvision or Detectron file) are held to the first test set."""
+    """Every test set has the categories the model was trained on, or its detections would count under
+    other names. Weights that do not say (a torchvision or Detectron file) are held to the first test set."""
     if not tests:
         return
     stored = theirs if theirs and theirs.get("categories") else categories_of(tests[0])
@@ -357,8 +366,7 @@ def _test_sets(cfg) -> list:
 
 
 def _check_ranks_agree(ctx: Context, cfg, model) -> None:
-    """Under torchrun the ranks' detections make one score, logged into the run: every rank holds
-    the same weights (their tensors' digest: paths may differ by node) and the same config."""
+    """Under torchrun every rank holds the same weights (their digest: paths may differ by node) and config."""
     if not ctx.distributed:
         return
     digest = hashlib.sha256()

@@ -6,11 +6,14 @@ and an HxWx3 uint8 array is what mlflow.log_image takes.
 
 Ground truth is drawn in green, labelled with its category; predictions at or above the threshold
 in one colour per category, labelled "name 0.87". Masks go under the boxes, keypoints over them.
-Everything is drawn with torchvision.utils.
+Everything is drawn with torchvision.utils. drawings() gives each evaluation's first TEST.VIS_IMAGES
+test images (the same every time, so that the UI's step slider shows the detector improving).
 """
 from __future__ import annotations
 
+import re
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +26,7 @@ GROUND_TRUTH = (0, 200, 0)
 PALETTE = [(230, 25, 75), (245, 130, 48), (255, 225, 25), (240, 50, 230), (0, 130, 200), (145, 30, 180),
            (70, 240, 240), (128, 0, 0), (250, 190, 212), (255, 255, 255)]
 MASK_ALPHA = 0.4
+SCORE_THRESHOLD = 0.5  # of the detections drawn at each evaluation
 
 
 def draw(image: torch.Tensor, detections: dict, ground_truth: dict | None = None,
@@ -46,6 +50,35 @@ def to_png(array: np.ndarray) -> bytes:
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
         raise ValueError(f"expected an HxWx3 uint8 array, got {array.shape} {array.dtype}")
     return bytes(encode_png(torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1).contiguous()).numpy())
+
+
+def drawings(dataset, results: list[dict], count: int) -> list[tuple[str, np.ndarray]]:
+    """(image key, HxWx3 uint8 drawing) for the first `count` images of `dataset` (a test-mode CocoDetection)."""
+    names = {c["id"]: c.get("name", str(c["id"])) for c in dataset.categories}
+    by_image: dict = {}
+    for r in results:
+        by_image.setdefault(r["image_id"], []).append(r)
+    out = []
+    for index in range(min(count, len(dataset))):
+        image, target = dataset[index]
+        found = _as_detections(by_image.get(target["image_id"], []), names)
+        truth = {"boxes": target["boxes"].tolist(),
+                 "category_names": [dataset.class_names[label] for label in target["labels"].tolist()]}
+        key = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(dataset.file_name(index)).stem) or str(target["image_id"])
+        out.append((key, draw(image, found, truth, SCORE_THRESHOLD)))
+    return out
+
+
+def _as_detections(entries: list[dict], names: dict) -> dict:
+    """COCO results entries of one image -> the dict draw() takes (boxes back to x1, y1, x2, y2)."""
+    found = {"boxes": [[x, y, x + w, y + h] for x, y, w, h in (e["bbox"] for e in entries)],
+             "scores": [e["score"] for e in entries], "category_ids": [e["category_id"] for e in entries],
+             "category_names": [names.get(e["category_id"], str(e["category_id"])) for e in entries]}
+    if entries and "segmentation" in entries[0]:
+        found["masks"] = [e["segmentation"] for e in entries]
+    if entries and "keypoints" in entries[0]:
+        found["keypoints"] = [np.reshape(e["keypoints"], (-1, 3)).tolist() for e in entries]
+    return found
 
 
 def _name(found: dict, i: int) -> str:
