@@ -1,11 +1,8 @@
 """Stop signals (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2): finish the iteration, checkpoint it, then stop.
 
-Kubernetes waits terminationGracePeriodSeconds (30 s by default) between SIGTERM and SIGKILL; a
-preemptible VM gives about as long. The first signal sets a flag the loop checks between iterations
-and arms a deadline: whatever still runs at TRAIN.PREEMPT_GRACE_S (an upload to a silent server, a
-collective waiting for a dead rank, interpreter shutdown), the process exits with 128 + the signal
-number after a bounded last word to the tracker (the run's status). The checkpoint, written first,
-is complete by then or never renamed into place. A second signal exits at once (the status first).
+The first signal sets a flag the loop checks between iterations and arms a deadline: whatever still
+runs at TRAIN.PREEMPT_GRACE_S, the process exits with 128 + the signal number after a bounded last
+word to the tracker (the run's status). A second signal exits at once (the status first).
 
 Python runs a handler only when the main thread is back in the interpreter, and a collective waiting
 for a dead rank holds it in C++ for up to 30 minutes; so a watch thread gets the signals too
@@ -53,7 +50,6 @@ class StopRequested(BaseException):
     (a tracking call that turns errors into one line) takes it for a fault."""
 
     __init__ = _stopped_by
-
 
 
 class _OnSignal:
