@@ -27,9 +27,7 @@ log = logging.getLogger("tracktron")
 
 
 def _set_up(rank: int = 0) -> None:
-    """Each command that runs torch: its logging, then torch's threads within the container's CPU
-    quota: before torch is imported for `train`; `eval`, `predict` and `config` import it first, and
-    use_cpu_quota sets the loaded torch's thread count."""
+    """Each command that runs torch: its logging, then torch's threads within the container's CPU quota."""
     setup_logging(logging.INFO if rank == 0 else logging.WARNING)
     use_cpu_quota()
 
@@ -88,9 +86,8 @@ def train(config_file, resume_run_id, no_resume, dry_run, opts_text, opts):
 
 
 def set_num_gpus(cfg, world_size: int, rank: int = 0) -> None:
-    """NUM_GPUS follows the world size. A config made for another number of GPUs (Detectron's zoo:
-    NUM_GPUS 8) keeps its schedule, made for another batch: said for any world size, as Detectron's
-    NUM_GPUS was the user's to change with the schedule, and here torchrun changes it."""
+    """NUM_GPUS follows the world size; a config made for another number of GPUs (Detectron's zoo:
+    NUM_GPUS 8) keeps its schedule, made for another batch, and that is said."""
     n, ims = cfg.NUM_GPUS, cfg.TRAIN.IMS_PER_BATCH
     if n > 1 and n != world_size and rank == 0:  # one job, one warning
         procs, each = ("one process", "") if world_size == 1 else (f"{world_size} processes", f" x {world_size}")
@@ -240,9 +237,7 @@ def main(argv=None) -> None:
 
 
 def check_temporary_folder() -> None:
-    """torch, MLflow and tracktron write temporary files: with none of TMPDIR, /tmp, /var/tmp and the
-    working folder writable (a read-only root file system without a /tmp volume), torch's import ended
-    in a traceback after the tracking store was made."""
+    """torch, MLflow and tracktron write temporary files: a folder for them is found before anything starts."""
     try:
         tempfile.gettempdir()  # tries each by writing a file; the first that takes one is kept
     except FileNotFoundError:
@@ -251,9 +246,7 @@ def check_temporary_folder() -> None:
 
 
 def check_home_folder() -> None:
-    """MLflow's import asks for the home folder (Path.home()): with HOME unset and a user id that has no
-    passwd entry (an arbitrary user, as OpenShift runs a container, started with no environment), it
-    ended in a traceback after the job's checks had passed."""
+    """MLflow's import asks for the home folder (Path.home()): one is known before anything starts."""
     if os.path.expanduser("~") == "~":
         raise UserError(f"no home folder: HOME is not set and this user (id {os.getuid()}) has no entry in the passwd "
                         "file (a container run as an arbitrary user); set HOME to a writable folder")

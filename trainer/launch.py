@@ -82,11 +82,9 @@ def _check_inputs(cfg, config_file: str) -> None:
 
 @held_while_checking()
 def _check_job(cfg, tracker, main: bool, resumable: bool):
-    """The job's datasets and network, and the checkpoint in OUTPUT_DIR it would resume from (not
-    another job's), checked and built before a run is made for it, then its initial weights, which
-    a job that resumes (from OUTPUT_DIR or its run) does not need: a job that fails a check leaves
-    the tracking store as it was. A finished job has nothing to do, whatever became of its data
-    (None: the engine sees that for itself)."""
+    """The job's datasets and network, the checkpoint in OUTPUT_DIR it would resume from, then its initial
+    weights unless it resumes, all checked before a run is made for it: a job that fails a check leaves
+    the tracking store as it was. None for a finished job, whatever became of its data."""
     from trainer.preflight import check_local, prepare
 
     try:
@@ -114,10 +112,8 @@ def _check_job(cfg, tracker, main: bool, resumable: bool):
 
 
 def _initial_weights(cfg, tracker, prepared) -> None:
-    """TRAIN.WEIGHTS, once the lookup said whether the job resumes (on a new machine its checkpoints
-    may be in its run alone): only a job that starts from iteration 0 reads them, one with no
-    checkpoint in OUTPUT_DIR that loads (check_local; files that do not are no resume) and none in
-    its run. Should the run's prove unusable once downloaded, the engine loads them then."""
+    """TRAIN.WEIGHTS, read only by a job with no checkpoint in OUTPUT_DIR (check_local) nor in its run.
+    Should the run's prove unusable once downloaded, the engine loads them then."""
     from trainer.preflight import load_initial_weights
 
     if prepared.local is None and not tracker.found_checkpoints():
@@ -255,9 +251,7 @@ def _train(cfg, tracker, ctx, prepared, lock: OutputLock | None, job_log: JobLog
 
 
 def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", timeout: float | None = None) -> list[str]:
-    """The run's end: log.txt says it, last (the console's last line is the CLI's), and goes to the run,
-    whole. What is logged after (a stop's advice, what the server did not get) is the console's alone:
-    the file ends as the run's copy does."""
+    """The run's end: log.txt says it last and goes to the run, whole; what is logged after is the console's alone."""
     if job_log and job_log.path:
         job_log.note(f"the job ends {status}" + (f": {reason}" if reason else ""))
         if job_log.sendable():
@@ -268,8 +262,7 @@ def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", time
 
 class Stopped(SystemExit):
     """The exit of a job stopped by a signal, or one that left uploads running past its flush timeout:
-    main() skips the interpreter's teardown for it (with a daemon thread inside torch, C++'s teardown
-    can abort the process: "terminate called without an active exception", seen in CI)."""
+    main() skips the interpreter's teardown for it (with a daemon thread inside torch, C++'s can abort)."""
 
 
 def _stopped(tracker, e: Preempted | StopRequested, before_training: bool = False, world_size: int = 1,
