@@ -215,12 +215,9 @@ def _heads(d: dict, t: Translation, family: str) -> None:
                                                           f"is not supported ({head_name})")
         d["KRCNN.NUM_KEYPOINTS"]  # read, not mapped: the dataset's keypoints decide, as they must agree
         _roi(d, t, "KRCNN", "MODEL.KEYPOINT_POOL_SIZE")
-        k = {key: d[f"KRCNN.{key}"] for key in ("CONV_HEAD_DIM", "NUM_STACKED_CONVS", "UP_SCALE", "USE_DECONV",
-                                                 "USE_DECONV_OUTPUT", "HEATMAP_SIZE", "NMS_OKS")}
-        want = {"CONV_HEAD_DIM": 2 * d["FPN.DIM"], "NUM_STACKED_CONVS": 8, "UP_SCALE": 2, "USE_DECONV": False,
-                "USE_DECONV_OUTPUT": True, "HEATMAP_SIZE": 4 * d["KRCNN.ROI_XFORM_RESOLUTION"], "NMS_OKS": False}
-        wrong = [f"KRCNN.{key} {k[key]} (here {want[key]})" for key in want if k[key] != want[key]]
-        _need(not wrong, f"torchvision's keypoint head is fixed: {', '.join(wrong)}")
+        _fixed(d, "KRCNN", "torchvision's keypoint head is fixed", {
+            "CONV_HEAD_DIM": 2 * d["FPN.DIM"], "NUM_STACKED_CONVS": 8, "UP_SCALE": 2, "USE_DECONV": False,
+            "USE_DECONV_OUTPUT": True, "HEATMAP_SIZE": 4 * d["KRCNN.ROI_XFORM_RESOLUTION"], "NMS_OKS": False})
     t.set("MODEL.HEAD_NORM", norm, "FAST_RCNN.ROI_BOX_HEAD", "MRCNN.ROI_MASK_HEAD")
 
 
@@ -237,14 +234,16 @@ def _roi(d: dict, t: Translation, section: str, key: str) -> None:
           "MRCNN.ROI_XFORM_SAMPLING_RATIO", "KRCNN.ROI_XFORM_SAMPLING_RATIO")
 
 
+def _fixed(d: dict, section: str, what: str, want: dict) -> None:
+    """Keys of `section` whose values torchvision's code fixes: each must hold the value in `want`."""
+    wrong = [f"{section}.{k} {d[f'{section}.{k}']} (here {v})" for k, v in want.items() if d[f"{section}.{k}"] != v]
+    _need(not wrong, f"{what}: {', '.join(wrong)}")
+
+
 def _retinanet(d: dict, t: Translation) -> None:
-    r = {key: d[f"RETINANET.{key}"] for key in ("NUM_CONVS", "SCALES_PER_OCTAVE", "LOSS_ALPHA", "LOSS_GAMMA",
-                                                 "PRIOR_PROB", "SHARE_CLS_BBOX_TOWER", "CLASS_SPECIFIC_BBOX",
-                                                 "SOFTMAX", "BBOX_REG_WEIGHT")}
-    want = {"NUM_CONVS": 4, "SCALES_PER_OCTAVE": 3, "LOSS_ALPHA": 0.25, "LOSS_GAMMA": 2.0, "PRIOR_PROB": 0.01,
-            "SHARE_CLS_BBOX_TOWER": False, "CLASS_SPECIFIC_BBOX": False, "SOFTMAX": False, "BBOX_REG_WEIGHT": 1.0}
-    wrong = [f"RETINANET.{k} {r[k]} (here {want[k]})" for k in want if r[k] != want[k]]
-    _need(not wrong, f"torchvision's RetinaNet head and loss are fixed: {', '.join(wrong)}")
+    _fixed(d, "RETINANET", "torchvision's RetinaNet head and loss are fixed", {
+        "NUM_CONVS": 4, "SCALES_PER_OCTAVE": 3, "LOSS_ALPHA": 0.25, "LOSS_GAMMA": 2.0, "PRIOR_PROB": 0.01,
+        "SHARE_CLS_BBOX_TOWER": False, "CLASS_SPECIFIC_BBOX": False, "SOFTMAX": False, "BBOX_REG_WEIGHT": 1.0})
     _need(t.values["MODEL.FEATURES"] == "fpn", "RetinaNet needs an FPN body")
     t.set("MODEL.P6_FROM_C5", bool(d["FPN.EXTRA_CONV_LEVELS"]), "FPN.EXTRA_CONV_LEVELS")
     t.set("MODEL.FG_IOU", d["RETINANET.POSITIVE_OVERLAP"], "RETINANET.POSITIVE_OVERLAP")
