@@ -40,9 +40,8 @@ class Context:
 
 
 def check_devices() -> None:
-    """One process per GPU: under torchrun each process takes the GPU of its LOCAL_RANK, so a node
-    started with more processes than it has GPUs fails on every rank before a run is made, not in
-    CUDA's set_device of the ranks past the last GPU while rank 0 makes the run."""
+    """One process per GPU (each takes the GPU of its LOCAL_RANK): a node started with more processes
+    than it has GPUs fails on every rank before a run is made."""
     processes = max(int(os.environ.get("LOCAL_RANK", "0")) + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if torch.cuda.is_available() and processes > (count := torch.cuda.device_count()):
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -69,10 +68,8 @@ def setup() -> Context:
 
 
 def _join_group(backend: str, device: torch.device, world_size: int) -> None:
-    """init_process_group on a thread of its own. torch waits for the other processes in C++, where
-    no Python signal handler runs: on the main thread, a SIGTERM (a cancelled job, a deleted pod)
-    could not stop a join whose rank 0 never comes. Here the main thread waits in Python, so the
-    signal stops the job as it does anywhere else in its set-up."""
+    """init_process_group on a thread of its own: torch waits for the other processes in C++, where no
+    Python signal handler runs, so the main thread waits in Python, where a SIGTERM can stop the job."""
     def join():
         if device.type == "cuda":
             torch.cuda.set_device(device)  # the current device is per thread
@@ -145,9 +142,8 @@ SHARED_KEYS = ("TRAIN.SNAPSHOT_ITERS", "TEST.DATASETS", "TEST.EVAL_PERIOD", "TES
 
 def check_same_job(ctx: Context, keys: dict, data: dict | None = None) -> None:
     """Every rank was started with rank 0's job: `keys` (job_identity.job_keys and SHARED_KEYS; paths and
-    tracking may differ by node) and `data`, what its training set is to the model (its categories;
-    None where a finished job's data is gone: it trains nothing). A rank with another SOLVER.MAX_ITER
-    would wait in a collective forever, one with another BASE_LR or other categories train silently."""
+    tracking may differ by node) and `data`, what its training set is to the model (None where a finished
+    job's data is gone)."""
     if not ctx.distributed:
         return
     every = all_gather_object(ctx, (keys, data))  # each rank sees them all, so all stop with the same line

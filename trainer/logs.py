@@ -56,11 +56,8 @@ def held_while_checking():
 
 class JobLog(logging.Handler):
     """OUTPUT_DIR/log.txt, detectron2's: what the job logs, appended start after start (each start's
-    host and pid said first), for the run to keep. Lines wait in memory until open(): until the
-    job's checks passed and its folder is settled (an earlier job's files set aside, a moved job's
-    log fetched from its run); a job that never gets there writes nothing. A write that fails (a full
-    disk) ends the file, said once: the console and json_stats.log go on. It goes to the run only while
-    it is the file opened, and only when it holds the run's copy (sendable)."""
+    host and pid first). Lines wait in memory until open(), once the job's checks passed and its folder
+    is settled. A write that fails (a full disk) ends the file, said once; the job goes on."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -104,10 +101,8 @@ class JobLog(logging.Handler):
                 self._write(f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} tracktron] {text}\n")
 
     def sendable(self) -> bool:
-        """Whether log.txt may go to the run, whole: it is still the file this job opened. One deleted
-        since (a clean-up of *.txt) failed the job's end on its upload, and one replaced (by a folder,
-        by a link to another job's log) would fail it or put another job's log in the run; the run
-        keeps the copy it had, and that is said once."""
+        """Whether log.txt may go to the run, whole: it is still the file this job opened (not deleted,
+        nor replaced by a folder or a link to another job's log); else the run keeps its copy, said once."""
         with self.lock:
             if not self._send:
                 return False
@@ -148,10 +143,8 @@ class JobLog(logging.Handler):
 
 
 def hold_console_descriptors() -> None:
-    """A process started with its console closed (`>&- 2>&-`): the next file opened would take
-    descriptor 1 or 2, and a library's C-level write to stdout or stderr would land in it (a
-    checkpoint, the SQLite store); Python's sys.stdout and sys.stderr are None, and MLflow's model
-    logging failed writing to them. /dev/null stands in for each."""
+    """A process started with its console closed (`>&- 2>&-`): /dev/null stands in for each of 0, 1, 2,
+    or the next file opened (a checkpoint) would take the descriptor and get C-level writes to stdout."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -169,10 +162,8 @@ def hold_console_descriptors() -> None:
 
 
 class _Console:
-    """sys.stdout or sys.stderr, for the libraries too: MLflow prints to stderr while it registers the
-    model, and with the reader gone (`2>&1 | head`, a dead `tee`: EPIPE) or the disk full (ENOSPC)
-    its print failed the registration, retried until the flush timeout. A write that fails points
-    the descriptor at /dev/null instead (write_or_drop)."""
+    """sys.stdout or sys.stderr, for the libraries too (MLflow prints while it registers the model): a
+    write that fails (EPIPE, ENOSPC) points the descriptor at /dev/null instead of raising."""
 
     def __init__(self, stream: TextIO):
         self._stream = stream
@@ -195,10 +186,8 @@ class _Console:
 
 
 def write_or_drop(stream: TextIO, text: str) -> None:
-    """Write to the console (stdout, stderr), a view of the job whose record json_stats.log and the
-    tracking server keep. If its reader is gone (`| head` ended, a `tee` or log shipper died: EPIPE;
-    the terminal hung up: EIO), the descriptor is pointed at /dev/null, so that neither this write nor
-    a later one (the interpreter's last flush included) fails the job, and that is said once."""
+    """Write to the console, a view of the job: if its reader is gone (EPIPE, EIO), the descriptor is
+    pointed at /dev/null, so that neither this write nor a later one fails the job; said once."""
     try:
         stream.write(text)
         stream.flush()
@@ -228,10 +217,8 @@ def _name(fd: int) -> str:
 
 
 def check_arguments_are_text(args: list[str]) -> None:
-    """With `LC_ALL=C PYTHONUTF8=0`, Python keeps an argument's non-ASCII bytes (a path's) as lone
-    surrogates, which MLflow, SQLite and JSON cannot store: the job would fail at its first write
-    of it, or call it unprintable. One line that says what to change instead. The same of the
-    MLflow and tracktron variables of the environment (MLFLOW_EXPERIMENT_NAME=démo), named."""
+    """Every argument, and the MLFLOW_/TRACKTRON_ variables, as text MLflow, SQLite and JSON can store:
+    with `LC_ALL=C PYTHONUTF8=0` Python keeps non-ASCII bytes as lone surrogates. One line says what to change."""
     encoding = sys.getfilesystemencoding()
     named = [(v, f"the value of {k}") for k, v in os.environ.items() if k.startswith(("MLFLOW_", "TRACKTRON_"))]
     for arg, shown in [(a, ascii(a)) for a in args] + named:  # a variable's value unshown: it may be a password
