@@ -1,14 +1,6 @@
-"""From images to detections outside training: what the served model, `tracktron predict` and the
-images drawn at each evaluation share.
-
-    decode(image)              encoded bytes (PNG, JPEG, ...) or an HxWx3 uint8 array -> CHW float in [0, 1]
-                               (trainer.data.images: the loader's decoder too)
-    detections_of(output, ...) one torchvision output -> boxes (x1, y1, x2, y2 pixels), scores, category
-                               ids and names, masks (COCO RLE) and keypoints where the model has them
-    Detector                   a model rebuilt from a state dict, the resolved config and the categories
-
-A model folder (`save` / `Detector.load`) holds weights.pt (a state dict: tensors only, loaded with
-weights_only=True, never a pickle of code), config.yaml and categories.json.
+"""From images to detections outside training: what the served model, `tracktron predict` and evaluation
+share. A model folder (`save` / `Detector.load`) holds weights.pt (a state dict: tensors only, loaded
+with weights_only=True, never a pickle of code), config.yaml and categories.json.
 """
 from __future__ import annotations
 
@@ -32,15 +24,13 @@ WEIGHTS, CONFIG, CATEGORIES = "weights.pt", "config.yaml", "categories.json"
 
 
 def check_weights_given(weights: str) -> None:
-    """`--weights "$WEIGHTS"` with the variable unset: said before anything is read or made ("" would
-    be the working folder, read as a model folder)."""
+    """`--weights "$WEIGHTS"` with the variable unset ("" would be the working folder, a model folder)."""
     if not weights.strip():
         raise UserError("--weights is empty: give a checkpoint path, a model folder, runs:/<id>/... or models:/name/version")
 
 
 def on_host(output: dict) -> dict:
-    """One output on the CPU, its masks thresholded where they are: on a GPU they are [N, 1, H, W]
-    floats the size of the image (hundreds of MB for 100 detections), their booleans a quarter."""
+    """One output on the CPU, its masks thresholded first: as [N, 1, H, W] floats they are four times as large."""
     return {k: (v > 0.5 if k == "masks" else v).detach().cpu() for k, v in output.items()}
 
 
@@ -115,9 +105,8 @@ def save(folder: Path, cfg: Config, state_dict: dict, categories: list[dict], ke
 
 
 def checked_categories(meta, source) -> tuple[list[dict], list[str]]:
-    """The categories and keypoint names a checkpoint or model folder carries, as save() writes them
-    ({"categories": [{"id": int, "name": str}, ...], "keypoint_names": [str, ...]}); another shape is
-    a UserError naming `source`."""
+    """The categories and keypoint names a checkpoint or model folder carries, as save() writes them;
+    another shape is a UserError naming `source`."""
     cats = meta.get("categories") if isinstance(meta, dict) else None
     if not isinstance(cats, list) or not cats or not all(
             isinstance(c, dict) and type(c.get("id")) is int and isinstance(c.get("name", ""), str) for c in cats):
@@ -200,8 +189,7 @@ class Detector:
         return results
 
     def pixels(self, image) -> torch.Tensor:
-        """The decoded image, once it is known to survive the network's resize: a strip (400x1)
-        would be scaled to no pixel on its short side (a RuntimeError deep in torchvision)."""
+        """The decoded image, once it is known to survive the network's resize (a 400x1 strip scales to no pixel)."""
         pixels = decode(image, upright=True)
         t = self.model.transform
         if getattr(t, "fixed_size", None) is None:

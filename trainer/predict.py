@@ -1,14 +1,9 @@
 """`tracktron predict`: a trained detector on image files, without a dataset or a tracking run.
 
-For each IMAGE it writes OUT/<stem>.png (the detections at or above the score threshold, drawn)
-and OUT/<stem>.json (every detection, as the served model returns them, with the image's path and
-size). Two images with the same stem get <stem>-2, <stem>-3, ... in the order given, and so does
-an image whose result would replace an input, any other file of the user's (OUT may be the
-images' folder) or an earlier prediction of another image; an earlier prediction of the same
-image is replaced.
-
-Every input (threshold, images, OUT, config, weights) is checked before anything is predicted or
-written: a bad one ends as a UserError, one line, and OUT is left as it was.
+For each IMAGE it writes OUT/<stem>.png (the detections at or above the score threshold, drawn) and
+OUT/<stem>.json (every detection, with the image's path and size); output_names keeps them from
+replacing anything but an earlier prediction of the same image. Every input is checked before
+anything is predicted or written: a bad one ends as a UserError, and OUT is left as it was.
 """
 from __future__ import annotations
 
@@ -140,11 +135,9 @@ _LONGEST_STEM = 255 - len(".json") - len("-999999")  # bytes: <stem>-<n>.json fi
 
 
 def output_names(images: list[str], out: Path) -> list[str]:
-    """One name per image, its stem, made unique with -2, -3, ... (compared without case: macOS and
-    Windows folders would write a.png and A.png to one file), and never a file of the user's: an
-    input, or anything already in OUT but an earlier prediction of the same image (OUT may be the
-    images' folder, with a cat.png or a LabelMe cat.json beside cat.jpg; a/x.png's result stays when
-    b/x.png is predicted into OUT later)."""
+    """One name per image, its stem, made unique with -2, -3, ... in the order given (compared without
+    case, as macOS and Windows folders do), and never a file of the user's: an input, or anything in OUT
+    but an earlier prediction of the same image (OUT may be the images' folder)."""
     inputs = {_real(Path(i).expanduser()) for i in images}
     taken, names = set(), []
     for image in images:
