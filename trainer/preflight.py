@@ -1,8 +1,5 @@
-"""The checks of a job that need its data and its network, made before a run is made for it: the
-training datasets built, the test datasets read, the batch against the set, the network built, the
-checkpoint it would resume from is its own, trained on its categories, and (once the run lookup said
-whether the job resumes) its initial weights fetched and loaded. The engine then trains on what was
-built here, so nothing is built or downloaded twice."""
+"""The checks of a job that need its data, its network or its weights, made before a run is made for
+it. The engine then trains on what was built here, so nothing is built or downloaded twice."""
 from __future__ import annotations
 
 import logging
@@ -56,10 +53,8 @@ def seed_everything(cfg: Config) -> None:
 
 
 def check_deterministic(cfg: Config) -> None:
-    """DETERMINISTIC makes torch raise at an op with no deterministic CUDA kernel. The keypoint
-    predictor (torchvision's KeypointRCNNPredictor) upsamples its heatmaps bilinearly, and
-    upsample_bilinear2d's CUDA backward is one: a keypointrcnn job on a GPU would fail at its first
-    backward, after its run was made. On the CPU that backward is deterministic (the tests pass)."""
+    """DETERMINISTIC makes torch raise at an op with no deterministic CUDA kernel, such as the backward of
+    the keypoint head's bilinear upsampling: a keypointrcnn job on a GPU would fail at its first step."""
     if cfg.DETERMINISTIC and cfg.MODEL.TYPE.startswith("keypointrcnn") and torch.cuda.is_available():
         raise UserError(f"DETERMINISTIC true cannot train {cfg.MODEL.TYPE} on a GPU: its keypoint head upsamples "
                         "bilinearly, and torch has no deterministic CUDA backward for that; set DETERMINISTIC false")
@@ -86,9 +81,7 @@ def prepare(cfg: Config) -> Prepared:
 
 def load_initial_weights(cfg: Config, prepared: Prepared) -> None:
     """TRAIN.WEIGHTS (a file, a URL, a torchvision name, a model in MLflow) into the network of a job
-    that starts from iteration 0, before its run is made: weights that are gone or do not load are
-    one line then. A job that resumes does not call this: its checkpoint holds its weights, and the
-    parent may be gone meanwhile (a file archived, an alias moved)."""
+    that starts from iteration 0, before its run is made (a resumed job's checkpoint holds its weights)."""
     if not cfg.TRAIN.WEIGHTS:
         return
     check_source(cfg, cfg.TRAIN.WEIGHTS)  # an MLflow URI names something: said more plainly than its download
@@ -99,9 +92,8 @@ def load_initial_weights(cfg: Config, prepared: Prepared) -> None:
 
 def check_local(cfg: Config, prepared: Prepared | None = None) -> tuple[Path, dict] | None:
     """The newest checkpoint in OUTPUT_DIR that loads and that the engine can restore into the
-    network built here (others are skipped with a warning); UserError when it is another job's.
-    Kept in `prepared`, so the engine does not load it again. When none restores but one loads, the
-    job stops in one line: a start from iteration 0 would write over it (helper-53)."""
+    network built here (others are skipped with a warning), kept in `prepared`; UserError when it is
+    another job's, or when none restores but one loads (a start from iteration 0 would write over it)."""
     unrestorable = []
 
     def usable(path: Path, state: dict) -> None:
@@ -130,11 +122,9 @@ _SCALER = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_grow
 
 
 def check_restores(cfg: Config, path, state: dict, model: torch.nn.Module) -> None:
-    """The engine's restore of `state`, tried before the run is made: a checkpoint that passes load()
-    yet lacks the optimizer, holds weights of other shapes or an RNG state of another kind (one
-    built by hand) was a traceback after the run was reopened, its valid predecessor never tried.
-    Nothing changes: the weights are compared, not loaded (a job that starts from iteration 0 after
-    all keeps its initialisation), the optimizer is a new one, the CPU's RNGs are put back."""
+    """The engine's restore of `state`, tried before the run is made, so that a checkpoint that loads but
+    does not restore makes way for its predecessor. Nothing changes: the weights are compared, not loaded,
+    the optimizer is a new one, the CPU's RNGs are put back."""
     rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()  # CPU's: no CUDA context made here
     try:
         weights, own = state["model"], model.state_dict()
@@ -184,9 +174,8 @@ def check_same_job(cfg: Config, path: Path, state: dict) -> None:
 
 
 def check_named_iteration(cfg: Config, path: Path, state: dict) -> None:
-    """A checkpoint holds the iteration its name says (model_final: the job's last). One copied over
-    another (model_iter2.pth as model_final.pth) would pass for a finished job, or resume the wrong
-    iterations, and a rerun would upload and log it as the job's model."""
+    """A checkpoint holds the iteration its name says (model_final: the job's last): one copied over
+    another (model_iter2.pth as model_final.pth) would pass for a finished job or resume the wrong iterations."""
     last = cfg.SOLVER.MAX_ITER - 1
     named = last if path.name == FINAL else iteration_of(path.name)
     held = state.get("iteration")
@@ -199,9 +188,8 @@ def check_named_iteration(cfg: Config, path: Path, state: dict) -> None:
 
 
 def check_same_categories(path, state: dict, dataset) -> None:
-    """A checkpoint's labels mean its categories (and keypoints): resumed on a training set with
-    others, its classifier would not fit them (a size mismatch, after the run was reopened) or would
-    learn another class under an old label."""
+    """A checkpoint's labels mean its categories (and keypoints): resumed on a training set with others,
+    its classifier would not fit them or would learn another class under an old label."""
     stored = state.get("categories") or {}
     if not stored.get("categories"):  # weights that do not say
         return
