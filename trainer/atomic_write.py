@@ -33,16 +33,14 @@ HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
 def temp_name(path: Path) -> Path:
-    """`.<name>.tmp.<host>.<pid>` beside `path`: whose it is, so a later job knows when it is stale.
-    A name near the system's 255 bytes (an image's, for predict) is cut to leave room for the suffix.
-    Recorded as made here until forget()."""
+    """`.<name>.tmp.<host>.<pid>` beside `path` (whose it is, so a later job knows when it is stale), the
+    name cut to fit 255 bytes; recorded as made here until forget()."""
     suffix = f".tmp.{HOST}.{os.getpid()}".encode()
     return made_here(path.with_name(os.fsdecode(b"." + os.fsencode(path.name)[:255 - 1 - len(suffix)] + suffix)))
 
 
-# The temporary files and folders this process is writing now. Their names carry its pid, which an
-# earlier life of the same pid (a container's PID 1, restarted) left too; an mtime before this process
-# started does not tell them apart once the clock was set back (NTP, a VM resumed).
+# The temporary files and folders this process is writing now: an earlier life of the same pid (a
+# container's PID 1, restarted) left names like theirs, which neither the pid nor an mtime tells apart.
 _MADE: set[str] = set()
 _MADE_LOCK = threading.Lock()
 

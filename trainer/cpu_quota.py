@@ -1,8 +1,5 @@
-"""torch's threads within the container's CPU quota. `docker run --cpus 4` or a pod's CPU limit on
-a 64-core node is a CFS quota, not an affinity: torch sizes its intra-op pool from the affinity (64
-threads), and the quota then throttles them all. torchrun sets OMP_NUM_THREADS=1 itself only when it
-starts several processes per node: a single process (one GPU, the CPU demo) gets no such help.
-
+"""torch's threads within the container's CPU quota: `docker run --cpus 4` or a pod's CPU limit is a
+CFS quota, not an affinity, so torch would size its pool from the node's cores and be throttled.
 Nothing here may fail a job: a cgroup file missing, unreadable or malformed is "no quota"."""
 from __future__ import annotations
 
@@ -21,14 +18,9 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def use_cpu_quota() -> None:
-    """Before torch is imported: when the whole CPUs of a CPU quota (at least 1) are fewer than the
-    CPUs this process may run on, torch gets that many threads, said once at INFO. A thread count the user
-    set (OMP_NUM_THREADS, MKL_NUM_THREADS) is left as it is.
-
-    Set as OMP_NUM_THREADS, so torch sizes its pool with it when it loads (the train command imports
-    torch later, while the job's run is looked up), and so does every OpenMP library of the process,
-    and a process it starts (in the same cgroup). Loader workers need nothing: torch's worker loop
-    sets each to one thread, and N workers of `quota` threads each would be N times too many."""
+    """When the whole CPUs of a CPU quota (at least 1) are fewer than the CPUs this process may run on,
+    OMP_NUM_THREADS (read by torch as it loads, and by every OpenMP library) gets that many, said once.
+    A thread count the user set is left as it is; loader workers are one thread each already."""
     if any(os.environ.get(name, "").strip() for name in THREAD_VARIABLES):
         return
     try:
@@ -55,10 +47,8 @@ def _count(n: float, what: str) -> str:
 
 
 def read_cpu_quota(root: Path) -> tuple[float, str] | None:
-    """The container's CPU quota in CPUs, with the file that sets it; None when there is none.
-    docker and Kubernetes give a container a cgroup namespace: `root` is its own cgroup, where
-    cgroup v2 keeps cpu.max and v1 cpu/cpu.cfs_quota_us. (A bare host's systemd or Slurm limits
-    are elsewhere; they are left to OMP_NUM_THREADS.)"""
+    """The container's CPU quota in CPUs, with the file that sets it; None when there is none. `root` is
+    the container's own cgroup (its namespace), with cgroup v2's cpu.max or v1's cpu/cpu.cfs_quota_us."""
     return min(filter(None, (_v2_quota(root), _v1_quota(root / "cpu"))), default=None)
 
 
