@@ -58,9 +58,7 @@ def download(url: str, option: str) -> Path:
 
 
 def writable_cache(folder: Path, what: str, variable: str) -> None:
-    """`folder` made and writable by this process, or a line that names it and the variable that moves
-    it: a cache that cannot be written (HOME=/, or a home owned by the image's user, as a container
-    run as an arbitrary user has) was said to be a failed download, to be fetched elsewhere."""
+    """`folder` made and writable by this process, or a line that names it and the variable that moves it."""
     try:
         write_probe(folder)
     except OSError as e:
@@ -134,8 +132,7 @@ def _copy(response, part, window: float) -> None:
 
 def _drop_stale_parts(cache: Path) -> None:
     """What a download killed before it could clean up left: a part that no process holds a lock on
-    (whatever its age: clocks differ between hosts sharing a cache, and jump), or where there are no
-    locks, one untouched for a day."""
+    (whatever its age: clocks differ between hosts), or where there are no locks, one untouched for a day."""
     for part in cache.glob(".part-*"):
         try:
             if _drop_unlocked(part) is None and time.time() - part.lstat().st_mtime > UNLOCKABLE_PART_STALE_S:

@@ -1,9 +1,6 @@
 """One trainer per OUTPUT_DIR: a second one started on the same folder stops before it touches
-anything, naming the first. The lock is the kernel's (flock on OUTPUT_DIR/.lock), so a trainer that
-is killed leaves nothing stuck: its lock goes with its process. The folder itself is locked too
-where the file system allows it, so that a `.lock` deleted by hand still keeps a second trainer out.
-A job that ends before it wrote anything (a tracking server that cannot be reached, say) leaves no
-OUTPUT_DIR behind either."""
+anything, naming the first. The lock is the kernel's (flock on OUTPUT_DIR/.lock, and on the folder
+where the file system allows it), so a trainer that is killed leaves nothing stuck."""
 from __future__ import annotations
 
 import contextlib
@@ -174,9 +171,8 @@ def _identity(st: os.stat_result) -> tuple:
 
 
 def _flock_soon(fd: int, mode: int, within_s: float = 1.0) -> None:
-    """flock without waiting on a holder, tried again for a moment: a --dry-run's check holds a
-    shared lock for an instant, which must not refuse a trainer starting then (helper-52). A
-    trainer's lock is held for its life: BlockingIOError once `within_s` has passed."""
+    """flock without waiting on a holder, tried again for a moment (a --dry-run's check holds a shared
+    lock for an instant); BlockingIOError once `within_s` has passed."""
     deadline = time.monotonic() + within_s
     while True:
         try:
