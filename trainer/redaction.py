@@ -1,11 +1,8 @@
 """Nothing secret leaves the process: one redaction point for every way text goes out.
 
 What is secret: the `user:password@` of any URL, and the values of config keys and environment
-variables named like secrets (password, secret, token, API key, access key, private key,
-credential), remembered as they are read. `redact_text` replaces them with `***`; `install()`
-puts it in front of every log record and uncaught traceback; the CLI's error line and the run's
-tags and params pass through it too. Files (config.yaml, checkpoints) get config.redacted: the
-secret-named values and URL credentials replaced, the same on every machine.
+variables named like secrets (SECRET_WORDS), remembered as they are read. `redact_text` replaces them
+with `***`; `install()` puts it in front of every log record and uncaught traceback.
 """
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ def remember(value) -> None:
 
 
 def remember_url_credentials(text: str) -> None:
-    """The `user:password` of each URL in a value the user gave (an argument, a config value, the
-    environment), as typed: a password with an unescaped `/`, `#` or `?` is no URL's userinfo to
-    redact_urls (the authority ends there), yet a library's error echoes it whole."""
+    """The `user:password` of each URL in a value the user gave, as typed: a password with an unescaped
+    `/`, `#` or `?` is no URL's userinfo to redact_urls, yet a library's error echoes it whole."""
     for _, userinfo in _TYPED_USERINFO.findall(text) if "@" in text else ():
         remember(userinfo)
         remember(userinfo.partition(":")[2])
