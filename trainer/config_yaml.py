@@ -17,8 +17,6 @@ from trainer.errors import ConfigError
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as the user wrote it (the module's docstring says how)."""
-
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark

@@ -23,8 +23,6 @@ def named_folder(text: str, option: str) -> Path:
 
 
 def check_output_dir(path: Path) -> None:
-    """Before a run is made for the job, and without writing anything: an OUTPUT_DIR that cannot
-    be made or written is the user's to fix."""
     try:
         existing = next(p for p in (path, *path.parents) if p.exists())
         dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)

@@ -125,9 +125,8 @@ def _evaluation_due(cfg: Config, tracker: Tracker) -> bool:
 
 
 def _evaluate_final(cfg: Config, tracker: Tracker, output_dir: Path, prepared, state: dict, device) -> bool:
-    """model_final's evaluation never reached the run (the job was killed during it, the server was
-    down, or the job ran untracked): evaluated now, on this process alone, as the end of training
-    would. Whatever fails here is a warning: the model is logged all the same."""
+    """model_final's evaluation, which never reached the run, made now on this process alone, as the end
+    of training would. Whatever fails here is a warning: the model is logged all the same."""
     if prepared is None:
         log.warning("the run lacks the evaluation of %s and the job's data is gone: %s", FINAL, _again(tracker))
         return False

@@ -63,11 +63,8 @@ def create_model(job: Job) -> CreatedModel:
 
 
 def warn_of_missing_metrics(run, start_iter: int) -> None:
-    """Metrics go out every few seconds: a job killed (SIGKILL, OOM) soon after a checkpoint it
-    then resumes from never sent the last iterations before it, and a job resumed into a new run
-    (tracking turned on, another experiment) sent none. The other way round, a resume from a checkpoint
-    older than the run's newest metrics trains those iterations again without logging a step twice.
-    Said once, not papered over."""
+    """Said once: the run lacks metrics of iterations before `start_iter` (a job killed before it sent
+    them, a resume into a new run), or has some of the iterations trained again (never logged twice)."""
     if run.run_id and run.last_step < start_iter - 1:
         why = ("the job stopped before it sent them, or trained them outside this run" if run.resumed else
                "it is a new run: the job's earlier one, if tracked, is in another store or experiment; a relative "
@@ -97,9 +94,8 @@ def find_start_point(job: Job) -> StartPoint:
     local = job.prepared.local if checked else check_local(job.cfg)
     if checked:
         job.prepared.local = None  # the state goes on in the StartPoint only: no second copy kept
-    if local:
-        if local[0].name == FINAL:
-            return StartPoint(final=True, source=str(local[0]))
+    if local and local[0].name == FINAL:
+        return StartPoint(final=True, source=str(local[0]))
     local_iter = iteration_of(local[0].name) if local else -1
     unreachable = []  # checkpoints that could not be downloaded, as opposed to bad ones (skipped)
     for name in run.checkpoints:

@@ -37,12 +37,9 @@ def _row(run, exp, uri: str) -> dict:
 
 
 def _liveness(run) -> tuple[str, str]:
-    """The status to show, and why when it is not the run's own. A RUNNING run whose trainer is gone
-    (SIGKILL, a lost machine: nothing marked it ended) is LOST: its trainer beats every few seconds,
-    from the run's opening to its end (heartbeat.py), so a beat older than heartbeat's STALE_S, or
-    none, is no live one. A beat from further ahead than that (the trainer's clock is wrong) tells
-    nothing either way: UNKNOWN, never RUNNING for as long as the clocks differ. On the trainer's own
-    machine its process answers at once."""
+    """The status to show, and why when it is not the run's own: a RUNNING run whose heartbeat
+    (heartbeat.py) is missing or older than STALE_S is LOST, one from further ahead than that (a wrong
+    clock) UNKNOWN; on the trainer's own machine its process answers at once."""
     if run.info.status != "RUNNING":
         return run.info.status, ""
     sent = _beat_time(run.data.tags.get(HEARTBEAT_TAG))
