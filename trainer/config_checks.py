@@ -221,8 +221,8 @@ MAX_BOX_HEAD_WEIGHTS = 1_000_000_000  # 4 GB of float32 in one layer; Detectron'
 
 
 def _box_head_weights(m) -> int:
-    """Each size within its ceiling, together they made a layer of a trillion weights (helper-47). Only
-    an FPN R-CNN has that layer: C4's box head is res5, and the single-stage models have none."""
+    """Each size within its ceiling can still make a layer of a trillion weights. Only an FPN R-CNN has
+    that layer: C4's box head is res5, and the single-stage models have none."""
     if m.FEATURES != "fpn" or "rcnn" not in m.TYPE:
         return 0
     return m.FPN_CHANNELS * m.BOX_POOL_SIZE ** 2 * m.REPRESENTATION_SIZE

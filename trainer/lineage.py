@@ -1,11 +1,6 @@
-"""Where a job's inputs come from, recorded on its run.
-
-Datasets: each TRAIN.DATASETS and TEST.DATASETS entry as an MLflow dataset input (name, the
-annotation file as source, context `training` or `evaluation`; the digest is the file's sha256,
-cut to the 36 characters MLflow's store keeps, the whole of it in the profile). Weights:
-TRAIN.WEIGHTS may name a model in MLflow (`runs:/<id>/checkpoints/<file>`, `runs:/<id>/model`,
-`models:/name/version`, `models:/name@alias`); it is downloaded, loaded like a file, and the new run
-gets `tracktron.parent.*` tags and the parent LoggedModel as a model input.
+"""Where a job's inputs come from, recorded on its run: each dataset as an MLflow dataset input (its
+annotation file's sha256 as digest), and TRAIN.WEIGHTS, which may name a model in MLflow (`runs:/...`,
+`models:/...`): downloaded, loaded like a file, and recorded as the run's parent.
 """
 from __future__ import annotations
 

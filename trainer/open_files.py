@@ -1,10 +1,8 @@
-"""Enough file descriptors for the loader workers, checked before anything starts.
+"""Enough file descriptors for the loader workers, checked before anything starts (no torch here).
 
-Loader workers pass every tensor of a batch to the trainer as a file descriptor (torch's
-file_descriptor sharing). A trainer that runs out of them waits for its next batch without end, or
-fails mid-job (torch's "Too many open files"). So the soft limit is raised to what the job needs
-where the hard limit allows, as `ulimit -n` would, and a job the hard limit is too low for is
-refused in one line. Imports no torch: it runs before the job's checks."""
+Loader workers pass every tensor of a batch to the trainer as a file descriptor: a trainer that runs
+out of them hangs or fails mid-job. The soft limit is raised to what the job needs where the hard
+limit allows, as `ulimit -n` would; a job the hard limit is too low for is refused in one line."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +14,8 @@ log = logging.getLogger(__name__)
 
 
 def needed(workers: int, images_per_batch: int) -> int:
-    """A generous bound (about 3x what the demo holds, measured from /proc/PID/fd): each worker has
-    2 batches in flight and the trainer holds 2 more, a few tensors per image."""
+    """A generous bound (about 3x what the demo holds): each worker has 2 batches in flight and the
+    trainer holds 2 more, a few tensors per image."""
     return 128 + 16 * images_per_batch * (workers + 1)
 
 
