@@ -32,16 +32,13 @@ SECOND_WORDS_S = 1.0  # a second signal exits at once, after at most this long f
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _stopped_by(self, signum: int, deadline: float) -> None:
-    BaseException.__init__(self, f"stopped by {signal.Signals(signum).name}")
-    self.signum = signum
-    self.deadline = deadline  # time.monotonic() by which the process must be gone
-
-
 class Preempted(Exception):
     """Raised by the engine after the preemption checkpoint is safe."""
 
-    __init__ = _stopped_by
+    def __init__(self, signum: int, deadline: float):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.deadline = deadline  # time.monotonic() by which the process must be gone
 
 
 class StopRequested(BaseException):
@@ -49,8 +46,10 @@ class StopRequested(BaseException):
     finish, so the job stops where it is. A BaseException, so that no `except Exception` on the way
     (a tracking call that turns errors into one line) takes it for a fault."""
 
-    __init__ = _stopped_by
-
+    def __init__(self, signum: int, deadline: float):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.deadline = deadline
 
 class _OnSignal:
     """Stop-signal handlers for a `with` block (main thread only). The first signal calls
