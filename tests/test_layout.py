@@ -14,7 +14,7 @@ LAYERS = {"errors": 0, "atomic_write": 0, "hashing": 0, "torch_load": 0, "daemon
           "data": 1, "downloads": 1, "models": 1, "solver": 1, "distributed": 1, "preemption": 1, "output_lock": 1,
           "open_files": 1, "inference": 1, "visualize": 1,
           "stats": 2, "checkpoint": 2, "tracking": 2,
-          "evaluation": 3, "eval_images": 3, "lineage": 3, "output_dir": 3,
+          "evaluation": 3, "lineage": 3, "output_dir": 3,
           "predict": 4, "publish": 4, "dry_run": 4, "explain": 4, "preflight": 4, "job": 4, "resume": 4, "engine": 4,
           "status": 5, "launch": 5, "cli": 6, "__main__": 7}
 
