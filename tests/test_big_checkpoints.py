@@ -32,7 +32,7 @@ from trainer.checkpoint.files import checkpoint_name, iteration_of
 from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
-from trainer.tracking.pruning import PRUNE_BATCH
+from trainer.tracking.checkpoint_uploads import PRUNE_BATCH
 from trainer.tracking.runs import checkpoints_from
 from trainer.tracking.transfers import download, file_identity, repository, run_repository, upload
 

@@ -4,7 +4,7 @@ The engine, evaluation and the CLI know nothing of MLflow's API: they call a `Tr
 with the no-op implementation). The MLflow implementation (mlflow_tracker.py) queues the training
 thread's network work (metrics, checkpoint uploads) for background threads (background.py); job_run.py
 finds the job's run; runs.py holds the checkpoint-tag protocol; transfers.py moves checkpoint-sized files (multipart,
-timeouts by size) and pruning.py keeps TRACKING.CHECKPOINTS_KEEP of them in the run;
+timeouts by size) and checkpoint_uploads.py keeps TRACKING.CHECKPOINTS_KEEP of them in the run;
 system_metrics.py runs MLflow's system-metrics monitor. `create_tracker` picks the implementation
 from TRACKING.ENABLED and the rank.
 """

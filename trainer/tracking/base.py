@@ -84,7 +84,7 @@ class Tracker:
 
     def log_checkpoint(self, path: Path, sha256: str) -> None:
         """Upload a written checkpoint and mark it complete (tags); a newer one supersedes it. With
-        TRACKING.CHECKPOINTS_KEEP, older model_iter ones then leave the run (tracking/pruning.py)."""
+        TRACKING.CHECKPOINTS_KEEP, older model_iter ones then leave the run (tracking/checkpoint_uploads.py)."""
 
     def uploading(self) -> set[str]:
         """Checkpoint files whose upload is still to come (an outage holds them): pruning keeps them."""
