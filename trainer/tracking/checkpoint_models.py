@@ -11,7 +11,6 @@ training thread of a job that has nothing left to train).
 """
 from __future__ import annotations
 
-import logging
 import re
 import tempfile
 import time
@@ -19,8 +18,6 @@ from pathlib import Path
 
 from trainer.tracking.runs import CHECKPOINT_TAG, CHECKPOINT_TYPE, checkpoint_artifact, takes_scores
 from trainer.tracking.search import every_page
-
-log = logging.getLogger(__name__)
 
 MODEL_TAG = "tracktron.model_id"  # on the run: its servable model is logged (and registered, if asked)
 BEST_CHECKPOINT_TAG = "tracktron.best_checkpoint"  # the run's best checkpoint, its LoggedModel and its score
@@ -85,11 +82,6 @@ def update_best(client, experiment_id: str, run_id: str, metric: str):
 def checkpoint_file(model) -> str:
     """model_iter{N}.pth or model_final.pth, from a checkpoint LoggedModel's tag."""
     return model.tags.get(CHECKPOINT_TAG, "").rsplit("/", 1)[-1]
-
-
-def set_alias(client, name: str, alias: str, version: str) -> None:
-    client.set_registered_model_alias(name, alias, version)
-    log.info("registered model %s version %s is now @%s", name, version, alias)
 
 
 def _name(checkpoint: str) -> str:

@@ -10,8 +10,7 @@ from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
-from trainer.tracking.checkpoint_models import (checkpoint_file, log_servable_copy, servable_name, set_alias,
-                                               update_best)
+from trainer.tracking.checkpoint_models import checkpoint_file, log_servable_copy, servable_name, update_best
 from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
 from trainer.tracking.sqlite_store import unmade
@@ -43,12 +42,13 @@ def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, r
 
 
 def set_aliases(client, registered: str, final: str | None, best: str | None) -> None:
-    """@final and @best one right after the other, once both versions exist. Set apart (the best
-    checkpoint's copy logged in between), two jobs registering into one name at the same time left
-    them naming two jobs' models (helper-72)."""
+    """@final and @best one right after the other, once both versions exist: set apart (the best
+    checkpoint's copy logged in between), two jobs registering into one name at once could leave them
+    naming two jobs' models."""
     for alias, version in (("final", final), ("best", best)):
         if version is not None:
-            set_alias(client, registered, alias, version)
+            client.set_registered_model_alias(registered, alias, version)
+            log.info("registered model %s version %s is now @%s", registered, version, alias)
 
 
 def fail_unfinished(client, experiment_id: str, run_id: str) -> None:
