@@ -34,11 +34,9 @@ def log_final(uri: str, client, experiment_id: str, run_id: str, folder: Path, r
     if earlier := _ready_model(client, experiment_id, run_id, FINAL_NAME):
         log.info("the run's model %s was logged by an earlier process: it is not logged again", earlier.model_id)
         version = register_logged(uri, client, run_id, earlier.model_id, registered) if registered else None
-        final = FinalModel(earlier.model_id, version)
-    else:
-        info = log_detector(uri, run_id, folder, name=FINAL_NAME, registered_model_name=registered)
-        final = FinalModel(info.model_id, info.registered_model_version)
-    return final
+        return FinalModel(earlier.model_id, version)
+    info = log_detector(uri, run_id, folder, name=FINAL_NAME, registered_model_name=registered)
+    return FinalModel(info.model_id, info.registered_model_version)
 
 
 def set_aliases(client, registered: str, final: str | None, best: str | None) -> None:
@@ -104,12 +102,10 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
     if name == FINAL:
         if best is None:
             log.info("nothing was evaluated: @best is the final model")
-        version = final_version
-    elif logged := _ready_model(client, experiment_id, run_id, servable_name(name)):
-        version = register_logged(uri, client, run_id, logged.model_id, registered)
-    else:
-        version = log_servable_copy(client, uri, run_id, output_dir / name, registered)
-    return version
+        return final_version
+    if logged := _ready_model(client, experiment_id, run_id, servable_name(name)):
+        return register_logged(uri, client, run_id, logged.model_id, registered)
+    return log_servable_copy(client, uri, run_id, output_dir / name, registered)
 
 
 def _ready_model(client, experiment_id: str, run_id: str, name: str):
