@@ -292,20 +292,22 @@ class MlflowTracker(Tracker):
     def log_model(self, folder: Path, cfg: Config) -> None:
         """Three queued steps, each retried alone: the model (registered), the best checkpoint registered
         and @final and @best set together, then the run's MODEL_TAG, which says that both are done."""
-        registered, logged = cfg.TRACKING.REGISTERED_MODEL, {}
+        registered = cfg.TRACKING.REGISTERED_MODEL
+        final, aliased = None, not registered  # log_final's FinalModel; @final and @best set (or not asked for)
 
         def log():
-            logged["info"] = log_final(self.uri, self.client, self._experiment_id(), self._run.run_id, folder, registered)
+            nonlocal final
+            final = log_final(self.uri, self.client, self._experiment_id(), self._run.run_id, folder, registered)
 
         def best():
-            if "info" in logged:
-                final = logged["info"].version
-                set_aliases(self.client, registered, final, self._register_best(registered, final))
-                logged["best"] = True
+            nonlocal aliased
+            if final is not None:
+                set_aliases(self.client, registered, final.version, self._register_best(registered, final.version))
+                aliased = True
 
         def mark_logged():  # not when a step failed: a rerun of the job then does it again
-            if "info" in logged and (not registered or "best" in logged):
-                self.client.set_tag(self._run.run_id, MODEL_TAG, logged["info"].model_id)
+            if final is not None and aliased:
+                self.client.set_tag(self._run.run_id, MODEL_TAG, final.model_id)
 
         self._uploader.submit("log the final model", log)
         if registered:
