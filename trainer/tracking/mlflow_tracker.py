@@ -22,7 +22,7 @@ from trainer.tracking.checkpoint_uploads import PRUNE_JOB, CheckpointUploads, De
 from trainer.tracking.checkpoint_models import MODEL_TAG, evaluation_due, link_evaluation, update_best
 from trainer.tracking.final_model import fail_unfinished, log_final, register_best, register_logged, registration_due, set_aliases
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, check_not_held
-from trainer.tracking.prefetch import Prefetch, verified
+from trainer.tracking.prefetch import Prefetch, download_verified
 from trainer.tracking.run_description import input_entities, safe_params
 from trainer.tracking.job_run import FoundRun, find_run, found_in_new_store, open_run
 from trainer.tracking.runs import (STATUS_REASON, bound_http, checkpoints_from, env_experiment_id, logged_steps,
@@ -174,18 +174,19 @@ class MlflowTracker(Tracker):
             if prefetch is not None:
                 prefetch.drop()
             folder = download_folder(dest_dir)
-            path = verified(self._artifacts(), name, folder, expected)
+            path, why = download_verified(self._artifacts(), name, folder, expected)
+            if why:  # an older checkpoint is tried next
+                log.warning("%s", why)
         try:
             return path.replace(dest_dir / name) if path else None
         finally:
             drop_download_folder(folder)
 
     def fetch_artifact(self, name: str, dest_dir: Path) -> Path | None:
-        """dest_dir/name from the run; None when the run has none (yet). It is downloaded into a hidden
-        folder first: a download cut short left a partial file, which the job appended to and sent
-        back in place of the run's whole one. Raises when the run's cannot be had: a folder of that
-        name (`mlflow artifacts log-artifacts`), which MLflow downloaded whole into OUTPUT_DIR, where
-        it refused every later start; a download that failed."""
+        """dest_dir/name from the run; None when the run has none (yet). Downloaded into a hidden folder
+        first, so that a download cut short leaves no partial file for the job to append to and send
+        back. Raises when the run's cannot be had: a folder of that name (`mlflow artifacts log-artifacts`,
+        which MLflow would download whole into OUTPUT_DIR), a download that failed."""
         repo = self._artifacts()
         listed = next((info for info in repo.list_artifacts() if info.path == name), None)
         if listed is None:

@@ -34,15 +34,6 @@ def download_verified(repo, name: str, folder: Path, expected: str | None) -> tu
     return path, None
 
 
-def verified(repo, name: str, folder: Path, expected: str | None) -> Path | None:
-    """checkpoints/<name> of the run in `folder` once it matches its sha256 tag; None (and why, logged)
-    when it cannot be downloaded; CheckpointError when its bytes are not the tagged ones."""
-    path, why = download_verified(repo, name, folder, expected)
-    if why:
-        log.warning("%s", why)
-    return path
-
-
 class Prefetch:
     """One checkpoint downloading on a thread of its own into a hidden folder; `result()` waits for it."""
 
