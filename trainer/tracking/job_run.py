@@ -89,11 +89,9 @@ def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: 
 
 
 def _check_logged_model_api(client, uri: str, cfg: Config) -> None:
-    """A server without MLflow 3's logged-model API (MLflow 2.x, a hosted endpoint without it), when
-    the job needs it: its final model, its evaluations (the test sets' scores, tables) and
-    TRACKING.CHECKPOINTS_KEEP's pruning go through it. An MLflow 2.22 server took the job's metrics and
-    checkpoints, then failed every one of those after training, on every rerun too (helper-96). A
-    store the client opens itself (sqlite, a folder) is this MLflow's own: nothing to ask."""
+    """A server without MLflow 3's logged-model API (MLflow 2.x, a hosted endpoint without it), refused
+    before training when the job needs it: its final model, its evaluations (the test sets' scores,
+    tables) and TRACKING.CHECKPOINTS_KEEP's pruning go through it, and would fail only after training."""
     uses = [off for off, used in (("TRACKING.LOG_MODEL false", cfg.TRACKING.LOG_MODEL),
                                   ("TEST.DATASETS '()'", cfg.TEST.DATASETS),
                                   ("TRACKING.CHECKPOINTS_KEEP 0", cfg.TRACKING.CHECKPOINTS_KEEP > 0)) if used]
@@ -105,7 +103,7 @@ def _check_logged_model_api(client, uri: str, cfg: Config) -> None:
 def _check_artifacts_reachable(client, uri: str, found: FoundRun) -> None:
     """An experiment made through an `mlflow server` that serves artifacts keeps them at
     `mlflow-artifacts:/...`, which only that server's clients reach: a job on the store itself
-    (`sqlite:///mlflow.db` beside the server) trained, then failed every upload (helper-72)."""
+    (`sqlite:///mlflow.db` beside the server) would train, then fail every upload."""
     if uri.lower().startswith(("http://", "https://")):
         return
     if found.run is not None:
@@ -386,7 +384,6 @@ def _newest_job_run(client, exp_ids: list, cfg: Config):
     return None
 
 
-
 def _run_name(cfg: Config) -> str:
-    """The job's hash ends it: a sweep's jobs start in the same second (helper-72)."""
+    """The job's hash ends it: a sweep's jobs start in the same second."""
     return redact_urls(cfg.TRACKING.RUN_NAME or f"{cfg.NAME}-{time.strftime('%Y%m%d-%H%M%S')}-{job_hash(cfg)[:6]}")

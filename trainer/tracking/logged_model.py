@@ -66,10 +66,8 @@ def requirements() -> list[str]:
 def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", registered_model_name: str | None = None):
     """Log the detector folder as a servable pyfunc model of run `run_id`; returns MLflow's ModelInfo.
 
-    The LoggedModel is made here, then linked to the run: logged within the run, MLflow copies the
-    run's step-0 metrics onto the model (the warm-up's loss and lr, on the final model), reading the
-    whole history of every metric for them: minutes for a 90,000-iteration run, twice a job
-    (helper-71)."""
+    The LoggedModel is made here, then linked to the run: logged within the run, MLflow would copy
+    the run's step-0 metrics onto the model, reading the whole history of every metric for them."""
     import mlflow
     import pandas as pd
     from mlflow import MlflowClient
@@ -95,9 +93,8 @@ def log_detector(uri: str, run_id: str, folder: Path, name: str = "model", regis
 
 def short_of_temp_space(e: BaseException, folder: Path) -> NoRoom | None:
     """MLflow copies a model twice through the folder for temporary files (its save, then the copy it
-    uploads): a small TMPDIR (a container's --tmpfs /tmp of a few MB) failed the logging with `The
-    following failures occurred while downloading one or more artifacts from …/model:`, the cause on
-    a line not shown, and the job retried it until its flush timeout (helper-86)."""
+    uploads): a TMPDIR too small for that (a container's --tmpfs /tmp) is said as such, a NoRoom that
+    is not retried, rather than MLflow's error, whose cause is on a line not shown."""
     if not _no_space(e):  # a server's error while TMPDIR happens to be small is retried as ever
         return None
     tmp = tempfile.gettempdir()

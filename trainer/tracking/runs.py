@@ -96,8 +96,7 @@ def registry_uri(cfg: Config | None) -> str:
 
 def settle_uri_variables() -> None:
     """MLFLOW_TRACKING_URI and MLFLOW_REGISTRY_URI as tracktron reads them (no white space around,
-    the scheme in lower case), for MLflow's own clients too: they read the variables as they are,
-    and a Secret's trailing newline failed the job's registration at its end, after training."""
+    the scheme in lower case), for MLflow's own clients too, which read them as they are."""
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
         if (raw := os.environ.get(key)) is not None and raw != (settled := _lower_scheme(raw.strip())):
             if settled:
@@ -191,7 +190,7 @@ def evaluation_sets(run) -> list[list[str]]:
     if (tagged := run.data.tags.get(EVAL_SETS_TAG)) is not None:
         try:
             sets = json.loads(tagged)
-        except (ValueError, RecursionError):  # nested thousands deep: said as the server's fault (helper-56)
+        except (ValueError, RecursionError):  # nested thousands deep: said as the server's fault
             return unknown
         pairs = isinstance(sets, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                                                for p in sets)

@@ -32,13 +32,13 @@ ELSEWHERE = "set MLFLOW_TRACKING_URI (or TRACKING.URI) to a tracking server or t
 
 def _shown(path: Path) -> str:
     """A store's path as the user can find it: a relative one (the default sqlite:///mlflow.db) is the
-    working folder's: a container's WORKDIR on a read-only root file system was said to be `.` (helper-83)."""
+    working folder's, named in full (not `.`)."""
     return f"the working folder {path.absolute()}" if path == Path(".") else str(path.absolute())
 
 
 def _refuse_a_loop(uri: str, path: Path) -> None:
-    """exists() calls a link that leads back to itself missing: status said "does not exist", and the job
-    SQLite's "unable to open database file" after its lock was made beside it (helper-94)."""
+    """exists() calls a link that leads back to itself missing: said as such a link, before a lock
+    is made beside it."""
     if leads_back(path):
         raise UserError(f"tracking URI {uri}: {path} is a link to {os.readlink(path)}, which leads back to itself")
 
@@ -70,8 +70,8 @@ def not_made_yet(uri: str, resume_run_id: str | None, experiment_id: str | None 
 def check_new_experiment_artifacts(uri: str, experiment: str) -> None:
     """A new experiment on a database store keeps its artifacts where MLflow's client puts them by
     default: ./mlruns in the working folder, whatever folder the store is in. From a read-only working
-    folder (a container's WORKDIR, a store on a volume) the job made the experiment there for good and
-    a run, then stopped at its first upload (helper-83); said before anything is written."""
+    folder (a container's WORKDIR, a store on a volume) the job would make the experiment and a run,
+    then stop at its first upload: said before anything is written."""
     if uri.split(":", 1)[0].split("+", 1)[0].lower() not in ("sqlite", "postgresql", "mysql", "mssql"):
         return
     given = os.environ.get("_MLFLOW_SERVER_ARTIFACT_ROOT")  # as mlflow's _get_sqlalchemy_store reads it

@@ -5,8 +5,7 @@ apart: MLflow's own SystemMetricsMonitor, a thread that samples every 10 s
 (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). A monitor MLflow cannot make (no psutil, no GPU library)
 turns system metrics off with a warning; the job trains on. MLflow's monitor drops the last, partial
 interval (`stop_monitor` sends it, bounded when the server is down), and its loop ends for good at
-the first failed request (here it restarts an interval later: a server's blip must not end a
-days-long job's system metrics, helper-73).
+the first failed request (here it restarts an interval later: a server's blip must not end them).
 """
 from __future__ import annotations
 

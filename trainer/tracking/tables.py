@@ -1,10 +1,9 @@
 """An evaluation's per-category table in the run.
 
 MLflow's `log_table` lists every table it logs in the run's `mlflow.loggedArtifacts` tag (the UI
-shows those as tables), and a tag holds 8,000 characters at most: MLflow cut the list there into
-JSON that every later `log_table` failed to read, about 97 evaluations of one test set into a job
-(helper-73), which then ended 1 over tables that had arrived. Past the tag's room a table is the
-same JSON file, logged without the listing.
+shows those as tables), and a tag holds 8,000 characters at most: MLflow would cut the list there
+into JSON that every later `log_table` fails to read. Past the tag's room a table is the same JSON
+file, logged without the listing.
 """
 from __future__ import annotations
 
