@@ -148,7 +148,7 @@ class MetricSender:
     def leftover(self) -> list:
         """queued(), one (key, value, timestamp_ms, step) point each: a resend of the batch in flight
         that did arrive is the same point, which the server keeps once."""
-        return [(k, float(v), ts, step) for step, ts, metrics in self.queued() for k, v in metrics.items()]
+        return points_of(self.queued())
 
     def _next_batch(self) -> list:
         with self._taking:
@@ -161,12 +161,10 @@ class MetricSender:
             self._inflight_from = self._pending[0][0]  # before the pop: wait_sent() must see it somewhere
         self._inflight_steps = 0
         while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
-            step, ts, metrics = self._pending[0]
-            if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH and batch:
+            if len(batch) + len(self._pending[0][2]) > MAX_METRICS_PER_BATCH and batch:
                 break
-            self._pending.popleft()
+            batch += points_of([self._pending.popleft()])
             self._inflight_steps += 1
-            batch.extend((k, float(v), ts, step) for k, v in metrics.items())
         if not batch:
             self._inflight_from = None
         return batch
@@ -219,6 +217,11 @@ class MetricSender:
             self._timed_send([])
         except Exception as e:  # the next batch retries; a missed beat only makes a watcher wait
             log.debug("metrics: heartbeat not sent: %s", first_line(e))
+
+
+def points_of(puts: list) -> list:
+    """The sender's (step, timestamp_ms, metrics) puts as (key, value, timestamp_ms, step) points."""
+    return [(k, float(v), ts, step) for step, ts, metrics in puts for k, v in metrics.items()]
 
 
 def _grouped(points: list) -> list:

@@ -21,6 +21,7 @@ from pathlib import Path
 from trainer.atomic_write import write_atomic
 from trainer.checkpoint.files import UNSENT_METRICS, move_aside
 from trainer.errors import first_line
+from trainer.tracking.background import points_of
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,14 @@ class UnsentMetrics:
             self._in_file = {put[:2] for put in queued}
             said = [f"the metrics of {_steps(sorted({put[0] for put in queued}))} (kept in {self.path})"]
         else:  # removed when none are left; or written anew
-            said = self.keep(_points(queued), stopping=False)
+            said = self.keep(points_of(queued), stopping=False)
         if said and sender.failing:  # else the queue drains: no news
             log.info("metrics not taken by the tracking server at %s: %s", checkpoint, said[0])  # down, or refusing the run
 
     def _append(self, puts: list) -> bool:
         """One line of `puts`' points at the end of this run's file; False where the file must be
         written anew (gone, about to pass MAX_BYTES, or the append failed)."""
-        line, size = memoryview((json.dumps(_points(puts)) + "\n").encode()), None
+        line, size = memoryview((json.dumps(points_of(puts)) + "\n").encode()), None
         try:  # never through a link put in its place: the file is written anew instead
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
@@ -212,11 +213,6 @@ def describe(points: list) -> str:
 
 def _steps(steps: list) -> str:
     return f"iteration {steps[0]}" if len(steps) == 1 else f"{len(steps)} iterations ({steps[0]}-{steps[-1]})"
-
-
-def _points(puts: list) -> list:
-    """The sender's (step, timestamp_ms, metrics) puts as (key, value, timestamp_ms, step) points."""
-    return [(k, float(v), ts, step) for step, ts, metrics in puts for k, v in metrics.items()]
 
 
 def _file(run_id: str, points: list) -> str:
