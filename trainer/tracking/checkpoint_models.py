@@ -4,17 +4,14 @@ Each evaluation during training (and of model_final) becomes a LoggedModel of th
 the checkpoint it evaluated, with model_type `tracktron-checkpoint`, its step, and a tag pointing
 at the checkpoint artifact already uploaded (no second copy of the weights); the evaluation's
 metrics are logged with that model's id. The best is the one with the highest TEST.BEST_METRIC
-(`search_logged_models` ordered by it); the run's tags name it. With TRACKING.REGISTERED_MODEL the
-servable final model's version gets the alias `final`, and the best checkpoint's version `best`.
+(`search_logged_models` ordered by it); the run's tags name it (final_model.py registers it as @best).
 Functions of an MlflowClient, called on the tracker's uploader thread (evaluation_due: on the
 training thread of a job that has nothing left to train).
 """
 from __future__ import annotations
 
 import re
-import tempfile
 import time
-from pathlib import Path
 
 from trainer.tracking.runs import CHECKPOINT_TAG, CHECKPOINT_TYPE, checkpoint_artifact, takes_scores
 from trainer.tracking.search import every_page
@@ -86,31 +83,3 @@ def checkpoint_file(model) -> str:
 
 def _name(checkpoint: str) -> str:
     return checkpoint.removesuffix(".pth")
-
-
-def detector_folder(client, run_id: str, local: Path, tmp: Path) -> Path:
-    """A model folder of checkpoint `local` (its file, else the run's copy of it, safely loaded)."""
-    from trainer.checkpoint.state import load as load_checkpoint
-    from trainer.config import config_from_dict
-    from trainer.inference import save as save_model
-    from trainer.tracking.logged_model import ARTIFACT
-
-    path = local if local.is_file() else Path(client.download_artifacts(run_id, checkpoint_artifact(local.name), str(tmp)))
-    state = load_checkpoint(path)
-    return save_model(tmp / ARTIFACT, config_from_dict(state["config"]), state["model"],
-                      state["categories"]["categories"], state["categories"]["keypoint_names"])
-
-
-def servable_name(checkpoint: str) -> str:
-    """The name in its run of a checkpoint's servable copy (log_servable_copy): best-model_iter399."""
-    return f"best-{Path(checkpoint).stem}"
-
-
-def log_servable_copy(client, uri: str, run_id: str, local: Path, registered: str) -> str:
-    """A checkpoint of the run (its best) logged as a servable model too, registered; its version."""
-    from trainer.tracking.logged_model import log_detector  # torch
-
-    with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-        folder = detector_folder(client, run_id, local, Path(tmp))
-        return log_detector(uri, run_id, folder, name=servable_name(local.name),
-                            registered_model_name=registered).registered_model_version

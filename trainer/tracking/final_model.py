@@ -5,13 +5,14 @@ uploader thread (registration_due: on the training thread of a rerun that has no
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 from trainer.checkpoint.files import FINAL
 from trainer.errors import UserError, first_line
-from trainer.tracking.checkpoint_models import checkpoint_file, log_servable_copy, servable_name, update_best
-from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, registry_uri, tracking_uri
+from trainer.tracking.checkpoint_models import checkpoint_file, update_best
+from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, checkpoint_artifact, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
 from trainer.tracking.sqlite_store import unmade
 
@@ -103,9 +104,31 @@ def register_best(uri: str, client, experiment_id: str, run_id: str, best, metri
         if best is None:
             log.info("nothing was evaluated: @best is the final model")
         return final_version
-    if logged := _ready_model(client, experiment_id, run_id, servable_name(name)):
+    if logged := _ready_model(client, experiment_id, run_id, _servable_name(name)):
         return register_logged(uri, client, run_id, logged.model_id, registered)
-    return log_servable_copy(client, uri, run_id, output_dir / name, registered)
+    return _log_servable_copy(client, uri, run_id, output_dir / name, registered)
+
+
+def _servable_name(checkpoint: str) -> str:
+    """The name in its run of a checkpoint's servable copy: best-model_iter399."""
+    return f"best-{Path(checkpoint).stem}"
+
+
+def _log_servable_copy(client, uri: str, run_id: str, local: Path, registered: str) -> str:
+    """A checkpoint of the run (its best: its file, else the run's copy of it, safely loaded) logged
+    as a servable model too, registered; its version."""
+    from trainer.checkpoint.state import load as load_checkpoint
+    from trainer.config import config_from_dict
+    from trainer.inference import save as save_model
+    from trainer.tracking.logged_model import ARTIFACT, log_detector  # torch
+
+    with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
+        path = local if local.is_file() else Path(client.download_artifacts(run_id, checkpoint_artifact(local.name), tmp))
+        state = load_checkpoint(path)
+        folder = save_model(Path(tmp) / ARTIFACT, config_from_dict(state["config"]), state["model"],
+                            state["categories"]["categories"], state["categories"]["keypoint_names"])
+        return log_detector(uri, run_id, folder, name=_servable_name(local.name),
+                            registered_model_name=registered).registered_model_version
 
 
 def _ready_model(client, experiment_id: str, run_id: str, name: str):
