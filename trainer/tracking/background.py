@@ -51,9 +51,7 @@ class MetricSender:
         self._interval = interval
         self._stop = threading.Event()
         self._nudge = threading.Event()  # send now, don't wait out the interval
-        self._inflight_from: int | None = None  # the first step of the batch being sent
-        self._inflight_steps = 0  # how many iterations that batch holds
-        self._batch: list = []  # the batch being sent, as (key, value, timestamp_ms, step) points
+        self._inflight: list = []  # the puts of the batch being sent, as they were queued
         self._taking = threading.Lock()  # a batch taken from the queue, against queued()
         self._deadline = float("inf")
         self.dropped = 0
@@ -105,8 +103,8 @@ class MetricSender:
         return True
 
     def _unsent_through(self, step: float) -> bool:
-        inflight = self._inflight_from
-        if inflight is not None and inflight <= step:
+        inflight = self._inflight
+        if inflight and inflight[0][0] <= step:
             return True
         try:
             return self._pending[0][0] <= step  # steps are put in order
@@ -119,7 +117,7 @@ class MetricSender:
         self._stop.set()
         self._nudge.set()
         self._thread.join(max(0.0, timeout))  # not a moment longer: a hung server must not hold the exit
-        left = len(self._pending) + (self._inflight_steps if self._inflight_from is not None else 0)  # given up on too
+        left = len(self._pending) + len(self._inflight)  # the batch given up on too
         if left or self.dropped:
             log.warning("metrics: %d iterations not sent before the deadline, %d dropped on overflow",
                         left, self.dropped)
@@ -142,8 +140,7 @@ class MetricSender:
         """What is not sent yet, one (step, timestamp_ms, metrics) per put, the batch in flight first
         (after close(): what was given up on)."""
         with self._taking:  # a point is in the queue or in the batch, never between the two
-            inflight = _grouped(self._batch) if self._inflight_from is not None else []
-            return inflight + list(self._pending)
+            return self._inflight + list(self._pending)
 
     def leftover(self) -> list:
         """queued(), one (key, value, timestamp_ms, step) point each: a resend of the batch in flight
@@ -151,22 +148,17 @@ class MetricSender:
         return points_of(self.queued())
 
     def _next_batch(self) -> list:
-        with self._taking:
-            self._batch = self._take_batch()
-            return self._batch
-
-    def _take_batch(self) -> list:
+        """Puts from the queue, up to MAX_METRICS_PER_BATCH points, as points; `_inflight` holds the puts."""
         batch: list = []
-        if self._pending:
-            self._inflight_from = self._pending[0][0]  # before the pop: wait_sent() must see it somewhere
-        self._inflight_steps = 0
-        while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
-            if len(batch) + len(self._pending[0][2]) > MAX_METRICS_PER_BATCH and batch:
-                break
-            batch += points_of([self._pending.popleft()])
-            self._inflight_steps += 1
-        if not batch:
-            self._inflight_from = None
+        with self._taking:
+            self._inflight = []
+            while self._pending and len(batch) < MAX_METRICS_PER_BATCH:
+                if len(batch) + len(self._pending[0][2]) > MAX_METRICS_PER_BATCH and batch:
+                    break
+                self._inflight.append(self._pending[0])  # before the pop: wait_sent() must see it somewhere
+                batch += points_of([self._pending.popleft()])
+            if not batch:
+                self._inflight = []
         return batch
 
     def _run(self) -> None:
@@ -196,7 +188,7 @@ class MetricSender:
                 time.sleep(delay)
                 continue
             self._last_send = time.monotonic()
-            batch, self._inflight_from = [], None
+            batch, self._inflight = [], []
             backoff.reset()
 
     def _timed_send(self, points: list) -> None:
