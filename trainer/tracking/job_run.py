@@ -19,7 +19,7 @@ from trainer.tracking.checkpoint_models import MODEL_TAG
 from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import context_tags, describe_job, git_commit
-from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_of, env_experiment_id,
+from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_from, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, sha_tag)
 from trainer.tracking.server_errors import start_error, without_logged_models
 from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
@@ -70,7 +70,7 @@ class FoundRun:
 
     @property
     def checkpoints(self) -> list[str]:
-        return checkpoints_of(self.run) if self.resumes else []
+        return checkpoints_from(self.run.data.tags) if self.resumes else []
 
 
 def find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run: bool) -> FoundRun:
@@ -147,7 +147,7 @@ def open_run(client, uri: str, cfg: Config, world_size: int, found: FoundRun) ->
             if run.data.tags[JOB_TAG] != job_hash(cfg):  # tagged by an earlier tracktron: found by this hash from now on
                 client.set_tag(run.info.run_id, JOB_TAG, job_hash(cfg))
             run = _drop_tags_of_what_is_gone(client, run)
-            if FINAL not in checkpoints_of(run):  # a finished job stays FINISHED
+            if FINAL not in checkpoints_from(run.data.tags):  # a finished job stays FINISHED
                 client.update_run(run.info.run_id, status="RUNNING")
             if STATUS_REASON in run.data.tags:  # why an earlier start stopped is not why this one will
                 client.delete_tag(run.info.run_id, STATUS_REASON)
@@ -163,7 +163,7 @@ def _drop_tags_of_what_is_gone(client, run):
     """A finished run's model_final deleted from its artifact store, or its logged model deleted (by
     hand, a lifecycle rule): the tag that claims it goes, and the job completes the run again."""
     run_id, gone = run.info.run_id, []
-    if FINAL in checkpoints_of(run) and not _holds_file(client, run_id, checkpoint_artifact(FINAL)):
+    if FINAL in checkpoints_from(run.data.tags) and not _holds_file(client, run_id, checkpoint_artifact(FINAL)):
         log.warning("run %s's tag says it holds %s, but its artifact store has no such file: the tag goes, "
                     "and the job completes the run again", run_id, FINAL)
         gone.append(sha_tag(FINAL))

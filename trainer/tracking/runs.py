@@ -157,12 +157,8 @@ def env_experiment_id(cfg: Config) -> str | None:
     return os.environ.get("MLFLOW_EXPERIMENT_ID") or None
 
 
-def checkpoints_of(run) -> list[str]:
-    """Complete checkpoints of a run (those whose sha256 tag was set), newest first."""
-    return checkpoints_from(run.data.tags)
-
-
 def checkpoints_from(tags: dict) -> list[str]:
+    """Complete checkpoints of a run, by its tags (those whose sha256 tag was set), newest first."""
     prefix, suffix = _SHA_TAG
     names = [k[len(prefix):-len(suffix)] for k in tags if k.startswith(prefix) and k.endswith(suffix)]
     return sorted(names, key=iteration_of, reverse=True)
