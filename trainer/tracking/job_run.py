@@ -20,7 +20,7 @@ from trainer.tracking.final_model import check_registered_model
 from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen, taken
 from trainer.tracking.run_description import context_tags, describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_from, env_experiment_id,
-                                   experiment_name, last_step_of, lists_artifact, sha_tag)
+                                   experiment_name, last_step_of, lists_artifact, make_client, sha_tag)
 from trainer.tracking.server_errors import start_error, without_logged_models
 from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
 
@@ -287,8 +287,6 @@ def found_in_new_store(cfg: Config, uri: str) -> FoundRun:
 def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> tuple[str, list[str]]:
     """What the job's start would do with its run, found without writing anything (--dry-run), and
     the checkpoints of the run it continues."""
-    from mlflow import MlflowClient
-
     name = experiment_name(cfg)
     if not_made_yet(uri, resume_run_id, env_experiment_id(cfg)):
         found_in_new_store(cfg, uri)
@@ -296,11 +294,7 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     if uri.startswith("sqlite:///"):
         check_store(uri)
     bound_http(timeout=10, retries=1)  # a read-only look: give up soon
-    try:
-        client = MlflowClient(uri)
-    except Exception as e:  # a URI MLflow has no store for: as the job's start would say
-        raise UserError(start_error(uri, e)) from None
-    found = find_run(client, uri, cfg, resume_run_id, new_run)
+    found = find_run(make_client(uri), uri, cfg, resume_run_id, new_run)
     run = found.run
     if run is None:
         return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run", []
