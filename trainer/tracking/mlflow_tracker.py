@@ -163,9 +163,8 @@ class MlflowTracker(Tracker):
     # ---- resume ----
 
     def fetch_checkpoint(self, name: str, dest_dir: Path) -> Path | None:
-        """dest_dir/name once its bytes match the sha256 tag; None when it cannot be downloaded;
-        CheckpointError when its bytes are not the tagged ones. It is downloaded into a hidden folder
-        first, so that nobody looking for local checkpoints meanwhile takes a partial one."""
+        """Downloaded into a hidden folder first (or taken from the prefetch), so that nobody looking for
+        local checkpoints meanwhile takes a partial one."""
         prefetch, self._prefetched = self._prefetched, None
         expected = self._tags.get(sha_tag(name))  # as the run was opened: the job's tags are ours alone
         if prefetch is not None and (prefetch.name, prefetch.expected) == (name, expected):
@@ -319,8 +318,7 @@ class MlflowTracker(Tracker):
         return registration_due(self.client, self.run.run_id, registered)
 
     def register_model(self, registered: str, aliases: list[str]) -> None:
-        """The run's logged model (its MODEL_TAG) registered; `aliases` (final, best) set."""
-        def register():
+        def register():  # the run's logged model is its MODEL_TAG
             fail_unfinished(self.client, self._experiment_id(), self._run.run_id)  # a registration cut short
             version = register_logged(self.uri, self.client, self._run.run_id, self._tags[MODEL_TAG], registered)
             best = self._register_best(registered, version) if "best" in aliases else None
