@@ -40,8 +40,7 @@ from trainer.logs import held_while_checking, write_or_drop
 from trainer.output_dir import make_writable
 from trainer.inference import categories_of, category_key_of, check_weights_given, checked_categories, detections_to_coco
 from trainer.models import build_model, load_weights, set_test_size, unwrap
-from trainer.tracking import Tracker, attach
-from trainer.tracking.launcher_run import record_evaluation  # `mlflow run -e eval`'s own run gets the scores too
+from trainer.tracking import Tracker, attach, record_evaluation  # record_evaluation: `mlflow run -e eval`'s own run
 from trainer.tracking.logged_model import load_detector, load_local
 from trainer.tracking.model_uris import MLFLOW_URIS, followed
 from trainer.tracking.runs import CHECKPOINT_DIR, download_uri

@@ -6,19 +6,23 @@ thread's network work (metrics, checkpoint uploads) for background threads (back
 finds the job's run; runs.py holds the checkpoint-tag protocol; transfers.py moves checkpoint-sized files (multipart,
 timeouts by size) and checkpoint_uploads.py keeps TRACKING.CHECKPOINTS_KEEP of them in the run;
 system_metrics.py runs MLflow's system-metrics monitor. `create_tracker` picks the implementation
-from TRACKING.ENABLED and the rank.
+from TRACKING.ENABLED and the rank; `attach` and `record_evaluation` log `tracktron eval`'s scores.
 """
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 from trainer.config import Config
-from trainer.errors import UserError
+from trainer.errors import UserError, first_line
 from trainer.tracking.base import RunInfo, Tracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "resend_advice"]
+__all__ = ["RunInfo", "Tracker", "attach", "create_tracker", "record_evaluation", "resend_advice"]
+
+ENTRY_POINT_TAG = "mlflow.project.entryPoint"  # set by `mlflow run` on the run it makes
 
 
 def create_tracker(cfg: Config, rank: int = 0, world_size: int = 1) -> Tracker:
@@ -62,6 +66,34 @@ def attach(cfg: Config, run_id: str, datasets: list[dict]) -> Tracker:
         tracker.finish(None)
         return Tracker()
     return tracker
+
+
+def record_evaluation(cfg: Config, weights: str, metrics: dict[str, float], step: int, logged_into: str | None) -> None:
+    """The run `mlflow run -e eval` makes for an evaluation and hands over in MLFLOW_RUN_ID gets the
+    scores too, and where they were logged, rather than staying empty beside the run that got them.
+    Only a run MLflow Projects made for the eval entry point and that holds no metric yet: a
+    MLFLOW_RUN_ID left in a shell (a training run's) is never written to."""
+    launcher = os.environ.get("MLFLOW_RUN_ID", "").strip()
+    if not (launcher and metrics and cfg.TRACKING.ENABLED) or launcher == logged_into:
+        return
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, RunTag
+
+    from trainer.redaction import redact_urls
+    from trainer.tracking.runs import tracking_uri
+
+    try:
+        client = MlflowClient(tracking_uri(cfg))
+        run = client.get_run(launcher)
+        if run.data.tags.get(ENTRY_POINT_TAG) != "eval" or run.data.metrics:
+            return
+        now = int(time.time() * 1000)
+        tags = [RunTag("tracktron.weights", redact_urls(weights))]
+        if logged_into:
+            tags.append(RunTag("tracktron.scores_run_id", logged_into))
+        client.log_batch(launcher, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], tags=tags)
+    except Exception as e:  # the scores are printed and, for a run's checkpoint, in that run: a warning
+        log.warning("could not record the scores in MLflow run %s (MLFLOW_RUN_ID): %s", launcher, first_line(e))
 
 
 def resend_advice(tracker: Tracker) -> str:
