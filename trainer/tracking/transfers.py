@@ -206,7 +206,7 @@ def download(repo, artifact_path: str, folder: Path, size: int | None = None) ->
 
 
 def _size(repo, artifact_path: str) -> int | None:
-    """The file's size as the server lists it (None when it lists none)."""
+    """The file's size as the server lists it; FileNotFoundError when it lists no such file."""
     for info in repo.list_artifacts(posixpath.dirname(artifact_path) or None):
         if info.path == artifact_path and not info.is_dir:
             return info.file_size
