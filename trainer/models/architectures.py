@@ -112,8 +112,7 @@ class ClassAgnosticMaskPredictor(nn.Module):
         self.num_classes = num_classes
 
     def forward(self, x):
-        logits = self.predictor(x)
-        return logits.expand(-1, self.num_classes, -1, -1)
+        return self.predictor(x).expand(-1, self.num_classes, -1, -1)
 
 
 def mask_predictor(m, in_channels: int, dim: int, n: int) -> nn.Module:

@@ -37,16 +37,11 @@ def resnet(name: str, norm: str = "", stride_in_1x1: bool = False) -> ResNet:
     block, layers, groups, width = RESNETS[name]
     layer = norm_layer(norm)
     net = ResNet(block, layers, groups=groups, width_per_group=width, **({"norm_layer": layer} if layer else {}))
-    if stride_in_1x1:
-        _stride_in_1x1(net)
+    if stride_in_1x1:  # MSRA's ResNets (Detectron's R-50.pkl...) downsample in a block's 1x1 conv; torchvision's in its 3x3
+        for block in net.modules():
+            if isinstance(block, Bottleneck) and block.conv2.stride != (1, 1):
+                block.conv1.stride, block.conv2.stride = block.conv2.stride, (1, 1)
     return net
-
-
-def _stride_in_1x1(net: ResNet) -> None:
-    """MSRA's ResNets (Detectron's R-50.pkl...) downsample in a block's 1x1 conv; torchvision's in its 3x3."""
-    for block in net.modules():
-        if isinstance(block, Bottleneck) and block.conv2.stride != (1, 1):
-            block.conv1.stride, block.conv2.stride = block.conv2.stride, (1, 1)
 
 
 def fpn_backbone(m, single_stage: bool) -> BackboneWithFPN:

@@ -1,14 +1,11 @@
-"""Detection models: torchvision's builders driven by MODEL.* keys, weight loading, model.txt.
+"""Detection models: torchvision's builders driven by MODEL.* keys, and model.txt.
 
 Two ways to build:
 - MODEL.BACKBONE '' (the default): torchvision's own builder for MODEL.TYPE, random init, so its
   architecture is exactly torchvision's. MODEL.FPN_CHANNELS must then stay 256 (the builders hard-code
   it) and MODEL.BACKBONE_WIDTH 1.0; ask for a BACKBONE to change either.
-- MODEL.BACKBONE resnet18/34/50/101 or mobilenet_v3_large: an FPN of FPN_CHANNELS on that network, and
-  the type's model class around it (tiny models for CPU tests and the demo). Mask and keypoint heads
-  then scale with the FPN: FPN_CHANNELS-wide mask convs, 2*FPN_CHANNELS-wide keypoint convs (at 256
-  that is torchvision's own). Default anchors: one size per level, 32*2**i (FCOS: 8*2**i). The
-  _v2 types get the same plain heads as v1 here (the model class defaults).
+- MODEL.BACKBONE set: the type's model class around that network (architectures.py). Default anchors:
+  one size per level, 32*2**i (FCOS: 8*2**i). The _v2 types get the same plain heads as v1 here.
 
 On either: ANCHOR_SIZES (one base size per feature level; ratios 0.5, 1, 2; RetinaNet keeps its three
 octave scales per size and FCOS its single square anchor), REPRESENTATION_SIZE (R-CNN box head width;
@@ -16,13 +13,10 @@ ignored by single-stage types) and TRAINABLE_BACKBONE_LAYERS. When TRAIN.WEIGHTS
 prepared the way torchvision prepares a pretrained one: FrozenBatchNorm2d in the backbone (not in the
 _v2 types, which keep BatchNorm2d) and only the last 3 stages trainable unless
 TRAINABLE_BACKBONE_LAYERS says otherwise. Without weights everything trains.
-
-Nothing here downloads unless TRAIN.WEIGHTS names a torchvision weight.
 """
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 from functools import partial
 
@@ -42,7 +36,6 @@ from trainer.errors import UserError
 from trainer.models.architectures import anchor_generator, build_c4, build_fpn, check_architecture
 from trainer.models.backbones import BACKBONES
 
-log = logging.getLogger(__name__)
 WEIGHT_NAME = re.compile(r"\w+_Weights\.\w+")  # a torchvision weight name, such as ResNet50_Weights.IMAGENET1K_V1
 
 MODEL_TYPES = (
@@ -128,8 +121,7 @@ def _check_keys(cfg, family: str) -> None:
         raise UserError("MODEL.BACKBONE_WIDTH applies to MODEL.BACKBONE mobilenet_v3_large only")
     if m.FPN_CHANNELS <= 0 or m.REPRESENTATION_SIZE <= 0 or any(s <= 0 for s in m.ANCHOR_SIZES):
         raise UserError("MODEL.FPN_CHANNELS, REPRESENTATION_SIZE and ANCHOR_SIZES must be positive")
-    # Its head normalises with GroupNorm(32 groups), which refuses a group of one value: at 32 channels,
-    # a 1x1 top map (a small image, or any at a small TEST.SCALE) of a lone image (predict, a served request)
+    # GroupNorm(32 groups) refuses a group of one value: at 32 channels, a lone image's 1x1 top map (predict)
     if family == "fcos" and (m.FPN_CHANNELS % 32 or m.FPN_CHANNELS < 64):
         raise UserError(f"fcos needs MODEL.FPN_CHANNELS a multiple of 32 and at least 64 (its head's GroupNorm has "
                         f"32 groups), got {m.FPN_CHANNELS}")
@@ -148,26 +140,19 @@ def _size_kwargs(cfg, family: str) -> dict:
     if family == "retinanet":
         return {**kw, "detections_per_img": m.DETECTIONS_PER_IMAGE,
                 **_given({**chosen, "fg_iou_thresh": m.FG_IOU, "bg_iou_thresh": m.BG_IOU})}
-    return {**kw,
-            "rpn_pre_nms_top_n_train": m.RPN_PRE_NMS_TOP_N_TRAIN,
-            "rpn_post_nms_top_n_train": m.RPN_POST_NMS_TOP_N_TRAIN,
-            "rpn_pre_nms_top_n_test": m.RPN_PRE_NMS_TOP_N_TEST,
-            "rpn_post_nms_top_n_test": m.RPN_POST_NMS_TOP_N_TEST,
-            "rpn_batch_size_per_image": m.RPN_BATCH_SIZE_PER_IMAGE,
-            "rpn_nms_thresh": m.RPN_NMS_THRESH,
-            "rpn_fg_iou_thresh": m.RPN_FG_IOU,
-            "rpn_bg_iou_thresh": m.RPN_BG_IOU,
-            "rpn_positive_fraction": m.RPN_POSITIVE_FRACTION,
-            "box_batch_size_per_image": m.ROI_BATCH_SIZE_PER_IMAGE,
-            "box_positive_fraction": m.POSITIVE_FRACTION,
-            "box_detections_per_img": m.DETECTIONS_PER_IMAGE,
+    return {**kw, **{arg: m[key] for arg, key in _RCNN_ARGS.items()}, "box_detections_per_img": m.DETECTIONS_PER_IMAGE,
             **_given({"box_fg_iou_thresh": m.FG_IOU, "box_bg_iou_thresh": m.BG_IOU, "box_nms_thresh": m.NMS_THRESH,
                       "box_score_thresh": m.SCORE_THRESH})}
 
 
-_RCNN_ONLY = {"REPRESENTATION_SIZE", "RPN_PRE_NMS_TOP_N_TRAIN", "RPN_POST_NMS_TOP_N_TRAIN", "RPN_PRE_NMS_TOP_N_TEST",
-              "RPN_POST_NMS_TOP_N_TEST", "RPN_BATCH_SIZE_PER_IMAGE", "RPN_NMS_THRESH", "RPN_FG_IOU", "RPN_BG_IOU",
-              "RPN_POSITIVE_FRACTION", "ROI_BATCH_SIZE_PER_IMAGE", "POSITIVE_FRACTION"}
+# The R-CNN types' arguments and the MODEL key of each: keys no other family reads.
+_RCNN_ARGS = {"rpn_pre_nms_top_n_train": "RPN_PRE_NMS_TOP_N_TRAIN", "rpn_post_nms_top_n_train": "RPN_POST_NMS_TOP_N_TRAIN",
+              "rpn_pre_nms_top_n_test": "RPN_PRE_NMS_TOP_N_TEST", "rpn_post_nms_top_n_test": "RPN_POST_NMS_TOP_N_TEST",
+              "rpn_batch_size_per_image": "RPN_BATCH_SIZE_PER_IMAGE", "rpn_nms_thresh": "RPN_NMS_THRESH",
+              "rpn_fg_iou_thresh": "RPN_FG_IOU", "rpn_bg_iou_thresh": "RPN_BG_IOU",
+              "rpn_positive_fraction": "RPN_POSITIVE_FRACTION", "box_batch_size_per_image": "ROI_BATCH_SIZE_PER_IMAGE",
+              "box_positive_fraction": "POSITIVE_FRACTION"}
+_RCNN_ONLY = {"REPRESENTATION_SIZE", *_RCNN_ARGS.values()}
 
 
 def unread_keys(cfg) -> list[str]:
@@ -254,16 +239,20 @@ def _prepare_backbone(model: nn.Module, cfg) -> None:
             p.requires_grad_(False)
 
 
+def torchvision_weight(spec: str):
+    """The torchvision weight `spec` names (such as ResNet50_Weights.IMAGENET1K_V1), or None."""
+    if not WEIGHT_NAME.fullmatch(spec):
+        return None
+    try:
+        return torchvision.models.get_weight(spec)
+    except (ValueError, KeyError, AttributeError):
+        return None
+
+
 def zero_eps_weights(spec: str) -> bool:
     """Whether `spec` names one of torchvision's first COCO detectors, trained with FrozenBatchNorm2d's
     eps 0 (torchvision's builders set it for them; eps is an attribute, in no state_dict)."""
-    if not WEIGHT_NAME.fullmatch(spec):
-        return False
-    try:
-        weight = torchvision.models.get_weight(spec)
-    except (ValueError, KeyError, AttributeError):
-        return False
-    return weight in {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
+    return torchvision_weight(spec) in {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
                       tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
 
 
@@ -292,22 +281,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _transform(model: nn.Module):
-    return unwrap(model).transform
-
-
 def set_test_size(model: nn.Module, cfg) -> None:
-    """Evaluate at TEST.SCALE / TEST.MAX_SIZE (ssdlite's fixed 320 stays)."""
-    t = _transform(model)
-    if t.fixed_size is None:
-        t.min_size, t.max_size = (cfg.TEST.SCALE,), cfg.TEST.MAX_SIZE
+    """Evaluate at TEST.SCALE / TEST.MAX_SIZE."""
+    _set_size(model, (cfg.TEST.SCALE,), cfg.TEST.MAX_SIZE)
 
 
 def set_train_size(model: nn.Module, cfg) -> None:
     """Back to TRAIN.SCALES / TRAIN.MAX_SIZE after an evaluation during training."""
-    t = _transform(model)
-    if t.fixed_size is None:
-        t.min_size, t.max_size = tuple(cfg.TRAIN.SCALES), cfg.TRAIN.MAX_SIZE
+    _set_size(model, tuple(cfg.TRAIN.SCALES), cfg.TRAIN.MAX_SIZE)
+
+
+def _set_size(model: nn.Module, min_size: tuple, max_size: int) -> None:
+    t = unwrap(model).transform
+    if t.fixed_size is None:  # ssdlite's fixed 320 stays
+        t.min_size, t.max_size = min_size, max_size
 
 
 # ---------------------------------------------------------------------------------------- model.txt

@@ -127,13 +127,8 @@ def read_blobs(path: Path, shown: str, option: str) -> dict[str, np.ndarray]:
 
 def convert(blobs: dict[str, np.ndarray], model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors that have a blob, under the model's names (shapes are checked by the caller)."""
-    own = model.state_dict()
-    out = {}
-    for key in own:
-        value = _value(key, own[key], blobs, model)
-        if value is not None:
-            out[key] = value
-    return out
+    values = {key: _value(key, like, blobs, model) for key, like in model.state_dict().items()}
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _value(key: str, like: torch.Tensor, blobs: dict, model: nn.Module):
@@ -202,22 +197,15 @@ def _stage(rest: str, stage: int) -> str | None:
     return f"res{stage}_0_branch1" + ("" if found.group(1) == "0" else "_bn") if found else None
 
 
-def _resnet(path: str) -> str | None:
-    if path in ("backbone.body.conv1", "backbone.body.bn1"):
-        return "conv1" if path.endswith("conv1") else "res_conv1_bn"
-    found = re.fullmatch(r"backbone\.body\.layer(\d)\.(.+)", path)
-    return _stage(found.group(2), int(found.group(1)) + 1) if found else None
-
-
 def _body(path: str, model: nn.Module) -> str | None:
-    name = _resnet(path)
-    if name is not None and _norm_is_gn(model, path):
+    if path in ("backbone.body.conv1", "backbone.body.bn1"):
+        name = "conv1" if path.endswith("conv1") else "res_conv1_bn"
+    else:
+        found = re.fullmatch(r"backbone\.body\.layer(\d)\.(.+)", path)
+        name = _stage(found.group(2), int(found.group(1)) + 1) if found else None
+    if name is not None and isinstance(model.get_submodule(path), nn.GroupNorm):
         name = "conv1_gn" if name == "res_conv1_bn" else name.replace("_bn", "_gn")
     return name
-
-
-def _norm_is_gn(model: nn.Module, path: str) -> bool:
-    return isinstance(model.get_submodule(path), nn.GroupNorm)
 
 
 def _fpn(path: str, model: nn.Module) -> str | None:

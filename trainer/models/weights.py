@@ -9,14 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
 from torchvision.models.detection._utils import overwrite_eps
 
 from trainer import torch_load
 from trainer.hashing import sha256_of
 from trainer.errors import UserError, first_line, user_path
-from trainer.models.builders import WEIGHT_NAME, unwrap, zero_eps_weights
+from trainer.models.builders import WEIGHT_NAME, torchvision_weight, unwrap, zero_eps_weights
 from trainer.downloads import URL_SCHEMES, download, writable_cache
 from trainer.models.detectron_weights import convert, read_blobs
 
@@ -78,10 +77,8 @@ def _read_weights(spec: str, option: str, shown: str, model: nn.Module):
     if not WEIGHT_NAME.fullmatch(spec):
         raise UserError(f"{option} {spec}: no such file (nor a torchvision weight name such as "
                         "ResNet50_Weights.IMAGENET1K_V1)")
-    try:
-        weight = torchvision.models.get_weight(spec)
-    except (ValueError, KeyError, AttributeError):
-        raise UserError(f"{option} {spec}: unknown torchvision weight name") from None
+    if (weight := torchvision_weight(spec)) is None:
+        raise UserError(f"{option} {spec}: unknown torchvision weight name")
     return _read_file(hub_file(weight, option, spec), option, spec), weight
 
 
