@@ -18,9 +18,8 @@ from trainer.atomic_write import HOST, forget, is_made_here, made_here
 log = logging.getLogger(__name__)
 
 FINAL = "model_final.pth"
-# The names checkpoint_name() makes, and no other: ASCII digits without a leading zero, nothing after
-# `.pth` (not even a newline). `model_iter08.pth` or `model_iter８.pth` read as 8 took the place of the
-# job's own model_iter8.pth in pruning, which then deleted it.
+# The names checkpoint_name() makes, and no other: a `model_iter08.pth` or `model_iter８.pth` read as 8
+# would take the place of the job's own model_iter8.pth in pruning, which would then delete it.
 _ITER_RE = re.compile(r"model_iter(0|[1-9][0-9]*)\.pth")
 
 
@@ -165,10 +164,8 @@ def prune(output_dir: Path, keep: int, upto: int, spare: set[str] = frozenset())
 def set_aside(output_dir: Path) -> Path | None:
     """A job started over (--no-resume, TRAIN.AUTO_RESUME false) in a folder that holds checkpoints:
     they move to `earlier-<time>/` with its logs (and the metrics its run never got), the model
-    folder and the evaluations, kept but out of the way. Left in place, a later resume of the new
-    start took their model_final for its own (nothing to do) or their newest model_iter for its
-    newest, and until the new start finished, `predict --weights OUTPUT_DIR/model/detector` used the
-    earlier job's model. The folder, or None when there was nothing to move."""
+    folder and the evaluations, kept but out of the way, where a later resume cannot take them for
+    the new start's. The folder, or None when there was nothing to move."""
     found = local_checkpoints(output_dir)
     if not found:
         return None

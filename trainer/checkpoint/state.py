@@ -1,16 +1,9 @@
 """A checkpoint's contents: the training state, written atomically, loaded safely.
 
-A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states,
-the dataset's categories and the sampler's position (the sampler is a pure function of seed and iteration, so the
-iteration is its position). Files are written to a temporary name, fsynced and renamed, so a
-killed process leaves either the old set or the new file, never half of one (its temporary file is
-removed by the next job in that folder). writer.py writes them on a background thread. A write
-that fails (disk full, file size limit) raises `CheckpointWriteError` naming the file and the
-reason, and leaves the older checkpoints as they were.
-
-Loading checks every record of the zip archive against its CRC-32 before unpickling (with
-`weights_only=True`), so a truncated or bit-flipped file is skipped, never trained on; a download
-already checked against its sha256 tag skips that second read.
+A checkpoint holds the model, optimizer, LR scheduler, AMP scaler, iteration, config, RNG states and
+the dataset's categories (the sampler is a pure function of seed and iteration, so the iteration is
+its position). A killed writer leaves the old file or the new one, never half of one; a truncated or
+bit-flipped file is skipped when loading, never trained on.
 """
 from __future__ import annotations
 
@@ -62,8 +55,7 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     cuda = state["cuda"]
     if torch.cuda.is_available() and cuda:
-        # One state, the current GPU's. Earlier checkpoints held every visible GPU's, so a host with
-        # fewer GPUs failed on a device it lacks: take the current one's from them.
+        # One state, the current GPU's; an older checkpoint's list of every visible GPU's: the current one's.
         here = torch.cuda.current_device()
         torch.cuda.set_rng_state(cuda[here] if here < len(cuda) else cuda[0])
 
@@ -130,9 +122,8 @@ def save_atomic(state: dict, path: Path) -> str:
         os.replace(tmp, path)
     except BaseException as e:
         cause = sink.error if sink is not None and sink.error is not None else e
-        error = None
-        if isinstance(cause, OSError) and not isinstance(cause, CheckpointWriteError) and cause.errno is not None:
-            error = CheckpointWriteError(path, cause)
+        disk = isinstance(cause, OSError) and not isinstance(cause, CheckpointWriteError) and cause.errno is not None
+        error = CheckpointWriteError(path, cause) if disk else None  # its free space taken before the unlink
         tmp.unlink(missing_ok=True)
         if error is not None:
             raise error from e
