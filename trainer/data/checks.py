@@ -1,8 +1,5 @@
-"""Checks of a COCO annotation file before training: one clear line per problem.
-
-Malformed json, missing images, unknown category ids, broken segmentations and keypoints end
-in a UserError naming the file and what is wrong, before any worker decodes an image.
-"""
+"""Checks of a COCO annotation file before training: malformed json, missing images, unknown category
+ids, broken segmentations and keypoints end in one UserError line naming the file and what is wrong."""
 from __future__ import annotations
 
 import json
@@ -22,8 +19,7 @@ MAX_IMAGE_SIDE = 20_000  # pixels
 MAX_NUMBER = 3.4e38  # float32's largest: a box, area or keypoint past it is no number the model can hold
 MAX_COORDINATE = 1e6  # pixels: a polygon's point, however far outside its image (clipped later)
 # pixels: an annotation's polygons' outline (each edge's longer side). pycocotools rasterises 5 points
-# a pixel into an int count: 860 edges of 1e6 overflowed it (a segfault), 1,000 took 21 GB. 1e7
-# takes it about 0.4 GB; a 20000x20000 canopy with 4,000 holes is 1.3e6 to 1.5e6.
+# a pixel into an int count, which far longer outlines overflow (a segfault) or fill memory with.
 MAX_OUTLINE = 1e7
 DECODED_FORMATS = ("JPEG", "MPO", "PNG", "GIF", "WEBP")  # PIL's names of what images.decode reads (MPO: a camera's JPEG)
 

@@ -235,9 +235,8 @@ def _index(data: dict, masks: bool = False, num_keypoints: int = 0) -> COCO:
     empty filled in as training reads them: no mask is an empty mask, no keypoints none visible."""
     images = {im["id"]: im for im in data["images"]}
     for number, ann in enumerate(data["annotations"], 1):
-        # COCOeval keeps a match as the ground truth's id in a float array, 0 for none: an id 0
-        # (Roboflow's, Label Studio's, labelme2coco's first) was a true positive scored as a false
-        # one, and a string id a ValueError. Nothing else reads them; 1..N as loadRes numbers results.
+        # COCOeval keeps a match as the ground truth's id in a float array, 0 for none: an id 0 (Roboflow's,
+        # labelme2coco's first) would score a true positive as a false one, a string id fail. 1..N as loadRes.
         ann["id"] = number
         ann.setdefault("iscrowd", 0)
         if "area" not in ann:
@@ -342,11 +341,15 @@ def input_sizes(cfg, train: bool) -> tuple | None:
     return scale, max_size, f"{keys[0]} {scale} and {keys[1]} {max_size}"
 
 
+def _dataset(cfg, name: str, train: bool) -> CocoDetection:
+    """A catalog name's dataset, with what the model needs (COCOeval uses a test set's masks and keypoints)."""
+    return CocoDetection(*resolve_dataset(cfg, name), train=train, sizes=input_sizes(cfg, train), **model_needs(cfg))
+
+
 def build_train_dataset(cfg):
     if not cfg.TRAIN.DATASETS:
         raise UserError("TRAIN.DATASETS is empty: name at least one dataset (e.g. synth_shapes_train)")
-    datasets = [CocoDetection(*resolve_dataset(cfg, name), train=True, sizes=input_sizes(cfg, True), **model_needs(cfg))
-                for name in cfg.TRAIN.DATASETS]
+    datasets = [_dataset(cfg, name, True) for name in cfg.TRAIN.DATASETS]
     return datasets[0] if len(datasets) == 1 else ConcatDetection(datasets)
 
 
@@ -359,14 +362,12 @@ def check_batch_size(cfg, dataset) -> None:
 
 def check_test_datasets(cfg, train_dataset) -> dict:
     """Every TEST.DATASETS entry resolves, its annotations are sound, its categories are the training
-    set's and its images readable, before training: what is wrong there is not found only after the
-    whole training (a rerun would then have nothing to do). Training sets' images are not opened: a
-    COCO-sized set would take tens of seconds, and a bad one fails the job in one line, its
-    checkpoints kept. Returns each test set's number of images, by name."""
+    set's and its images readable, before training rather than after it. Training sets' images are not
+    opened (a COCO-sized set takes tens of seconds; a bad one fails the job in one line, its checkpoints
+    kept). Returns each test set's number of images, by name."""
     ours, sizes = dataset_category_key(train_dataset), {}
-    for name in cfg.TEST.DATASETS:  # with the model's needs: COCOeval uses its masks and keypoints
-        test = CocoDetection(*resolve_dataset(cfg, name), train=False, sizes=input_sizes(cfg, False),
-                             **model_needs(cfg))
+    for name in cfg.TEST.DATASETS:
+        test = _dataset(cfg, name, False)
         if (theirs := dataset_category_key(test)) != ours:  # labels would name other categories
             raise UserError(f"test set {test.ann_file} has other categories than the training set "
                             f"{train_dataset.ann_file} ({category_difference(theirs, ours)})")
@@ -388,8 +389,7 @@ def build_train_loader(cfg, start_iter: int = 0, rank: int = 0, world_size: int 
 
 def build_test_loader(cfg, dataset_name: str, rank: int = 0, world_size: int = 1):
     """Sequential evaluation batches of this rank's shard (indices rank::world_size), unflipped."""
-    dataset = CocoDetection(*resolve_dataset(cfg, dataset_name), train=False, sizes=input_sizes(cfg, False),
-                            **model_needs(cfg))
+    dataset = _dataset(cfg, dataset_name, False)
     shard = list(range(rank, len(dataset), world_size))
     loader = _loader(dataset, cfg.DATA_LOADER.NUM_THREADS, cfg.RNG_SEED, False, sampler=shard,
                      batch_size=cfg.TEST.IMS_PER_BATCH)

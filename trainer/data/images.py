@@ -2,17 +2,14 @@
 images the same way (RGB, float CHW in [0, 1]; 16-bit PNGs divided by 65535, not by 255). A training
 or test set's 8-bit images leave the loader's workers as uint8 and become float on the device.
 
-Encoded bytes are opened by PIL first: its header gives the size, so that a decompression bomb is
-refused before anything is allocated, and a PNG is fully decoded by PIL too and its critical
-chunks' CRCs checked, because libpng inside torchvision kills the process (SIGSEGV) on a corrupt
-PNG instead of raising. Then torchvision decodes it (the pixels every earlier model was trained
-on), except an animated image, whose first frame PIL decodes alone (torchvision would decode every
-frame).
+PIL opens encoded bytes first: its header's size refuses a decompression bomb before anything is
+allocated, and a PNG's critical chunks are checked (libpng inside torchvision kills the process on a
+corrupt one). Then torchvision decodes the pixels, except an animated image's first frame, which PIL
+decodes alone.
 
-Training and evaluation read the pixels as stored, as COCO's tools and torchvision's references do:
-annotations are boxes on those. A photo for `predict` or the served model is turned upright
-(`upright`: its EXIF orientation applied, as every viewer shows it; torchvision does so for JPEG and
-PNG, PIL for the rest), so that a phone's portrait shot is not detected on its side.
+Training and evaluation read the pixels as stored (annotations are boxes on those), as COCO's tools
+do. A photo for `predict` or the served model is turned upright by its EXIF orientation (`upright`),
+so that a phone's portrait shot is not detected on its side.
 """
 from __future__ import annotations
 

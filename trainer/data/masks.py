@@ -17,7 +17,7 @@ def eval_mask(segm, image: dict):
 def compact(segm, h: int, w: int):
     """eval_mask's segmentation as few Python objects (one array per polygon, an RLE's counts as
     bytes), the same mask: a loader worker reading a list of floats writes to each one's refcount,
-    so the pages of the trainer's records it shares are copied, ~33 kB per COCO image read (helper-69)."""
+    so the pages of the trainer's records it shares would be copied."""
     if isinstance(segm, list):
         return [np.asarray(p, np.float64) for p in segm]
     if isinstance(segm.get("counts"), list):  # uncompressed RLE

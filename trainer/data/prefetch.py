@@ -1,7 +1,4 @@
-"""Batches pulled ahead on a background thread and moved to the device, so the loop rarely waits.
-
-`qsize()` is Detectron's `mb_qsize`: how many ready minibatches wait for the training thread.
-"""
+"""Batches pulled ahead on a background thread and moved to the device, so the loop rarely waits."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +8,7 @@ import threading
 import torch
 
 from trainer.data.images import as_float
-from trainer.data.workers import worker_error
+from trainer.data.workers import map_tensors, worker_error
 
 
 class Prefetcher:
@@ -62,6 +59,7 @@ class Prefetcher:
         return self
 
     def qsize(self) -> int:
+        """Detectron's `mb_qsize`: how many ready minibatches wait for the training thread."""
         return self._queue.qsize()
 
     def close(self) -> None:
@@ -91,11 +89,4 @@ class Prefetcher:
 def _to_device(obj, device):
     if device is None:
         return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)  # the same tensor when already there
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
-
+    return map_tensors(lambda tensor: tensor.to(device, non_blocking=True), obj)  # the same tensor when already there

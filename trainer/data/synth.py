@@ -66,7 +66,7 @@ def write_synthetic_dataset(out_dir, num_images: int = 64, image_size: int = 128
 
 def _check_room(out: Path, num_images: int, image_size: int) -> None:
     """Refused before the first image when the PNGs cannot fit: they take about 0.7 bytes a pixel's
-    channel (measured: 0.68 at 128 px, 0.76 at 1024), so half of that is a floor."""
+    channel, so half of that is a floor."""
     need = num_images * image_size * image_size * 3 * 0.5
     folder = next((p for p in [out, *out.parents] if p.is_dir()), None)
     try:
@@ -169,13 +169,12 @@ def _place(rng, boxes: list, width: int, height: int, max_size: int):
 
 def _geometry(shape: str, cx: int, cy: int, h: int):
     """Polygon vertices and the top/right/bottom/left keypoints."""
+    keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
     if shape == "square":
         polygon = [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
-        keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
     elif shape == "circle":
         angles = [2 * math.pi * k / 24 for k in range(24)]
         polygon = [(round(cx + h * math.cos(a), 2), round(cy + h * math.sin(a), 2)) for a in angles]
-        keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
     else:
         polygon = [(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
         keypoints = [(cx, cy - h), (cx + h, cy + h), (cx, cy + h), (cx - h, cy + h)]

@@ -45,16 +45,12 @@ def _kill_leftover_workers() -> None:
             child.kill()
 
 
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % 2**32  # torch gives each worker base_seed + worker_id
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 def init_worker(parent_pid: int, worker_id: int) -> None:
     """Each loader worker: seeded, tied to the trainer's life, deaf to the job's stop signals."""
     _bind_to_parent(parent_pid)
-    _seed_worker(worker_id)
+    seed = torch.initial_seed() % 2**32  # torch gives each worker base_seed + worker_id
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def _bind_to_parent(parent_pid: int) -> None:
@@ -87,14 +83,13 @@ SHM = "/dev/shm"
 
 def in_shared_memory(batch):
     """A worker's batch moved into shared memory here, where a failure is the worker's error. torch
-    moves it only when the queue's feeder thread pickles it: on a full /dev/shm (docker's default is
-    64 MB) that thread printed a traceback and dropped the batch, and the trainer waited for it forever."""
+    moves it in the queue's feeder thread, which on a full /dev/shm (docker's default is 64 MB) drops
+    the batch that the trainer then waits for forever."""
     info = torch.utils.data.get_worker_info()
     if info is None:  # DATA_LOADER.NUM_THREADS 0: the trainer loads its own batches
         return batch
     try:
-        for tensor in _tensors(batch):
-            tensor.share_memory_()
+        map_tensors(lambda tensor: tensor.share_memory_(), batch)
     except RuntimeError as e:
         if "shared memory" not in str(e) and "No space left" not in str(e):
             raise
@@ -103,9 +98,8 @@ def in_shared_memory(batch):
 
 
 def check_shared_memory(workers: int) -> None:
-    """Before the loader's workers start: their queues lock with POSIX semaphores, files in /dev/shm.
-    One already full (or missing) failed the loader's start with a bare `OSError: [Errno 28] No space
-    left on device` traceback, and torch's half-built iterator printed an AttributeError at exit."""
+    """Before the loader's workers start: their queues lock with POSIX semaphores, files in /dev/shm;
+    one already full (or missing) would fail the loader's start with a bare `OSError: [Errno 28]`."""
     if not workers:
         return
     try:  # as many as torch's loader makes: its result queue 3 and done event 5, each worker's queue 3
@@ -117,15 +111,15 @@ def check_shared_memory(workers: int) -> None:
         raise
 
 
-def _tensors(value):
+def map_tensors(fn, value):
+    """`value` (tensors in dicts, lists and tuples) with `fn` applied to each tensor."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
 
 
 def _no_shared_memory(workers: int, error: str) -> str:
