@@ -38,9 +38,9 @@ def resnet(name: str, norm: str = "", stride_in_1x1: bool = False) -> ResNet:
     layer = norm_layer(norm)
     net = ResNet(block, layers, groups=groups, width_per_group=width, **({"norm_layer": layer} if layer else {}))
     if stride_in_1x1:  # MSRA's ResNets (Detectron's R-50.pkl...) downsample in a block's 1x1 conv; torchvision's in its 3x3
-        for block in net.modules():
-            if isinstance(block, Bottleneck) and block.conv2.stride != (1, 1):
-                block.conv1.stride, block.conv2.stride = block.conv2.stride, (1, 1)
+        for unit in net.modules():
+            if isinstance(unit, Bottleneck) and unit.conv2.stride != (1, 1):
+                unit.conv1.stride, unit.conv2.stride = unit.conv2.stride, (1, 1)
     return net
 
 

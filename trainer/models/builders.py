@@ -253,7 +253,7 @@ def zero_eps_weights(spec: str) -> bool:
     """Whether `spec` names one of torchvision's first COCO detectors, trained with FrozenBatchNorm2d's
     eps 0 (torchvision's builders set it for them; eps is an attribute, in no state_dict)."""
     return torchvision_weight(spec) in {tvd.FasterRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.MaskRCNN_ResNet50_FPN_Weights.COCO_V1,
-                      tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
+                                        tvd.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1, tvd.RetinaNet_ResNet50_FPN_Weights.COCO_V1}
 
 
 def _stages(body: nn.Module) -> list[list[str]]:
