@@ -234,11 +234,11 @@ class Env:
     @property
     def mlflow(self):
         if self._mlflow is None:
-            from tests.servers import MlflowServer
+            from tests.servers import PROXY_MULTIPART, MlflowServer
 
             s3 = self.s3
             self._mlflow = MlflowServer(self._mkdir("mlflow"), artifacts=f"s3://{s3.bucket}/proxied",
-                                        env=s3.env).start()
+                                        env={**s3.env, **PROXY_MULTIPART}).start()
         return self._mlflow
 
     def server_groups(self) -> list[int]:

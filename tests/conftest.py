@@ -139,9 +139,9 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory, s3_server):
     """`mlflow server` (sqlite) whose artifacts go to moto's S3, proxied through the server."""
-    from tests.servers import MlflowServer
+    from tests.servers import PROXY_MULTIPART, MlflowServer
 
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"), artifacts=f"s3://{s3_server.bucket}/proxied",
-                          env=s3_server.env).start()
+                          env={**s3_server.env, **PROXY_MULTIPART}).start()
     yield server
     server.stop()

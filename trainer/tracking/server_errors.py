@@ -33,8 +33,9 @@ def _tls_advice(text: str) -> str:
 def start_error(uri: str, e: BaseException) -> str:
     """The one line a failed first call to the store at `uri` ends a job with."""
     text = str(e)
-    if answered := re.search(r"too many (\d+) error responses", text):  # urllib3's retries: it is up, and failing
-        return (f"the tracking server at {uri} answers with HTTP {answered.group(1)} errors (see its log); "
+    # Up, and failing: urllib3's retries ran out (MLflow < 3.18), or MLflow's client reports the last answer (3.18).
+    if answered := re.search(r"too many (\d{3}) error responses|error code (429|5\d\d) != 200", text):
+        return (f"the tracking server at {uri} answers with HTTP {answered.group(1) or answered.group(2)} errors (see its log); "
                 "TRACKING.ENABLED false trains without tracking")
     if "ProxyError" in text:  # first: a proxy's own TLS failure is the proxy's
         return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "

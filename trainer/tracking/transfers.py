@@ -6,7 +6,8 @@ Uploads. MLflow's artifact repository for the run's artifact URI does the work: 
 each request with botocore's own timeouts), the local disk, and so on. Through the tracking server's proxy
 (`mlflow-artifacts:`) MLflow's client has one timeout for every request, or none at all, so that
 path is driven here, with the repository's own multipart protocol:
-- When the server's store takes multipart uploads (S3) and the file is past
+- When the server offers multipart uploads (its operator set MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD, or
+  the client did: MLflow's choice), its store takes them (S3) and the file is past
   MLFLOW_MULTIPART_UPLOAD_MINIMUM_FILE_SIZE, the server starts one and signs a URL per part of
   MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE; the parts go straight to the store, PART_WORKERS at a time,
   each read from the open file when its turn comes; the server then completes the upload.
