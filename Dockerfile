@@ -32,8 +32,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# 1. The requirements (a layer that survives code changes), torch pinned to the base's own.
-COPY pyproject.toml ./
+# 1. The requirements (a layer that survives code changes), torch pinned to the base's own, MLflow,
+#    moto and the AWS client to the versions the suite is run against (constraints.txt).
+COPY pyproject.toml constraints.txt ./
 RUN set -eux; \
     python3 -m pip list --format=freeze \
       | grep -iE '^(torch|torchvision|torchaudio|triton|nvidia-[a-z0-9-]+)==' > /etc/tracktron-torch-constraints.txt; \
@@ -41,7 +42,7 @@ RUN set -eux; \
     grep -iq '^torchvision==' /etc/tracktron-torch-constraints.txt; \
     python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
       > /tmp/requirements.txt; \
-    python3 -m pip install -c /etc/tracktron-torch-constraints.txt -r /tmp/requirements.txt; \
+    python3 -m pip install -c /etc/tracktron-torch-constraints.txt -c constraints.txt -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 
 # 2. The package itself (no dependency changes: torch stays the base image's).

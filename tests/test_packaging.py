@@ -99,6 +99,8 @@ def test_dockerfile_builds_on_a_pytorch_cuda_runtime_image_matching_the_torch_pi
     # torch is not reinstalled: pip runs under a constraint file made from the base's packages
     runs = " ".join(a for i, a in instructions if i == "RUN")
     assert "pip install -c" in runs and "--no-deps" in runs
+    # ... and MLflow, moto, boto3 at the versions `make setup` installs, which the suite is run against
+    assert "-c constraints.txt" in runs and ("COPY", "pyproject.toml constraints.txt ./") in instructions
 
 
 def test_dockerfile_user_entrypoint_volumes_and_default_command():
