@@ -480,3 +480,39 @@ def test_a_server_that_fails_every_delete_loses_nothing_and_the_job_still_succee
     for name in uploaded:  # each still whole: its bytes match its tag
         path = client.download_artifacts(run_id, f"checkpoints/{name}", str(tmp_path / "check"))
         assert sha256_of(Path(path)) == run.data.tags[sha_tag(name)]
+
+
+# ---- a server that moves artifact bytes only through presigned URLs ----
+
+def test_a_server_that_takes_artifacts_only_through_presigned_urls_trains_resumes_elsewhere_and_logs_the_model(
+        tmp_path, data_dir, s3_server, jobs):  # noqa: F811 - the fixture
+    """MLflow 3.18's MLFLOW_ARTIFACTS_PRESIGNED_ONLY: the server refuses to carry artifact bytes, every
+    upload and download goes straight to its store through URLs it signs. Checkpoints of every size go
+    up in parts, a resume on an empty machine gets its checkpoint from the store, and the job ends
+    with its model logged (FAULTS row 341)."""
+    (tmp_path / "server").mkdir()
+    server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/presigned-{uuid.uuid4().hex[:6]}",
+                          env={**s3_server.env, "MLFLOW_ARTIFACTS_PRESIGNED_ONLY": "true"}).start()
+    exp = f"presigned-{uuid.uuid4().hex[:6]}"
+    keys = {"SOLVER.MAX_ITER": 6, "TRAIN.SNAPSHOT_ITERS": 2, "LOG_PERIOD": 1, "TRACKING.URI": server.url,
+            "TRACKING.EXPERIMENT": exp}
+    try:
+        first = jobs(demo_overrides(tmp_path / "a", data_dir, **keys), tmp_path / "a", name="first")
+        client = MlflowClient(server.url)
+
+        def uploaded():
+            found = client.get_experiment_by_name(exp)
+            runs = client.search_runs([found.experiment_id]) if found else []
+            return runs and sha_tag("model_iter1.pth") in runs[0].data.tags
+
+        wait_until(uploaded, first, "model_iter1 uploaded", timeout=300)
+        first.proc.kill()
+        first.wait(60)
+        second = jobs(demo_overrides(tmp_path / "b", data_dir, **keys), tmp_path / "b", name="second")
+        assert second.wait(600) == 0, second.stderr[-3000:]
+        run = only_run(client, exp)
+        assert "resuming from run" in second.stderr and run.info.status == "FINISHED"
+        assert run.data.tags[sha_tag("model_final.pth")] == sha256_of(tmp_path / "b" / "output" / "model_final.pth")
+        assert client.search_logged_models([run.info.experiment_id]), "no logged model"
+    finally:
+        server.stop()

@@ -198,7 +198,9 @@ def download(repo, artifact_path: str, folder: Path, size: int | None = None) ->
     from mlflow.environment_variables import MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
-    if isinstance(repo, HttpArtifactRepository):
+    # A server that moves no artifact bytes itself (MLFLOW_ARTIFACTS_PRESIGNED_ONLY) signs a URL to the store instead.
+    presigned_only = getattr(repo, "_is_artifacts_presigned_only", lambda: False)
+    if isinstance(repo, HttpArtifactRepository) and not presigned_only():
         size = _size(repo, artifact_path) if size is None else size
         if size is not None and size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
             return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
