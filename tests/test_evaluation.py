@@ -27,7 +27,7 @@ from trainer.data.images import as_float  # noqa: E402
 from trainer.distributed import Context  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.evaluation import (coco_evaluate, eval_command, eval_due, evaluate,  # noqa: E402
-                                format_metrics, iou_types_for, per_category_table, run_cocoeval,
+                                format_metrics, iou_types_for, per_category_rows, per_category_table, run_cocoeval,
                                 run_inference)
 from trainer.models import build_model  # noqa: E402
 from trainer.data.synth import write_synthetic_dataset  # noqa: E402
@@ -142,7 +142,7 @@ def test_metrics_equal_pycocotools_own(shapes):
     names = ("AP", "AP50", "AP75", "APs", "APm", "APl")
     expected = {f"bbox/{n}": float(v) for n, v in zip(names, ev.stats) if v >= 0}
     assert ours == pytest.approx(expected) and 0 < ours["bbox/AP"] < 1
-    table = per_category_table(run_cocoeval(coco, results, "bbox"))
+    table = per_category_table(per_category_rows(run_cocoeval(coco, results, "bbox")))
     assert table.startswith("| category | AP | AP50 | instances |") and "| square |" in table
 
 

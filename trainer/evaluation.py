@@ -162,10 +162,10 @@ def coco_evaluate(coco_gt: COCO, results: list[dict], iou_types) -> dict[str, fl
     return metrics
 
 
-def per_category_table(ev: COCOeval) -> str:
-    """Markdown: AP and AP50 per category (area all, 100 detections), with its ground-truth count."""
+def per_category_table(rows: dict) -> str:
+    """Markdown of per_category_rows: AP and AP50 per category, with its ground-truth count."""
     lines = ["| category | AP | AP50 | instances |", "|---|---:|---:|---:|"]
-    for name, ap, ap50, count in zip(*per_category_rows(ev).values()):
+    for name, ap, ap50, count in zip(*rows.values()):
         lines.append(f"| {name} | {_number(ap)} | {_number(ap50)} | {count} |")
     return "\n".join(lines) + "\n"
 
@@ -228,12 +228,13 @@ def evaluate_dataset(cfg, model, ctx: Context, name: str, output_dir: Path, trac
         ev = run_cocoeval(dataset.coco, results, iou_type)
         metrics |= metrics_of(ev, iou_type)
         box_ev = box_ev or ev  # bbox comes first
+    rows = per_category_rows(box_ev)
     files = [write_atomic(out / "detections.json", json.dumps(results)),
-             write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{per_category_table(box_ev)}")]
+             write_atomic(out / "per_category_ap.md", f"# {name}: bbox AP per category\n\n{per_category_table(rows)}")]
     for path in files:
         tracker.log_artifact(path, f"eval/{tag}")
     step = 0 if step is None else step
-    tracker.log_table(per_category_rows(box_ev), f"eval/{tag}/per_category_ap_iter{step}.json")
+    tracker.log_table(rows, f"eval/{tag}/per_category_ap_iter{step}.json")
     for key, picture in drawings(dataset, results, cfg.TEST.VIS_IMAGES):
         tracker.log_image(picture, f"{tag}/{key}", step)
     return metrics
