@@ -29,7 +29,7 @@ def logger():
     job_log = JobLog()
     log.addHandler(job_log)
     yield log, job_log, console.stream
-    job_log.close()
+    job_log.end()
     log.handlers.clear()
 
 
@@ -51,9 +51,28 @@ def test_a_job_that_never_opens_it_writes_nothing(logger, tmp_path):
     """A job that fails its checks, or stops before its folder is settled: no log.txt."""
     log, job_log, _ = logger
     log.warning("a check failed")
-    job_log.close()
+    job_log.end()
     log.warning("after the end")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_library_that_reconfigures_logging_mid_job_loses_no_line(logger, tmp_path):
+    """MLflow up to 3.16 runs logging.config.dictConfig when it is first imported, which closes every
+    handler: with MLflow imported during the checks, log.txt lost every line from before its folder was
+    settled (the dataset's summary, the run, where the job resumed from). Found with MLflow 3.13."""
+    import logging.config
+
+    log, job_log, _ = logger
+    path = tmp_path / "log.txt"
+    log.info("before the import")
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})  # what `import mlflow` did
+    log.info("resuming from model_iter5.pth")
+    job_log.open(path)
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
+    log.info("after open")
+    lines = path.read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines[1:]] == [
+        "before the import", "resuming from model_iter5.pth", "after open"], lines
 
 
 def test_an_earlier_log_is_appended_to(logger, tmp_path):

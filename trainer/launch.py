@@ -63,7 +63,7 @@ def train_job(cfg, config_file: str, resume_run_id: str | None, no_resume: bool,
     finally:
         if job_log:
             logging.getLogger().removeHandler(job_log)
-            job_log.close()
+            job_log.end()
         if monitor is not None:
             stop_monitor(monitor)
         if ctx is not None:
@@ -256,7 +256,7 @@ def _finish(tracker, job_log: JobLog | None, status: str, reason: str = "", time
         job_log.note(f"the job ends {status}" + (f": {reason}" if reason else ""))
         if job_log.sendable():
             tracker.log_artifact(job_log.path)
-        job_log.close()
+        job_log.end()
     return tracker.finish(status, reason, timeout)
 
 

@@ -116,14 +116,18 @@ class JobLog(logging.Handler):
                 self._failed(None, self.path, "it was deleted or replaced while the job ran")
             return intact
 
-    def close(self) -> None:
+    def end(self) -> None:
+        """The job is over: the file is closed, and what is logged later is not written."""
         with self.lock:
             self._waiting = None
             if self._file is not None:
                 with contextlib.suppress(OSError):
                     self._file.close()
                 self._file = None
-        super().close()
+        self.close()
+
+    # close() stays logging's: logging.shutdown and logging.config.dictConfig close every handler,
+    # and MLflow up to 3.16 runs dictConfig when it is first imported, in the middle of a job's checks.
 
     def _write(self, line: str) -> None:
         try:
