@@ -20,7 +20,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import DEMO, demo_overrides, run_trainer, trainer_cmd
-from tests.servers import FaultProxy
+from tests.servers import FaultProxy, MlflowServer
 from trainer.checkpoint.files import iteration_of
 from trainer.hashing import sha256_of
 from trainer.checkpoint.state import load as load_checkpoint
@@ -90,6 +90,29 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
     (detections,) = model.predict(pd.DataFrame({"image": [png]}))
     assert {"boxes", "scores", "category_ids", "category_names"} <= set(detections)
 
+
+def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_dir):
+    """MLflow 3.18's workspaces (`mlflow server --enable-workspaces`, the client's MLFLOW_WORKSPACE): the
+    UI link at start and status's UI column name the job's workspace, as MLflow's own link does; without
+    it the UI opens the default workspace, where the run is not (FAULTS row 343)."""
+    (tmp_path / "server").mkdir()
+    server = MlflowServer(tmp_path / "server", extra_args=("--enable-workspaces",)).start()
+    try:
+        MlflowClient(server.url).create_workspace("team-a")
+        env = {"MLFLOW_WORKSPACE": "team-a"}
+        result = run_trainer(tracked(tmp_path, data_dir, server, "ws", **{"SOLVER.MAX_ITER": 2, "TEST.DATASETS": "()",
+                                                                          "TRACKING.LOG_MODEL": "false"}),
+                             cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr
+        os.environ.update(env)  # the client's workspace, as the job's
+        run = only_run(MlflowClient(server.url), "ws")
+        link = f"{server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workspace=team-a"
+        assert link in result.stderr
+        status = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", server.url], capture_output=True,
+                                text=True, env={**os.environ, **env}, timeout=120)
+        assert link in status.stdout, status.stdout + status.stderr
+    finally:
+        server.stop()
 
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
     keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 3, **keys}

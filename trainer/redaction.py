@@ -25,6 +25,7 @@ _URL = re.compile(r"(?<![A-Za-z0-9+.-])(?!models:)([A-Za-z][A-Za-z0-9+.-]*:/+)([
 # A URL as the user typed it: its userinfo runs to the word's last `@`, unescaped `/ ? #` and all.
 _TYPED_USERINFO = re.compile(r"(\b(?!models:)[A-Za-z][A-Za-z0-9+.-]*:/+)(\S*?:\S*)@(?!\S*@)")
 _QUERY_VALUE = re.compile(r"(^|[&;])([^&;=]*=)?[^&;]*")
+_PUBLIC_KEYS = {"workspace="}  # MLflow's UI link names the run's workspace: a name, never a secret
 _MIN_LEN = 4  # shorter values (a port, "true") would blank out ordinary text
 _values: set[str] = set()
 
@@ -100,7 +101,9 @@ def _redact_url(m: re.Match) -> str:
 
 
 def _hide_value(m: re.Match) -> str:
-    return f"{m.group(1)}{m.group(2) or ''}{REDACTED}" if m.group(0) not in ("", "&", ";") else m.group(0)
+    if m.group(0) in ("", "&", ";") or m.group(2) in _PUBLIC_KEYS:
+        return m.group(0)
+    return f"{m.group(1)}{m.group(2) or ''}{REDACTED}"
 
 
 def redact_text(text: str) -> str:

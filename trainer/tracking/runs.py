@@ -13,7 +13,7 @@ import re
 import time
 from concurrent.futures import wait
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import iteration_of
 from trainer.config import Config
@@ -139,10 +139,18 @@ def without_credentials(uri: str) -> str:
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
-    """The run's page in the MLflow UI, where the tracking URI is a server's."""
-    if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return None
+    """The run's page in the MLflow UI, where the tracking URI is a server's. In a workspace other than
+    the default (MLFLOW_WORKSPACE), the link names it as MLflow's own does: the UI shows the default one."""
+    from mlflow.utils.workspace_context import get_request_workspace
+    from mlflow.utils.workspace_utils import DEFAULT_WORKSPACE_NAME
+
+    if not uri.startswith(("http://", "https://")):
+        return None
+    url = f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    workspace = get_request_workspace()
+    if workspace and workspace != DEFAULT_WORKSPACE_NAME:
+        url += f"?workspace={quote(workspace, safe='')}"
+    return url
 
 
 def experiment_name(cfg: Config) -> str:
