@@ -114,6 +114,22 @@ def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_
     finally:
         server.stop()
 
+
+def test_a_dry_run_in_a_workspace_the_server_lacks_says_so(tmp_path, data_dir):
+    """MLflow's lookup of an experiment by name in a workspace the server lacks finds none, as for a new
+    experiment: `--dry-run` said `experiment … (new), a new run`, and the job then stopped (FAULTS row 344)."""
+    (tmp_path / "server").mkdir()
+    server = MlflowServer(tmp_path / "server", extra_args=("--enable-workspaces",)).start()
+    try:
+        result = subprocess.run([*trainer_cmd(*tracked(tmp_path, data_dir, server, "ws")), "--dry-run"],
+                                capture_output=True, text=True, env={**os.environ, "MLFLOW_WORKSPACE": "nope"},
+                                timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"error: tracking server {server.url}: no workspace 'nope' (MLFLOW_WORKSPACE)")
+    finally:
+        server.stop()
+
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
     keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 3, **keys}
     first = tmp_path / "machine1"
