@@ -91,7 +91,7 @@ def test_job_logs_every_iteration_checkpoints_and_final_model(tmp_path, data_dir
     assert {"boxes", "scores", "category_ids", "category_names"} <= set(detections)
 
 
-def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_dir):
+def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_dir, monkeypatch):
     """MLflow 3.18's workspaces (`mlflow server --enable-workspaces`, the client's MLFLOW_WORKSPACE): the
     UI link at start and status's UI column name the job's workspace, as MLflow's own link does; without
     it the UI opens the default workspace, where the run is not (FAULTS row 343)."""
@@ -104,7 +104,7 @@ def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_
                                                                           "TRACKING.LOG_MODEL": "false"}),
                              cwd=tmp_path, env=env)
         assert result.returncode == 0, result.stderr
-        os.environ.update(env)  # the client's workspace, as the job's
+        monkeypatch.setenv("MLFLOW_WORKSPACE", "team-a")  # this client's workspace, as the job's
         run = only_run(MlflowClient(server.url), "ws")
         link = f"{server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workspace=team-a"
         assert link in result.stderr
@@ -129,6 +129,7 @@ def test_a_dry_run_in_a_workspace_the_server_lacks_says_so(tmp_path, data_dir):
             f"error: tracking server {server.url}: no workspace 'nope' (MLFLOW_WORKSPACE)")
     finally:
         server.stop()
+
 
 def _resume_setup(tmp_path, data_dir, mlflow_server, exp, **keys):
     keys = {"DETERMINISTIC": "true", "SOLVER.MAX_ITER": 60, "TRAIN.SNAPSHOT_ITERS": 3, **keys}
