@@ -117,7 +117,9 @@ class JobLog(logging.Handler):
             return intact
 
     def end(self) -> None:
-        """The job is over: the file is closed, and what is logged later is not written."""
+        """The job is over: the file is closed, and what is logged later is not written. Not close(),
+        which logging.shutdown and logging.config.dictConfig call on every handler: MLflow up to 3.16
+        runs dictConfig when it is first imported, in the middle of a job's checks."""
         with self.lock:
             self._waiting = None
             if self._file is not None:
@@ -125,9 +127,6 @@ class JobLog(logging.Handler):
                     self._file.close()
                 self._file = None
         self.close()
-
-    # close() stays logging's: logging.shutdown and logging.config.dictConfig close every handler,
-    # and MLflow up to 3.16 runs dictConfig when it is first imported, in the middle of a job's checks.
 
     def _write(self, line: str) -> None:
         try:
