@@ -21,7 +21,7 @@ from trainer.tracking.heartbeat import HEARTBEAT_TAG, beat, claim_run, last_seen
 from trainer.tracking.run_description import context_tags, describe_job, git_commit
 from trainer.tracking.runs import (JOB_TAG, STATUS_REASON, bound_http, checkpoint_artifact, checkpoints_from, env_experiment_id,
                                    experiment_name, last_step_of, lists_artifact, make_client, sha_tag)
-from trainer.tracking.server_errors import start_error, without_logged_models
+from trainer.tracking.server_errors import missing_workspace, start_error, without_logged_models
 from trainer.tracking.sqlite_store import check_new_experiment_artifacts, check_store, not_made_yet
 
 log = logging.getLogger(__name__)
@@ -284,21 +284,6 @@ def found_in_new_store(cfg: Config, uri: str) -> FoundRun:
     return FoundRun(None, experiment_name(cfg), None)
 
 
-def _check_workspace(client, uri: str) -> None:
-    """MLFLOW_WORKSPACE names a workspace the server has: in one it lacks, MLflow's lookup by name finds
-    no experiment, as for a new one, and only the job's start, making it, would stop."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.workspace_context import get_request_workspace
-
-    if not (workspace := get_request_workspace()):
-        return
-    try:
-        client.get_workspace(workspace)
-    except MlflowException as e:
-        if e.error_code == "RESOURCE_DOES_NOT_EXIST":  # other errors: a server without workspaces, left to the start
-            raise UserError(f"tracking server {redact_urls(uri)}: no workspace {workspace!r} (MLFLOW_WORKSPACE)") from None
-
-
 def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool) -> tuple[str, list[str]]:
     """What the job's start would do with its run, found without writing anything (--dry-run), and
     the checkpoints of the run it continues."""
@@ -313,8 +298,8 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     found = find_run(client, uri, cfg, resume_run_id, new_run)
     run = found.run
     if run is None:
-        if found.experiment_id is None:
-            _check_workspace(client, uri)
+        if found.experiment_id is None and (lacking := missing_workspace(uri, client)):
+            raise UserError(lacking)
         return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run", []
     if not found.resumes:
         return f"adopts run {run.info.run_id}, which its launcher made", []

@@ -1,6 +1,7 @@
 """What a tracking server's failure means, in one line for the user: down, answering errors,
 refusing the credentials or a permission, TLS or a proxy failing, or this machine's own limits;
-and whether it has the MLflow 3 API the job's models need (without_logged_models)."""
+and whether it has the MLflow 3 API the job's models need (without_logged_models) and the job's
+workspace (missing_workspace)."""
 from __future__ import annotations
 
 import re
@@ -119,6 +120,22 @@ def lacks_logged_models(client) -> bool:
     except Exception as e:
         return getattr(e, "error_code", "") in ("ENDPOINT_NOT_FOUND", "NOT_IMPLEMENTED") or " 405 != " in str(e)
     return False
+
+
+def missing_workspace(uri: str, client) -> str | None:
+    """`tracking server <uri>: no workspace ...` when MLFLOW_WORKSPACE names one the server lacks: there,
+    MLflow's lookup by name finds no experiment, as for a new one, and only making it would fail."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.workspace_context import get_request_workspace
+
+    if not (workspace := get_request_workspace()):
+        return None
+    try:
+        client.get_workspace(workspace)
+    except MlflowException as e:  # another error (a server without workspaces) is left to the job's start
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return f"tracking server {redact_text(uri)}: no workspace {workspace!r} (MLFLOW_WORKSPACE)"
+    return None
 
 
 def server_version(uri: str) -> str:
