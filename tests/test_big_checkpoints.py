@@ -204,12 +204,17 @@ def test_a_file_changed_since_it_was_handed_to_the_uploader_is_not_uploaded(rout
     assert stored() == ["model_iter14.pth"]
 
 
+@pytest.mark.parametrize("threshold", [None, 64 * MB])
 def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_it_in_proportion_to_its_size(
-        tmp_path, mlflow_server, monkeypatch):
+        tmp_path, mlflow_server, monkeypatch, threshold):
     """The server sends the first byte of a download only once it has fetched the whole file from its
-    store. Base timeout 2 s, every checkpoint GET answered 5 s late: a 96 MB checkpoint (streamed: under
-    MLflow's 500 MB threshold for ranged downloads) still comes, whole; a 1 MB one times out."""
+    store. Base timeout 2 s, every checkpoint GET answered 5 s late: a 96 MB checkpoint still comes,
+    whole; a 1 MB one times out. So too past MLflow's threshold for ranged downloads (500 MB, here
+    lowered to 64 MB) on a server that offers none: MLflow's own download would be the same GET with
+    the flat 2 s (FAULTS row 346)."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    if threshold:
+        monkeypatch.setenv("MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE", str(threshold))
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     client = MlflowClient(mlflow_server.url)
     run_id = client.create_run(client.create_experiment(f"slow-get-{uuid.uuid4().hex[:6]}")).info.run_id
@@ -229,6 +234,37 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
         assert got == tmp_path / "got" / "model_iter2.pth" and sha256 == sha256_of(got) == sha256_of(big)
         with pytest.raises(FileNotFoundError, match="no artifact checkpoints/model_iter3.pth"):
             download(repo, "checkpoints/model_iter3.pth", tmp_path / "got")
+
+
+def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(
+        tmp_path, s3_server, monkeypatch):
+    """An operator's MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD (MLflow 3.18): a checkpoint past the threshold
+    (lowered to 64 MB) comes from S3 in ranged parts through URLs the server signs, and none of its bytes
+    through the server; a smaller one still streams through it, hashed as it arrives."""
+    monkeypatch.setenv("MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE", str(64 * MB))
+    (tmp_path / "server").mkdir()
+    server = MlflowServer(tmp_path / "server", artifacts=f"s3://{s3_server.bucket}/ranged-{uuid.uuid4().hex[:6]}",
+                          env={**s3_server.env, "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "true"}).start()
+    try:
+        client = MlflowClient(server.url)
+        run_id = client.create_run(client.create_experiment("ranged")).info.run_id
+        small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
+        small.write_bytes(os.urandom(MB))
+        big.write_bytes(os.urandom(96 * MB))
+        for path in (small, big):
+            client.log_artifact(run_id, str(path), "checkpoints")
+        with FaultProxy(server.url) as proxy:
+            repo = run_repository(MlflowClient(proxy.url), proxy.url, run_id)
+            (tmp_path / "got").mkdir()
+            for path in (small, big):
+                got, sha256 = download(repo, f"checkpoints/{path.name}", tmp_path / "got")
+                assert sha256 == sha256_of(got) == sha256_of(path)
+            seen = b"\n".join(proxy.requests_seen)
+        assert re.search(rb"GET /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter1\.pth", seen)
+        assert b"presigned" in seen and b"model_iter2.pth" in seen  # the server signed it...
+        assert not re.search(rb"GET /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/model_iter2\.pth", seen)
+    finally:
+        server.stop()
 
 
 class _ArtifactServer(http.server.BaseHTTPRequestHandler):

@@ -58,9 +58,9 @@ _HTTP_KEYS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 _SET_BY_USER = {k for k in _HTTP_KEYS if k in os.environ}
 
 
-# MLflow's ranged download (files past MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE; smaller ones
-# stream through the server: transfers.download) holds each chunk whole in memory, on up to 20
-# threads: 100 MB chunks by default. Ours: 8 MB, boto3's own part size.
+# MLflow's ranged download (files past MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE, where the server
+# offers it: transfers.download) holds each chunk whole in memory, on up to 20 threads: 100 MB chunks
+# by default. Ours: 8 MB, boto3's own part size.
 DOWNLOAD_CHUNK = 8 * 1024**2
 
 

@@ -18,12 +18,16 @@ out. They must allow for the far side's silence while it works: none for a part 
 once it has it), the server's onward upload of the whole file for a single PUT. So each request's
 timeout is MLFLOW_HTTP_REQUEST_TIMEOUT plus that work at STORE_FLOOR_BPS.
 
-Downloads. Through the proxy, a file under MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE (500 MB) comes
-in one streamed GET, read 1 MB at a time: MLflow's ranged download reads requests' 10 kB pieces, ten
-times the client's CPU, and GIL time a resuming job takes from torch's import. The server sends the
-first byte only once it has the whole file from its store, so that GET's idle timeout is sized like
-a single PUT's; the file is hashed as it arrives. Larger files, and every other store, go through
-MLflow's own download, then are hashed.
+Downloads. Through the proxy a file comes in one streamed GET, read 1 MB at a time. The server sends
+the first byte only once it has the whole file from its store, so that GET's idle timeout is sized
+like a single PUT's, and the file is hashed as it arrives. MLflow's own download is the same GET with
+a flat timeout, which a server fetching a large checkpoint outlasts. Only where MLflow would fetch
+from the store itself, through signed URLs, does it get the file: always on a server that moves no
+artifact bytes (MLFLOW_ARTIFACTS_PRESIGNED_ONLY); past MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE
+(500 MB) where ranged downloads are on (the server's MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD, or the
+client's). Below that size ours is still used: MLflow's ranged download reads requests' 10 kB pieces,
+ten times the client's CPU, GIL time a resuming job takes from torch's import. Every other store goes
+through MLflow's own download, then is hashed.
 """
 from __future__ import annotations
 
@@ -202,10 +206,24 @@ def download(repo, artifact_path: str, folder: Path, size: int | None = None) ->
     presigned_only = getattr(repo, "_is_artifacts_presigned_only", lambda: False)
     if isinstance(repo, HttpArtifactRepository) and not presigned_only():
         size = _size(repo, artifact_path) if size is None else size
-        if size is not None and size < MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get():
+        ranged = size is not None and size >= MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get() and _ranged(repo)
+        if size is not None and not ranged:
             return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
     path = Path(repo.download_artifacts(artifact_path, str(folder)))
     return path, sha256_of(path)
+
+
+def _ranged(repo) -> bool:
+    """Whether MLflow's download through this server fetches from the store in ranged parts through
+    signed URLs (MLflow's own choice, as for uploads) rather than in one GET through the server."""
+    from mlflow.environment_variables import MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD
+    from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
+
+    enabled = getattr(repo, "_is_multipart_download_enabled", None)  # MLflow 3.18: the server says, or the client
+    if enabled is None:  # before 3.18: the client's variable, for mlflow-artifacts: URIs
+        return isinstance(repo, MlflowArtifactsRepository) and MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD.get()
+    served = getattr(repo, "_artifact_server_base_uri", lambda: "")() is not None  # MLflow's artifact service
+    return served and bool(enabled())
 
 
 def _size(repo, artifact_path: str) -> int | None:
