@@ -115,18 +115,21 @@ def test_a_job_in_a_workspace_links_to_its_run_in_that_workspace(tmp_path, data_
         server.stop()
 
 
-def test_a_dry_run_in_a_workspace_the_server_lacks_says_so(tmp_path, data_dir):
+def test_a_job_or_dry_run_in_a_workspace_the_server_lacks_says_so_in_one_line(tmp_path, data_dir):
     """MLflow's lookup of an experiment by name in a workspace the server lacks finds none, as for a new
-    experiment: `--dry-run` said `experiment … (new), a new run`, and the job then stopped (FAULTS row 344)."""
+    experiment: `--dry-run` said `experiment … (new), a new run`, and the job then stopped (FAULTS row 344);
+    the job itself warned first that it `could not look for experiment … under another name`."""
     (tmp_path / "server").mkdir()
     server = MlflowServer(tmp_path / "server", extra_args=("--enable-workspaces",)).start()
     try:
-        result = subprocess.run([*trainer_cmd(*tracked(tmp_path, data_dir, server, "ws")), "--dry-run"],
-                                capture_output=True, text=True, env={**os.environ, "MLFLOW_WORKSPACE": "nope"},
-                                timeout=120)
-        assert result.returncode == 2, result.stderr
-        assert result.stderr.strip().splitlines()[-1] == (
-            f"error: tracking server {server.url}: no workspace 'nope' (MLFLOW_WORKSPACE)")
+        for extra in (["--dry-run"], []):
+            result = subprocess.run([*trainer_cmd(*tracked(tmp_path, data_dir, server, "ws")), *extra],
+                                    capture_output=True, text=True, env={**os.environ, "MLFLOW_WORKSPACE": "nope"},
+                                    timeout=120)
+            assert result.returncode == 2, result.stderr
+            said = [line for line in result.stderr.splitlines() if "warning" in line.lower() or "error" in line.lower()]
+            assert said == [f"error: tracking server {server.url}: no workspace 'nope' (MLFLOW_WORKSPACE)"], extra
+        assert not (tmp_path / "output").exists() or not any((tmp_path / "output").iterdir())
     finally:
         server.stop()
 

@@ -222,6 +222,8 @@ def _find_run(client, uri: str, cfg: Config, resume_run_id: str | None, new_run:
     else:
         exp = client.get_experiment_by_name(experiment_name(cfg))
         exp = exp and _active(exp, uri)
+        if exp is None and (lacking := missing_workspace(uri, client)):  # found none: not there, or no such workspace
+            raise UserError(lacking)
     if exp is None and resume and not given_id and (moved := _renamed_home(client, cfg)) is not None:
         return FoundRun(moved[1], moved[0].name, moved[0].experiment_id, auto_resume=resume)
     name, exp_id = (exp.name, exp.experiment_id) if exp is not None else (experiment_name(cfg), None)
@@ -298,8 +300,6 @@ def find_job_run(cfg: Config, uri: str, resume_run_id: str | None, new_run: bool
     found = find_run(client, uri, cfg, resume_run_id, new_run)
     run = found.run
     if run is None:
-        if found.experiment_id is None and (lacking := missing_workspace(uri, client)):
-            raise UserError(lacking)
         return f"experiment {found.experiment}{'' if found.experiment_id else ' (new)'}, a new run", []
     if not found.resumes:
         return f"adopts run {run.info.run_id}, which its launcher made", []
