@@ -26,10 +26,9 @@ WHAT = (
     "**ours, proxy**: `trainer.tracking.transfers.upload` (which first checks that the file is still the one "
     "handed over: device, inode, size, mtime, as the tracker calls it) into a run of `mlflow server --artifacts-destination "
     "s3://...` (the server signs a URL per part, the parts go to S3: MLflow's proxied multipart upload, "
-    "MLflow's default 10 MB parts), and for the resume `prefetch.download_verified` (`transfers.download`: past "
-    "MLflow's 500 MB threshold, as at 1 GiB, MLflow's `download_artifacts`, which fetches ranged parts through "
-    "presigned URLs from the same server; below it, as at `--quick`'s 256 MiB, one streamed GET through the "
-    "server, hashed as it arrives; then the sha256 against the tag). "
+    "MLflow's default 10 MB parts), and for the resume `prefetch.download_verified` (`transfers.download`: "
+    "one streamed GET through the server, hashed as it arrives, then the sha256 against the tag; the server offers "
+    "no ranged downloads, MLflow's default, so the 1 GiB file too comes this way). "
     "**ours, direct**: the same against `mlflow server --no-serve-artifacts --default-artifact-root s3://...`, "
     "where the trainer writes to S3 itself (MLflow's S3 repository: boto3's `upload_file` and `download_file`). "
     "**MLflow's client** (reference): `MlflowClient.log_artifact` through the proxy, as tracktron did before. "
@@ -205,8 +204,9 @@ def _section(got: dict, size: int, rounds: tuple[int, int]) -> Section:
              "(ours hashes inside `download_verified`).",
              "Memory: through the proxy at most `PART_WORKERS` parts (min(8, 2 x cores)) of "
              "MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE are in memory, each read from the open file when its turn comes; "
-             "direct, boto3 holds at most 10 parts of 8 MB. The resume's ranged download holds one "
-             "MLFLOW_MULTIPART_DOWNLOAD_CHUNK_SIZE chunk per thread (ours: 8 MB; MLflow's default: 100 MB).",
+             "direct, boto3 holds at most 10 parts of 8 MB. The resume's GET through the server is read 1 MB at a time; "
+             "MLflow's ranged download, where a server offers it, holds one MLFLOW_MULTIPART_DOWNLOAD_CHUNK_SIZE chunk "
+             "per thread (ours: 8 MB; MLflow's default: 100 MB).",
              "Timeouts: idle timeouts (no byte moved for that long), so a transfer that moves never times out. "
              "A part's request waits only for the store to take that part: MLFLOW_HTTP_REQUEST_TIMEOUT plus the "
              "part at 8 MB/s (31 s for 10 MB). A single PUT through the proxy (files under "
