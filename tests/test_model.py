@@ -132,6 +132,28 @@ def test_the_best_checkpoint_is_found_through_mlflow_and_registered_as_best(job)
         assert best_version.version == final.version
 
 
+def test_a_best_checkpoint_gone_from_the_disk_is_made_servable_from_the_runs_copy(job, tmp_path):
+    """The best checkpoint of a job resumed elsewhere, or pruned by TRAIN.CHECKPOINTS_KEEP, is only in
+    the run: its servable copy is made from the run's file, downloaded as a resume's checkpoint is (a
+    timeout by its size, not MLflow's flat one), and holds exactly its weights."""
+    from trainer.config import load_config
+    from trainer.tracking.final_model import _log_servable_copy
+    from trainer.tracking.logged_model import load_detector
+
+    client, url = job["client"], job["server"].url
+    final = job["tmp"] / "output" / "model_final.pth"
+    run_id = client.create_run(client.create_experiment(f"copy-{uuid.uuid4().hex[:6]}")).info.run_id
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "model_iter1.pth").write_bytes(final.read_bytes())
+    client.log_artifact(run_id, str(tmp_path / "up" / "model_iter1.pth"), "checkpoints")
+    name = f"copy-{uuid.uuid4().hex[:6]}"
+    version = _log_servable_copy(client, url, run_id, tmp_path / "gone" / "model_iter1.pth", name)
+    served = load_detector(load_config(None, ["TRACKING.URI", url]), f"models:/{name}/{version}").model.state_dict()
+    expected = load_checkpoint(final)["model"]
+    assert served.keys() == expected.keys() and all(torch.equal(served[k], expected[k]) for k in expected)
+    assert client.get_model_version(name, version).run_id == run_id
+
+
 def test_the_logged_model_holds_weights_not_pickles(job, tmp_path):
     import mlflow
 

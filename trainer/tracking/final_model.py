@@ -15,6 +15,7 @@ from trainer.tracking.checkpoint_models import checkpoint_file, update_best
 from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, checkpoint_artifact, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
 from trainer.tracking.sqlite_store import unmade
+from trainer.tracking.transfers import download, run_repository
 
 log = logging.getLogger(__name__)
 FINAL_NAME = "model"  # the final model's name in its run (runs:/<id>/model)
@@ -123,7 +124,8 @@ def _log_servable_copy(client, uri: str, run_id: str, local: Path, registered: s
     from trainer.tracking.logged_model import ARTIFACT, log_detector  # torch
 
     with tempfile.TemporaryDirectory(prefix="tracktron-best-") as tmp:
-        path = local if local.is_file() else Path(client.download_artifacts(run_id, checkpoint_artifact(local.name), tmp))
+        path = local if local.is_file() else download(run_repository(client, uri, run_id),  # timeouts by size
+                                                      checkpoint_artifact(local.name), Path(tmp))[0]
         state = load_checkpoint(path)
         folder = save_model(Path(tmp) / ARTIFACT, config_from_dict(state["config"]), state["model"],
                             state["categories"]["categories"], state["categories"]["keypoint_names"])
