@@ -33,7 +33,7 @@ from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
 from trainer.tracking.checkpoint_uploads import PRUNE_BATCH
-from trainer.tracking.runs import checkpoints_from
+from trainer.tracking.runs import checkpoints_from, download_uri
 from trainer.tracking.transfers import download, file_identity, repository, run_repository, upload
 
 MB = 1024**2
@@ -234,6 +234,32 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
         assert got == tmp_path / "got" / "model_iter2.pth" and sha256 == sha256_of(got) == sha256_of(big)
         with pytest.raises(FileNotFoundError, match="no artifact checkpoints/model_iter3.pth"):
             download(repo, "checkpoints/model_iter3.pth", tmp_path / "got")
+
+
+def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_does(tmp_path, mlflow_server, monkeypatch):
+    """`runs:/<run>/checkpoints/<file>` as TRAIN.WEIGHTS, or to `eval` and `predict`: a 96 MB checkpoint
+    whose GET the server answers 5 s late, the user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole and
+    checked against its tag, as a resume's does; MLflow's own download timed out (FAULTS row 346)."""
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+
+    from trainer.tracking import runs
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
+    monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))  # as set before the command started
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # download_uri sets both:
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back after
+    client = MlflowClient(mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(f"weights-{uuid.uuid4().hex[:6]}")).info.run_id
+    big = tmp_path / "model_iter2.pth"
+    big.write_bytes(os.urandom(96 * MB))
+    client.log_artifact(run_id, str(big), "checkpoints")
+    client.set_tag(run_id, sha_tag(big.name), sha256_of(big))
+    (tmp_path / "got").mkdir()
+    with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:
+        cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
+        got = download_uri(cfg, f"runs:/{run_id}/checkpoints/{big.name}", str(tmp_path / "got"))
+    assert got == tmp_path / "got" / big.name and sha256_of(got) == sha256_of(big)
 
 
 def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(
