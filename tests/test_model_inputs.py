@@ -499,6 +499,24 @@ def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
     assert 0 not in steps and len(steps) == len(set(steps)), steps
 
 
+def test_eval_of_a_file_in_another_folder_of_a_run_is_not_scored_as_its_checkpoint(trained, tmp_path):
+    """`eval --weights runs:/<id>/imported/checkpoints/model_iter2.pth` (any folder ending in
+    checkpoints/) was scored as the run's checkpoint model_iter2.pth, its bytes unchecked against a
+    sha256 tag: a LoggedModel standing for checkpoints/model_iter2.pth, a file the run may not hold,
+    and the run's best could move to it. FAULTS row 350."""
+    client = trained["client"]
+    holder = client.create_run(client.create_experiment("imported", artifact_location=str(tmp_path / "a"))).info.run_id
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(trained["tmp"] / "output" / "model_final.pth", tmp_path / "ckpt" / "model_iter2.pth")
+    client.log_artifact(holder, str(tmp_path / "ckpt" / "model_iter2.pth"), "imported/checkpoints")
+    done = _tracktron("eval", "--config", str(DEMO), "--weights", f"runs:/{holder}/imported/checkpoints/model_iter2.pth",
+                      "DATA_DIR", str(trained["data_dir"]), "OUTPUT_DIR", str(tmp_path / "eval"),
+                      "DATA_LOADER.NUM_THREADS", "0", "TRACKING.URI", trained["uri"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    experiment = client.get_run(holder).info.experiment_id
+    assert client.search_logged_models([experiment], filter_string=f"source_run_id = '{holder}'") == []
+
+
 def test_unreachable_tracking_server_fails_fast_for_predict(tmp_path):
     """predict with models:/ weights and a server that is down waited ~250 s in MLflow's default HTTP
     retries; every command now bounds them."""

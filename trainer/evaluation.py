@@ -43,7 +43,7 @@ from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach, record_evaluation  # record_evaluation: `mlflow run -e eval`'s own run
 from trainer.tracking.logged_model import load_detector, load_local
 from trainer.tracking.model_uris import MLFLOW_URIS, followed
-from trainer.tracking.runs import CHECKPOINT_DIR, download_uri
+from trainer.tracking.runs import download_uri, run_checkpoint
 from trainer.visualize import drawings
 
 log = logging.getLogger(__name__)
@@ -344,7 +344,7 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;
     # a logged model names no iteration: its metrics are printed, not logged at a made-up step.
     run_id = weights[len("runs:/"):].split("/")[0] if weights.startswith("runs:/") and iteration is not None else None
-    checkpoint = Path(weights).name if run_id and f"/{CHECKPOINT_DIR}/" in weights else None
+    checkpoint = found[1] if run_id and (found := run_checkpoint(weights)) else None  # the file its sha256 tag vouched for
     tracker = attach(cfg, run_id, dataset_inputs(cfg, training=False)) if run_id and ctx.is_main else Tracker()
     try:
         metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0, checkpoint=checkpoint)

@@ -280,7 +280,7 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", sh
 
     def fetch():
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
-            path = _run_checkpoint(where, uri, Path(dest))
+            path = _download_run_checkpoint(where, uri, Path(dest))
             path = path or Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
             return path, _complete_sha256(where, uri, path)
 
@@ -329,19 +329,20 @@ def _state_under(folder: Path) -> tuple[int, int]:
     return size, newest
 
 
-def _checkpoint_of_run(uri: str) -> tuple[str, str] | None:
-    """(run id, file name) of a run's checkpoint URI, runs:/<id>/checkpoints/<file>; else None."""
+def run_checkpoint(uri: str) -> tuple[str, str] | None:
+    """(run id, file name) of a run's checkpoint, runs:/<run>/checkpoints/<file>, whose sha256 tag vouches
+    for it; None for any other URI (a file in another folder is not the run's checkpoint)."""
     parts = uri[len("runs:/"):].split("/") if uri.startswith("runs:/") else []
     return (parts[0], parts[2]) if len(parts) == 3 and parts[1] == CHECKPOINT_DIR else None
 
 
-def _run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
+def _download_run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
     """A run's checkpoint downloaded as a resume's is: through a tracking server, one GET whose timeout
     grows with the file (MLflow's own download has a flat one, which a server fetching a large file
     from its store outlasts). None for any other URI, or no such file: MLflow's download then says why."""
     from trainer.tracking.transfers import download, run_repository
 
-    if (found := _checkpoint_of_run(uri)) is None:
+    if (found := run_checkpoint(uri)) is None:
         return None
     try:
         return download(run_repository(make_client(where), where, found[0]), checkpoint_artifact(found[1]), dest)[0]
@@ -352,7 +353,7 @@ def _run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
 def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
     """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: the sha256 its
     tag holds, set once its upload finished (an unfinished or tampered upload is refused)."""
-    if (found := _checkpoint_of_run(uri)) is None or not path.is_file():
+    if (found := run_checkpoint(uri)) is None or not path.is_file():
         return None
     from mlflow import MlflowClient
 
