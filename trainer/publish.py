@@ -18,6 +18,7 @@ from trainer.inference import categories_of, save as save_model
 from trainer.lineage import dataset_inputs
 from trainer.preflight import check_same_categories
 from trainer.tracking import Tracker
+from trainer.tracking.runs import checkpoint_artifact
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _registration_due(tracker: Tracker, registered: str) -> list[str]:
 
 
 def _again(tracker: Tracker) -> str:
-    return f"tracktron eval --weights runs:/{tracker.run.run_id}/checkpoints/{FINAL} logs it into the run"
+    return f"tracktron eval --weights runs:/{tracker.run.run_id}/{checkpoint_artifact(FINAL)} logs it into the run"
 
 
 def _evaluation_due(cfg: Config, tracker: Tracker) -> bool:

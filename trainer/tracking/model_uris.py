@@ -14,10 +14,11 @@ import logging
 import re
 from concurrent.futures import wait
 
+from trainer.checkpoint.files import FINAL
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
-from trainer.tracking.runs import (CHECKPOINT_DIR, CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape, is_model_id,
-                                   lists_artifact, registry_uri, tracking_uri)
+from trainer.tracking.runs import (CHECKPOINT_DIR, CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape,
+                                   checkpoint_artifact, is_model_id, lists_artifact, registry_uri, tracking_uri)
 from trainer.tracking.sqlite_store import store_settled, unmade
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
 def _check_run_path(client, run_id: str, path: str) -> None:
     client.get_run(run_id)
     if not path:
-        raise UserError("names a whole run: add the checkpoint or model, e.g. /checkpoints/model_final.pth or /model")
+        raise UserError(f"names a whole run: add the checkpoint or model, e.g. /{checkpoint_artifact(FINAL)} or /model")
     parent, _, name = path.rpartition("/")
     if lists_artifact(client, run_id, path):
         if "." in name and not name.endswith(WEIGHT_SUFFIXES):
