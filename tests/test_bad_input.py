@@ -173,7 +173,7 @@ CONFIG_CASES = [
     ("negative-warm-up-factor", ["SOLVER.WARM_UP_FACTOR", "-0.5"], "SOLVER.WARM_UP_FACTOR must be >= 0"),
     ("loader-threads-negative", ["DATA_LOADER.NUM_THREADS", "-1"], "DATA_LOADER.NUM_THREADS must be >= 0"),
     ("preempt-grace-0", ["TRAIN.PREEMPT_GRACE_S", "0"], "TRAIN.PREEMPT_GRACE_S must be > 0 and <= 86400"),
-    ("unknown-lr-policy", ["SOLVER.LR_POLICY", "poly"], "SOLVER.LR_POLICY must be one of"),
+    ("unknown-lr-policy", ["SOLVER.LR_POLICY", "step_with_decay"], "SOLVER.LR_POLICY must be one of"),
     ("lrs-per-step", ["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"],
      "one rate per step"),
     ("override-without-value", ["SOLVER.MAX_ITER"], "has no value"),

@@ -67,7 +67,7 @@ def test_dataset_catalog_takes_user_entries():
     (["SOLVER.STEPS", "[0, 500, 300]"], "SOLVER.STEPS must be increasing"),
     (["TRAIN.SNAPSHOT_ITERS", "0"], "TRAIN.SNAPSHOT_ITERS must be > 0"),
     (["SOLVER.MAX_ITER", "0"], "SOLVER.MAX_ITER must be 1 to 1,000,000,000"),
-    (["SOLVER.LR_POLICY", "poly"], "SOLVER.LR_POLICY must be one of"),
+    (["SOLVER.LR_POLICY", "step_with_decay"], "SOLVER.LR_POLICY must be one of"),
     (["SOLVER.WARM_UP_METHOD", "cubic"], "SOLVER.WARM_UP_METHOD must be one of constant, linear"),
     (["SOLVER.LR_POLICY", "steps_with_lrs", "SOLVER.STEPS", "[0, 10]", "SOLVER.LRS", "[0.1]"], "one rate per step"),
     (["SOLVER.LR_POLICY", "steps_with_decay", "SOLVER.STEPS", "[100, 200]"], "needs SOLVER.STEPS starting at 0"),
