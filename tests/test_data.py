@@ -23,7 +23,7 @@ from trainer.data.images import as_float, decode, read_file
 from trainer.data.prefetch import Prefetcher
 from trainer.data.sampler import InfiniteGroupedBatchSampler
 from trainer.errors import UserError
-from trainer.data.synth import write_synthetic_dataset
+from trainer.data.synth import SHAPES, write_synthetic_dataset
 
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),  # pycocotools
               pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]  # torchvision 0.29
@@ -73,7 +73,7 @@ def test_synth_is_deterministic_and_atomic(tmp_path, tiny):
 
 def test_synth_content(tiny):
     d = json.loads((tiny / "annotations.json").read_text())
-    assert [c["id"] for c in d["categories"]] == [1, 2, 3]
+    assert [(c["id"], c["name"]) for c in d["categories"]] == list(enumerate(SHAPES, 1))
     assert all(c["keypoints"] == ["top", "right", "bottom", "left"] and c["skeleton"] for c in d["categories"])
     sizes = {(im["width"], im["height"]) for im in d["images"]}
     assert any(w < h for w, h in sizes) and any(w >= h for w, h in sizes)
@@ -93,7 +93,7 @@ def test_synth_generated_on_first_use(tmp_path):
 
 def test_masks_match_boxes_and_areas(tiny):
     ds = CocoDetection(tiny / "images", tiny / "annotations.json", masks=True)
-    assert ds.num_classes == 4 and len(ds) == 12 and ds.label_to_cat_id == {1: 1, 2: 2, 3: 3}
+    assert ds.num_classes == len(SHAPES) + 1 and len(ds) == 12 and ds.label_to_cat_id == {k: k for k in range(1, len(SHAPES) + 1)}
     coco = ds.coco
     for i in range(len(ds)):
         image, t = ds[i]
@@ -311,7 +311,7 @@ def test_several_training_datasets(tmp_path, tiny):
     cfg = _cfg(tmp_path, tiny)
     cfg.TRAIN["DATASETS"] = ["tiny", str(other)]
     _, ds = build_train_loader(cfg)
-    assert len(ds) == 16 and ds.num_classes == 4 and ds.num_keypoints == 4 and len(ds.aspect_ratios) == 16
+    assert len(ds) == 16 and ds.num_classes == len(SHAPES) + 1 and ds.num_keypoints == 4 and len(ds.aspect_ratios) == 16
     image, target = ds[(13, True)]
     assert torch.equal(image, CocoDetection(other / "images", other / "annotations.json")[(1, True)][0])
     _write_coco(tmp_path / "odd", [{"id": 1, "file_name": "1.png", "width": 8, "height": 8}], [_ann(1, 1, [0, 0, 4, 4])])
@@ -426,7 +426,7 @@ def test_loader_workers_give_the_same_batches(tmp_path, tiny):
 
     single, dataset = first_batches(0)
     multi, _ = first_batches(2)
-    assert dataset.num_classes == 4
+    assert dataset.num_classes == len(SHAPES) + 1
     for (images0, targets0), (images1, targets1) in zip(single, multi):
         assert len(images0) == 2 and all(torch.equal(a, b) for a, b in zip(images0, images1))
         assert all(im.dtype == torch.float32 and 0 <= im.min() and im.max() <= 1 for im in images0 + images1)

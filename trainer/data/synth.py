@@ -1,6 +1,6 @@
 """A tiny synthetic COCO-format dataset of coloured shapes, for tests and the demo (no network).
 
-Three categories (square, circle, triangle), boxes, polygon masks and 4 keypoints per shape (its
+One category per shape of _GEOMETRY, boxes, polygon masks and 4 keypoints per shape (its
 top/right/bottom/left extreme points). Every fourth image is portrait, so aspect grouping sees two
 groups. Output is a pure function of the arguments: the same seed writes the same bytes.
 """
@@ -24,7 +24,6 @@ from trainer.errors import UserError
 
 ANNOTATIONS = "annotations.json"
 IMAGES = "images"
-SHAPES = ("square", "circle", "triangle")
 MAX_IMAGES = 1_000_000  # ~40 GB of PNGs at the default size: more is a typo that would fill the disk
 KEYPOINTS = ["top", "right", "bottom", "left"]
 SKELETON = [[1, 2], [2, 3], [3, 4], [4, 1]]  # 1-based, as COCO writes it
@@ -147,7 +146,7 @@ def _draw_image(rng, width: int, height: int):
         if placed is None:
             continue
         category = int(rng.integers(0, len(SHAPES)))
-        polygon, keypoints = _geometry(SHAPES[category], *placed)
+        polygon, keypoints = _GEOMETRY[SHAPES[category]](*placed)
         color = tuple(int(c) for c in rng.integers(110, 256, size=3))
         draw.polygon([tuple(p) for p in polygon], fill=color)
         shapes.append((category + 1, polygon, keypoints))
@@ -167,18 +166,28 @@ def _place(rng, boxes: list, width: int, height: int, max_size: int):
     return None
 
 
-def _geometry(shape: str, cx: int, cy: int, h: int):
-    """Polygon vertices and the top/right/bottom/left keypoints."""
-    keypoints = [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
-    if shape == "square":
-        polygon = [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
-    elif shape == "circle":
-        angles = [2 * math.pi * k / 24 for k in range(24)]
-        polygon = [(round(cx + h * math.cos(a), 2), round(cy + h * math.sin(a), 2)) for a in angles]
-    else:
-        polygon = [(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
-        keypoints = [(cx, cy - h), (cx + h, cy + h), (cx, cy + h), (cx - h, cy + h)]
-    return polygon, keypoints
+def _extremes(cx: int, cy: int, h: int) -> list:
+    """The top/right/bottom/left keypoints of a shape that touches its box's sides at their middles."""
+    return [(cx, cy - h), (cx + h, cy), (cx, cy + h), (cx - h, cy)]
+
+
+def _square(cx: int, cy: int, h: int):
+    return [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)], _extremes(cx, cy, h)
+
+
+def _circle(cx: int, cy: int, h: int):
+    angles = [2 * math.pi * k / 24 for k in range(24)]
+    return [(round(cx + h * math.cos(a), 2), round(cy + h * math.sin(a), 2)) for a in angles], _extremes(cx, cy, h)
+
+
+def _triangle(cx: int, cy: int, h: int):
+    return [(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)], [(cx, cy - h), (cx + h, cy + h), (cx, cy + h), (cx - h, cy + h)]
+
+
+# Each shape's polygon and top/right/bottom/left keypoints, from its centre and half-size. The order
+# gives the category ids (1, 2, ...) and every image's random draws: a new shape changes them all.
+_GEOMETRY = {"square": _square, "circle": _circle, "triangle": _triangle}
+SHAPES = tuple(_GEOMETRY)
 
 
 def _annotation(ann_id, image_id, category, polygon, keypoints, width, height) -> dict:
