@@ -23,8 +23,8 @@ from trainer.redaction import REDACTED, is_secret_key, redact_typed_url, redact_
 
 log = logging.getLogger(__name__)
 
-# A new key: add it to job_identity._LATER_KEYS too, or every existing job's hash changes and
-# AUTO_RESUME no longer finds their runs.
+# A new key: add it to job_identity._LATER_KEYS too (unless its _NOT_IN_JOB covers it: TRACKING, TEST,
+# ...), or every existing job's hash changes and AUTO_RESUME no longer finds their runs.
 _DEFAULTS: dict = {
     "NAME": "",  # the job's readable name; defaults to the config file's stem
     "MODEL": {
