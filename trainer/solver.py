@@ -89,7 +89,7 @@ def _log_change(old: float, new: float, it: int) -> None:
 def clip_gradients(cfg: Config, model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor | None:
     """Clip the gradients' total norm to SOLVER.CLIP_GRAD_NORM (the caller unscales them first under AMP);
     the norm before clipping, left on the gradients' device so that no iteration waits for the GPU (a CPU
-    zero when no parameter has a gradient; None when clipping is off). train_step does not keep it."""
+    zero when no parameter has a gradient; None when clipping is off)."""
     max_norm = cfg.SOLVER.CLIP_GRAD_NORM
     if max_norm <= 0:
         return None
