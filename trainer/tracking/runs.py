@@ -23,6 +23,7 @@ from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
 from trainer.tracking.server_errors import start_error
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
+from trainer.tracking.transfers import download, run_repository
 
 log = logging.getLogger(__name__)
 
@@ -340,8 +341,6 @@ def _download_run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
     """A run's checkpoint downloaded as a resume's is: through a tracking server, one GET whose timeout
     grows with the file (MLflow's own download has a flat one, which a server fetching a large file
     from its store outlasts). None for any other URI, or no such file: MLflow's download then says why."""
-    from trainer.tracking.transfers import download, run_repository
-
     if (found := run_checkpoint(uri)) is None:
         return None
     try:
