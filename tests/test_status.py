@@ -171,11 +171,25 @@ def test_status_lists_the_job_with_iteration_checkpoint_and_loss(finished_job):
     assert f"{run.data.metrics['loss']:.4f}" in row
 
 
-def test_status_of_an_unknown_store_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", "http://127.0.0.1:9"],
-                         capture_output=True, text=True, env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "PATH": ""})
+@pytest.mark.parametrize("server", ["down", "plain HTTP"])
+@pytest.mark.parametrize("experiment", [[], ["--experiment", "demo"]])
+def test_status_of_a_server_it_cannot_reach_says_why_in_one_line(server, experiment):
+    """As a job's start says it. It printed MLflow's exception cut at 200 characters, mid-URL, before
+    its cause (`Max retries exceeded with url: /api/2.0/mlflow/experiments/`; FAULTS row 347)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as plain:
+        threading.Thread(target=plain.serve_forever, daemon=True).start()
+        uri = "http://127.0.0.1:9" if server == "down" else f"https://127.0.0.1:{plain.server_port}"
+        out = subprocess.run([sys.executable, "-m", "trainer", "status", "--uri", uri, *experiment], capture_output=True,
+                             text=True, timeout=120, env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "PATH": ""})
+        plain.shutdown()
     assert out.returncode == 2
-    assert out.stderr.startswith("error: cannot read jobs from http://127.0.0.1:9")
+    (line,) = out.stderr.strip().splitlines()
+    if server == "down":
+        assert line == "error: cannot reach the tracking server at http://127.0.0.1:9 (is it running?)"
+    else:
+        assert line.startswith(f"error: the tracking server at {uri}: TLS failed ([SSL"), line
 
 
 def test_no_resume_starts_a_new_run_and_nan_marks_it_failed_with_the_reason(finished_job, data_dir):
@@ -393,7 +407,7 @@ def _raised(fn, *args):
 
 @pytest.mark.parametrize("uri, shown, hidden", [
     ("sqlite:///", "names no database file", None),
-    ("http://127.0.0.1:9/?t=SECRETVAL", "cannot read jobs from http://127.0.0.1:9/?t=***", "SECRETVAL"),
+    ("http://127.0.0.1:9/?t=SECRETVAL", "cannot reach the tracking server at http://127.0.0.1:9/?t=***", "SECRETVAL"),
     ("mlruns", "tracking URI mlruns: MLflow's file store (a folder such as ./mlruns) takes no new runs", None),
     # helper-56: printed whole (the `/` ended what was redacted); an empty --uri read MLFLOW_TRACKING_URI's store
     ("http://alice:se/cret99@127.0.0.1:9", "cannot read jobs from http://***@127.0.0.1:9", "cret99"),

@@ -9,7 +9,7 @@ from concurrent.futures import wait
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
 from trainer.tracking.runs import JOB_TAG, bound_http
-from trainer.tracking.server_errors import start_error, without_logged_models
+from trainer.tracking.server_errors import reach_error, start_error, without_logged_models
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 
 log = logging.getLogger(__name__)
@@ -107,4 +107,6 @@ def _read_errors(uri: str):
     except Exception as e:
         if "filesystem tracking backend" in str(e):  # MLflow 3's notice runs to a paragraph
             raise UserError(start_error(uri, e)) from None
+        if uri.lower().startswith(("http://", "https://")) and (line := reach_error(uri, e)):
+            raise UserError(line) from None  # its cause, which MLflow's message puts past a long URL
         raise UserError(f"cannot read jobs from {uri}: {first_line(e, 200)}") from None

@@ -31,26 +31,36 @@ def _tls_advice(text: str) -> str:
             "MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
 
 
-def start_error(uri: str, e: BaseException) -> str:
-    """The one line a failed first call to the store at `uri` ends a job with."""
+def reach_error(uri: str, e: BaseException, untracked: str = "") -> str | None:
+    """The one line for a server at `uri` that could not be asked at all (down, failing, TLS, a proxy,
+    the credentials refused), `untracked` added where training without it is the way on; else None."""
     text = str(e)
     # Up, and failing: urllib3's retries ran out (MLflow < 3.18), or MLflow's client reports the last answer (3.18).
     if answered := re.search(r"too many (\d{3}) error responses|error code (429|5\d\d) != 200", text):
-        return (f"the tracking server at {uri} answers with HTTP {answered.group(1) or answered.group(2)} errors (see its log); "
-                "TRACKING.ENABLED false trains without tracking")
+        code = answered.group(1) or answered.group(2)
+        return f"the tracking server at {uri} answers with HTTP {code} errors (see its log){untracked}"
     if "ProxyError" in text:  # first: a proxy's own TLS failure is the proxy's
         return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
                 f"({_caused_by(text, *_PROXY_REASON, _SSL_REASON)}); NO_PROXY lists the hosts reached without it")
     if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
         return f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); {_tls_advice(text)}"
     if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
-        return (f"cannot reach the tracking server at {uri} (is it running?); "
-                "TRACKING.ENABLED false trains without tracking")
+        return f"cannot reach the tracking server at {uri} (is it running?){untracked}"
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException) and e.get_http_status_code() == 401:
         return (f"the tracking server at {uri} refused the credentials "
                 "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
+    return None
+
+
+def start_error(uri: str, e: BaseException) -> str:
+    """The one line a failed first call to the store at `uri` ends a job with."""
+    if line := reach_error(uri, e, "; TRACKING.ENABLED false trains without tracking"):
+        return line
+    text = str(e)
+    from mlflow.exceptions import MlflowException
+
     if isinstance(e, MlflowException) and e.get_http_status_code() == 403:  # some servers say so of a bad token too
         return (f"the tracking server at {uri} refuses this user the job's experiment or run ({first_line(e)}): "
                 "a permission it lacks, or a token it does not accept; ask for the permission (or a valid token), "
