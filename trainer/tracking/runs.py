@@ -21,7 +21,7 @@ from trainer.daemon_call import daemon_call
 from trainer.errors import NoRoom, UserError, first_line
 from trainer.hashing import sha256_of
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
-from trainer.tracking.server_errors import start_error
+from trainer.tracking.server_errors import reach_error, start_error
 from trainer.tracking.sqlite_store import sqlite_path, store_settled
 from trainer.tracking.transfers import download, run_repository
 
@@ -292,6 +292,8 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", sh
     except UserError as e:
         raise UserError(f"{option} {said}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
+        if where.startswith(("http://", "https://")) and (reason := reach_error(where, e, os_errors=False)):
+            raise UserError(f"cannot fetch {said}: {reason}") from None  # the cause, which MLflow's text puts past a URL
         raise UserError(f"cannot fetch {said} from {where}: {first_line(e)}") from None
     finally:
         quiet.setLevel(level)

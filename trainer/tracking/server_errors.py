@@ -31,9 +31,10 @@ def _tls_advice(text: str) -> str:
             "MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
 
 
-def reach_error(uri: str, e: BaseException, untracked: str = "") -> str | None:
+def reach_error(uri: str, e: BaseException, untracked: str = "", os_errors: bool = True) -> str | None:
     """The one line for a server at `uri` that could not be asked at all (down, failing, TLS, a proxy,
-    the credentials refused), `untracked` added where training without it is the way on; else None."""
+    the credentials refused), `untracked` added where training without it is the way on; else None.
+    `os_errors` False: an OSError is the server's only by its text (a download's own disk fails too)."""
     text = str(e)
     # Up, and failing: urllib3's retries ran out (MLflow < 3.18), or MLflow's client reports the last answer (3.18).
     if answered := re.search(r"too many (\d{3}) error responses|error code (429|5\d\d) != 200", text):
@@ -44,7 +45,7 @@ def reach_error(uri: str, e: BaseException, untracked: str = "") -> str | None:
                 f"({_caused_by(text, *_PROXY_REASON, _SSL_REASON)}); NO_PROXY lists the hosts reached without it")
     if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
         return f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); {_tls_advice(text)}"
-    if isinstance(e, OSError) or any(m in text for m in _UNREACHABLE):
+    if (os_errors and isinstance(e, OSError)) or any(m in text for m in _UNREACHABLE):
         return f"cannot reach the tracking server at {uri} (is it running?){untracked}"
     from mlflow.exceptions import MlflowException
 
