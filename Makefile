@@ -25,7 +25,7 @@ demo-long: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/tracktron train --config configs/demo_long.yaml
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check trainer tests bench
+	$(VENV)/bin/ruff check trainer tests bench pipeline
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # The suite under coverage.py: the Python processes the tests start (trainers, torchrun's workers, the
