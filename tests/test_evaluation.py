@@ -5,6 +5,7 @@ of the distributed test.
 """
 from __future__ import annotations
 
+import logging
 import contextlib
 import io
 import json
@@ -264,7 +265,7 @@ def test_a_test_image_unreadable_only_at_the_final_evaluation_keeps_model_final_
         f"`tracktron eval` of the job's config with --weights {tmp_path / 'untracked' / 'model_final.pth'} evaluates it)")
 
 
-def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data_dir):
+def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data_dir, caplog):
     from mlflow import MlflowClient
 
     from tests.conftest import demo_overrides, run_trainer
@@ -281,8 +282,10 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
 
     cfg = config.load_config(ROOT / "configs" / "demo.yaml",
                              ["DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "eval_out"), "TRACKING.URI", uri])
-    metrics = eval_command(cfg, f"runs:/{run_id}/checkpoints/model_final.pth")
+    with caplog.at_level(logging.INFO, logger="trainer.evaluation"):
+        metrics = eval_command(cfg, f"runs:/{run_id}/checkpoints/model_final.pth")
     assert 0.0 <= metrics["bbox/AP"] <= 1.0
+    assert f"the scores are logged into run {run_id} at step 19" in caplog.text  # said, not done unseen
     (logged,) = client.get_metric_history(run_id, "bbox/AP")
     assert logged.step == 19 and logged.value == pytest.approx(metrics["bbox/AP"])
     assert {f.path for f in client.list_artifacts(run_id, "eval/synth_shapes_val")} == {
@@ -295,7 +298,10 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     elsewhere = config.load_config(ROOT / "configs" / "demo.yaml", [
         "DATA_DIR", str(data_dir), "OUTPUT_DIR", str(tmp_path / "other_out"), "TRACKING.URI", uri,
         "TEST.DATASETS", f"('{other}',)"])
-    assert 0.0 <= eval_command(elsewhere, f"runs:/{run_id}/checkpoints/model_final.pth")["bbox/AP"] <= 1.0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer.evaluation"):
+        assert 0.0 <= eval_command(elsewhere, f"runs:/{run_id}/checkpoints/model_final.pth")["bbox/AP"] <= 1.0
+    assert "the scores are logged into run" not in caplog.text and "evaluation" in caplog.text.lower()
     assert len(client.get_metric_history(run_id, "bbox/AP")) == 1
     assert not client.list_artifacts(run_id, "eval/other")
 

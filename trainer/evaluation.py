@@ -355,6 +355,8 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
             f"evaluation of {weights}: no metric (the test sets have no annotations to score against)"
         write_or_drop(sys.stdout, said + "\n")  # a view, as in training: a reader gone (`| head`) fails nothing
         record_evaluation(cfg, weights, metrics, iteration or 0, None if failed else tracker.run.run_id)
+        if metrics and not failed and tracker.run.run_id:  # not said, the run's curves change unseen
+            log.info("the scores are logged into run %s at step %d", tracker.run.run_id, iteration or 0)
     if failed:
         raise UserError(f"cannot log the evaluation to run {run_id}: {', '.join(failed)} failed (see the log)")
     return metrics
