@@ -345,6 +345,7 @@ def _download_run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
     from its store outlasts). None for any other URI, or no such file: MLflow's download then says why."""
     if (found := run_checkpoint(uri)) is None:
         return None
+    dest.mkdir(parents=True, exist_ok=True)  # as MLflow's download_artifacts makes its dst_path
     try:
         return download(run_repository(make_client(where), where, found[0]), checkpoint_artifact(found[1]), dest)[0]
     except FileNotFoundError:
