@@ -281,12 +281,12 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", sh
 
     def fetch():
         with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
-            path = _download_run_checkpoint(where, uri, Path(dest))
+            path, sha256 = _download_run_checkpoint(where, uri, Path(dest)) or (None, None)  # hashed as it came
             path = path or Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
-            return path, _complete_sha256(where, uri, path)
+            return path, sha256, _complete_sha256(where, uri, path)
 
     try:  # a SQLite store's artifacts are local files; its wait for a store being set up is store_settled's
-        path, expected = _while_progressing(fetch, Path(dest)) if where.startswith(("http://", "https://")) else fetch()
+        path, sha256, expected = _while_progressing(fetch, Path(dest)) if where.startswith(("http://", "https://")) else fetch()
     except TimeoutError as e:
         raise UserError(f"cannot fetch {said} from {where}: {e}") from None
     except UserError as e:
@@ -299,7 +299,7 @@ def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", sh
         quiet.setLevel(level)
     if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
         raise UserError(f"{option} {said}: nothing there (no artifact at that path, or its files were deleted)")
-    if expected and sha256_of(path) != expected:
+    if expected and (sha256 or sha256_of(path)) != expected:
         raise UserError(f"{option} {said}: the downloaded bytes do not match the run's sha256 tag")
     return path
 
@@ -339,15 +339,16 @@ def run_checkpoint(uri: str) -> tuple[str, str] | None:
     return (parts[0], parts[2]) if len(parts) == 3 and parts[1] == CHECKPOINT_DIR else None
 
 
-def _download_run_checkpoint(where: str, uri: str, dest: Path) -> Path | None:
-    """A run's checkpoint downloaded as a resume's is: through a tracking server, one GET whose timeout
-    grows with the file (MLflow's own download has a flat one, which a server fetching a large file
-    from its store outlasts). None for any other URI, or no such file: MLflow's download then says why."""
+def _download_run_checkpoint(where: str, uri: str, dest: Path) -> tuple[Path, str] | None:
+    """A run's checkpoint downloaded as a resume's is (its path and sha256): through a tracking server,
+    one GET whose timeout grows with the file (MLflow's own download has a flat one, which a server
+    fetching a large file from its store outlasts). None for any other URI, or no such file: MLflow's
+    download then says why."""
     if (found := run_checkpoint(uri)) is None:
         return None
     dest.mkdir(parents=True, exist_ok=True)  # as MLflow's download_artifacts makes its dst_path
     try:
-        return download(run_repository(make_client(where), where, found[0]), checkpoint_artifact(found[1]), dest)[0]
+        return download(run_repository(make_client(where), where, found[0]), checkpoint_artifact(found[1]), dest)
     except FileNotFoundError:
         return None
 
