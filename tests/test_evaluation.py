@@ -5,10 +5,10 @@ of the distributed test.
 """
 from __future__ import annotations
 
-import logging
 import contextlib
 import io
 import json
+import logging
 import os
 import sys
 from pathlib import Path
