@@ -33,7 +33,8 @@ from trainer.hashing import sha256_of
 from trainer.config import load_config
 from trainer.tracking.mlflow_tracker import MlflowTracker
 from trainer.tracking.checkpoint_uploads import PRUNE_BATCH
-from trainer.tracking.runs import checkpoints_from, download_uri
+from trainer.tracking.model_uris import download_uri
+from trainer.tracking.runs import checkpoints_from
 from trainer.tracking.transfers import download, file_identity, repository, run_repository, upload
 
 MB = 1024**2
@@ -106,10 +107,10 @@ class _SlowToAnswer(FaultProxy):
     """The tracking server behind a proxy that holds its answer to each checkpoint request of `method`
     `seconds`, as a server still storing the file onward (PUT) or fetching it from its store (GET) does."""
 
-    def __init__(self, target: str, seconds: float, method: bytes = b"PUT"):
+    def __init__(self, target: str, seconds: float, method: bytes = b"PUT", path: bytes = rb"/checkpoints/"):
         super().__init__(target)
         self.seconds, self._owed = seconds, set()
-        self._request = re.compile(method + rb" /api/2\.0/mlflow-artifacts/artifacts/\S*/checkpoints/")
+        self._request = re.compile(method + rb" /api/2\.0/mlflow-artifacts/artifacts/\S*" + path)
 
     def _pump(self, src, dst, upstream: bool) -> None:
         try:
@@ -259,7 +260,83 @@ def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_doe
     with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:
         cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
         got = download_uri(cfg, f"runs:/{run_id}/checkpoints/{big.name}", str(tmp_path / "got"))
-    assert got == tmp_path / "got" / big.name and sha256_of(got) == sha256_of(big)
+    assert got == tmp_path / "got" / "checkpoints" / big.name and sha256_of(got) == sha256_of(big)  # as MLflow lays it out
+
+
+@pytest.mark.parametrize("form", ["alias", "version", "model id", "run's model"])
+def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoint_does(
+        form, tmp_path, mlflow_server, monkeypatch):
+    """`models:/name@alias`, `models:/name/1`, `models:/<id>` and `runs:/<run>/<name>` (TRAIN.WEIGHTS, `eval`,
+    `predict`): a model with 96 MB of weights whose GET the server answers 5 s late, the user's
+    MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole, every file where MLflow's download puts it. MLflow's own
+    download timed out: one GET with the flat 2 s (FAULTS row 351)."""
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+
+    from trainer.tracking import runs
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
+    monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))  # as set before the command started
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # download_uri sets both:
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back after
+    client = MlflowClient(mlflow_server.url)
+    experiment_id = client.create_experiment(f"model-{uuid.uuid4().hex[:6]}")
+    run_id = client.create_run(experiment_id).info.run_id
+    files = {"MLmodel": b"flavors: {}\n", "artifacts/detector/weights.pth": os.urandom(96 * MB),
+             "artifacts/detector/config.yaml": b"MODEL: {}\n"}
+    for rel, data in files.items():
+        (tmp_path / "model" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "model" / rel).write_bytes(data)
+    model = client.create_logged_model(experiment_id, name="detector", source_run_id=run_id)
+    client.log_model_artifacts(model.model_id, str(tmp_path / "model"))
+    name = f"slow-{uuid.uuid4().hex[:6]}"
+    client.create_registered_model(name)
+    client.create_model_version(name, f"models:/{model.model_id}", run_id=run_id, model_id=model.model_id)
+    client.set_registered_model_alias(name, "prod", "1")
+    uri = {"alias": f"models:/{name}@prod", "version": f"models:/{name}/1", "model id": f"models:/{model.model_id}",
+           "run's model": f"runs:/{run_id}/detector"}[form]
+    with _SlowToAnswer(mlflow_server.url, 5.0, b"GET", rb"/weights\.pth") as proxy:
+        cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
+        got = download_uri(cfg, uri, str(tmp_path / "got"))
+    assert {str(p.relative_to(got)): p.read_bytes() for p in got.rglob("*") if p.is_file()} == files
+
+
+class _Lists(http.server.BaseHTTPRequestHandler):
+    """An artifact endpoint whose root lists one file at `self.server.listed` (a path of its choosing)."""
+
+    def do_GET(self):
+        if "?path=" in self.path or self.path.endswith("/artifacts"):
+            body = json.dumps({"files": [{"path": self.server.listed, "is_dir": False, "file_size": "3"}]}).encode()
+        else:
+            body = b"pwn"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("listed", ["../escaped.txt", "a/../../escaped.txt", "/tmp/escaped.txt"])
+def test_a_server_listing_a_path_outside_the_folder_writes_nothing_there(tmp_path, listed):
+    """A broken or hostile server lists a model's file as `../escaped.txt`: the download of the model,
+    file by file, stops there (MLflow's listing refuses such a path) and writes nothing outside the
+    folder it was given."""
+    from trainer.tracking.transfers import download_tree
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Lists)
+    server.listed = listed
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_port}/api/2.0/mlflow-artifacts/artifacts/1/models/m-1/artifacts"
+        (tmp_path / "dest").mkdir()
+        with pytest.raises(Exception, match="[Ii]nvalid path"):
+            download_tree(repository(uri, uri), "", tmp_path / "dest")
+        assert [p.name for p in tmp_path.rglob("*")] == ["dest"]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(

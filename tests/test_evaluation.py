@@ -652,7 +652,7 @@ def test_a_download_that_writes_in_place_is_progress(tmp_path, monkeypatch):
     place: the size never changes, and the stall guard gave up on a download that was going well."""
     import time
 
-    from trainer.tracking.runs import _while_progressing
+    from trainer.tracking.model_uris import _while_progressing
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")  # given up on after 4 s without a change
 

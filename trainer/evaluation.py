@@ -42,8 +42,8 @@ from trainer.inference import categories_of, category_key_of, check_weights_give
 from trainer.models import build_model, load_weights, set_test_size, unwrap
 from trainer.tracking import Tracker, attach, record_evaluation  # record_evaluation: `mlflow run -e eval`'s own run
 from trainer.tracking.logged_model import load_detector, load_local
-from trainer.tracking.model_uris import MLFLOW_URIS, followed
-from trainer.tracking.runs import download_uri, run_checkpoint
+from trainer.tracking.model_uris import MLFLOW_URIS, download_uri, followed
+from trainer.tracking.runs import run_checkpoint
 from trainer.visualize import drawings
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import yaml
 from trainer.config import load_config
 from trainer.errors import NoRoom, UserError, first_line, user_path
 from trainer.inference import CONFIG, WEIGHTS, Detector
-from trainer.tracking.model_uris import MLFLOW_URIS, followed, parent_of, pinned
-from trainer.tracking.runs import DETECTOR_TYPE, download_uri
+from trainer.tracking.model_uris import MLFLOW_URIS, download_uri, followed, parent_of, pinned
+from trainer.tracking.runs import DETECTOR_TYPE
 
 CODE = Path(__file__).with_name("detector_code.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/: the model carries the code that rebuilds it

@@ -7,19 +7,29 @@ pinned         an alias (or latest) as the version it names now, a checkpoint's 
                checkpoint file: what a fine-tune downloads and records
 followed       a checkpoint's LoggedModel as its checkpoint file: what --weights downloads
 parent_of      what a fine-tune records of the model its weights came from
+download_uri   the files a URI names, into a folder: through a tracking server file by file, each with a
+               timeout that suits its size (transfers.py), a run's checkpoint checked against its tag
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import time
 from concurrent.futures import wait
+from pathlib import Path
 
 from trainer.checkpoint.files import FINAL
 from trainer.daemon_call import daemon_call
 from trainer.errors import UserError, first_line
+from trainer.hashing import sha256_of
 from trainer.tracking.runs import (CHECKPOINT_DIR, CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape,
-                                   checkpoint_artifact, is_model_id, lists_artifact, registry_uri, tracking_uri)
+                                   checkpoint_artifact, is_model_id, lists_artifact, registry_uri, run_checkpoint,
+                                   sha_tag, tracking_uri)
+from trainer.tracking.server_errors import reach_error
 from trainer.tracking.sqlite_store import store_settled, unmade
+from trainer.tracking.transfers import download_tree, repository
 
 log = logging.getLogger(__name__)
 
@@ -161,3 +171,137 @@ def parent_of(cfg, spec: str) -> dict:
     except Exception as e:  # the download just worked: a registry that fails now is a fault, not bad input
         log.warning("cannot record the parent of %s: %s", spec, first_line(e))
     return {k: v for k, v in found.items() if v}
+
+
+def download_uri(cfg, uri: str, dest: str, option: str = "--weights", shown: str | None = None) -> Path:
+    """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be,
+    naming the URI as `shown`: the user's alias, where `uri` is the version it was pinned to)."""
+    import mlflow
+
+    said = shown or uri
+    check_shape(uri, option)
+    bound_http()
+    where = tracking_uri(cfg)
+    server = where.startswith(("http://", "https://"))
+    mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
+    quiet = logging.getLogger("mlflow.store.artifact.artifact_repo")  # "No artifacts found": said below, once
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+
+    def fetch():
+        with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
+            path, sha256 = (server and _through_server(cfg, where, uri, Path(dest))) or (None, None)  # hashed as it came
+            path = path or Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
+            return path, sha256, _complete_sha256(where, uri, path)
+
+    try:  # a SQLite store's artifacts are local files; its wait for a store being set up is store_settled's
+        path, sha256, expected = _while_progressing(fetch, Path(dest)) if server else fetch()
+    except TimeoutError as e:
+        raise UserError(f"cannot fetch {said} from {where}: {e}") from None
+    except UserError as e:
+        raise UserError(f"{option} {said}: {e}") from None
+    except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
+        if server and (reason := reach_error(where, e, os_errors=False)):
+            raise UserError(f"cannot fetch {said}: {reason}") from None  # the cause, which MLflow's text puts past a URL
+        raise UserError(f"cannot fetch {said} from {where}: {first_line(e)}") from None
+    finally:
+        quiet.setLevel(level)
+    if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
+        raise UserError(f"{option} {said}: nothing there (no artifact at that path, or its files were deleted)")
+    if expected and (sha256 or sha256_of(path)) != expected:
+        raise UserError(f"{option} {said}: the downloaded bytes do not match the run's sha256 tag")
+    return path
+
+
+def _while_progressing(fn, dest: Path):
+    """fn() on a thread of its own, given up on (TimeoutError) once nothing under `dest` has changed
+    (size or modification time) for four HTTP request timeouts: each read's timeout restarts with
+    every byte, so a server answering a byte at a time held `eval` for good. A download that goes on
+    goes on, MLflow's multipart one too (it sets the file's size first, then writes its chunks in
+    place). Given up on, the thread is left to the process's end (a daemon)."""
+    stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 30)  # bound_http's, or the user's
+    done = daemon_call(fn, "fetch")
+    seen, since = None, time.monotonic()
+    while not wait([done], min(5.0, stall_s / 4)).done:
+        if (now := _state_under(dest)) != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise TimeoutError(f"no progress for {stall_s:g} s (a server that hangs, or answers a byte at a time)")
+    return done.result()
+
+
+def _state_under(folder: Path) -> tuple[int, int]:
+    """The files under `folder`: their total size and newest modification time."""
+    size = newest = 0
+    for f in folder.rglob("*") if folder.is_dir() else ():
+        with contextlib.suppress(OSError):  # renamed or removed by the download meanwhile
+            if f.is_file():
+                st = f.stat()
+                size, newest = size + st.st_size, max(newest, st.st_mtime_ns)
+    return size, newest
+
+
+def _through_server(cfg, where: str, uri: str, dest: Path) -> tuple[Path, str | None] | None:
+    """What `uri` names, fetched from a tracking server file by file as a resume's checkpoint is
+    (transfers.download: one GET each, whose timeout grows with the file, where MLflow's own download
+    has a flat one, which a server fetching a large model or checkpoint from its store outlasts): its
+    path, and a single file's sha256. None where MLflow's download is left to say why (an unknown run,
+    model or path; a shape not resolved here)."""
+    try:
+        source = _artifact_source(cfg, uri)
+    except UserError:
+        raise
+    except Exception as e:  # a server that cannot be asked is said at once; anything else, by MLflow's download
+        if reach_error(where, e, os_errors=False):
+            raise
+        return None
+    if source is None:
+        return None
+    try:
+        return download_tree(repository(source[0], where), source[1], dest)
+    except FileNotFoundError:  # no such file: MLflow's download says so, as it did
+        return None
+
+
+def _artifact_source(cfg, uri: str) -> tuple[str, str] | None:
+    """(artifact URI, path under it) of what a runs:/ or models:/ URI names, by MLflow's public calls: a
+    run's artifacts (its checkpoints first: they are never a model), a run's logged model by name
+    (`runs:/<run>/model`, as MLflow reads it), a logged model or a registered version's download URI.
+    None for another shape (`models:/name/1/path`), or a version whose files are another URI's."""
+    target = uri.split(":/", 1)[1].strip("/")
+    client = _client(cfg)
+    if uri.startswith("runs:/"):
+        run_id, _, path = target.partition("/")
+        name, _, rest = path.partition("/")
+        if not run_checkpoint(uri) and (model := _logged_model_of(client, run_id, name)) is not None:
+            return model.artifact_location, rest
+        return client.get_run(run_id).info.artifact_uri, path
+    if is_model_id(target):
+        found = client.get_logged_model(target).artifact_location
+    elif "@" in target or target.count("/") == 1:
+        version = model_version(client, target)
+        found = client.get_model_version_download_uri(version.name, version.version)
+    else:
+        return None
+    return None if found.startswith(MLFLOW_URIS) else (found, "")
+
+
+def _logged_model_of(client, run_id: str, name: str):
+    """The run's logged model `name`; None where there is none, or the server keeps none (MLflow 2)."""
+    try:
+        return _run_logged_model(client, run_id, name) if name else None
+    except Exception:  # an unknown run, a server down: the run's own lookup next says so
+        return None
+
+
+def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
+    """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: the sha256 its
+    tag holds, set once its upload finished (an unfinished or tampered upload is refused)."""
+    if (found := run_checkpoint(uri)) is None or not path.is_file():
+        return None
+    from mlflow import MlflowClient
+
+    expected = MlflowClient(tracking_uri=where).get_run(found[0]).data.tags.get(sha_tag(found[1]))
+    if expected is None:
+        raise UserError("not a complete checkpoint of that run (no sha256 tag: its upload never finished)")
+    return expected

@@ -1,29 +1,23 @@
 """Where the job's MLflow runs are tracked (URI, credentials, HTTP bounds), the tag protocol a run
-carries (job, checkpoints, status reason) and fetching what a run holds. Finding or opening the job's
-run is job_run.py's, which builds on these; the store's errors in one line, server_errors.py's.
+carries (job, checkpoints, status reason) and what a run holds. Finding or opening the job's run is
+job_run.py's, which builds on these; downloading a runs:/ or models:/ URI, model_uris.py's; the store's
+errors in one line, server_errors.py's.
 """
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import logging
 import os
 import re
-import time
-from concurrent.futures import wait
-from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from trainer.checkpoint.files import iteration_of
 from trainer.config import Config
-from trainer.daemon_call import daemon_call
-from trainer.errors import NoRoom, UserError, first_line
-from trainer.hashing import sha256_of
+from trainer.errors import NoRoom, UserError
 from trainer.redaction import redact_text, redact_urls, remember, remember_basic_auth
-from trainer.tracking.server_errors import reach_error, start_error
-from trainer.tracking.sqlite_store import sqlite_path, store_settled
-from trainer.tracking.transfers import download, run_repository
+from trainer.tracking.server_errors import start_error
+from trainer.tracking.sqlite_store import sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -265,105 +259,11 @@ def is_model_id(target: str) -> bool:
     return re.fullmatch(r"m-[0-9a-f]{32}", target) is not None
 
 
-def download_uri(cfg: Config, uri: str, dest: str, option: str = "--weights", shown: str | None = None) -> Path:
-    """A `runs:/...` or `models:/...` artifact, downloaded into `dest` (UserError when it cannot be,
-    naming the URI as `shown`: the user's alias, where `uri` is the version it was pinned to)."""
-    import mlflow
-
-    said = shown or uri
-    check_shape(uri, option)
-    bound_http()
-    where = tracking_uri(cfg)
-    mlflow.set_tracking_uri(where)  # models:/ is resolved by the registry, which follows the global URI
-    quiet = logging.getLogger("mlflow.store.artifact.artifact_repo")  # "No artifacts found": said below, once
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-
-    def fetch():
-        with store_settled(where):  # a missing or foreign SQLite file is said, never made into a store
-            path, sha256 = _download_run_checkpoint(where, uri, Path(dest)) or (None, None)  # hashed as it came
-            path = path or Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dest, tracking_uri=where))
-            return path, sha256, _complete_sha256(where, uri, path)
-
-    try:  # a SQLite store's artifacts are local files; its wait for a store being set up is store_settled's
-        path, sha256, expected = _while_progressing(fetch, Path(dest)) if where.startswith(("http://", "https://")) else fetch()
-    except TimeoutError as e:
-        raise UserError(f"cannot fetch {said} from {where}: {e}") from None
-    except UserError as e:
-        raise UserError(f"{option} {said}: {e}") from None
-    except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
-        if where.startswith(("http://", "https://")) and (reason := reach_error(where, e, os_errors=False)):
-            raise UserError(f"cannot fetch {said}: {reason}") from None  # the cause, which MLflow's text puts past a URL
-        raise UserError(f"cannot fetch {said} from {where}: {first_line(e)}") from None
-    finally:
-        quiet.setLevel(level)
-    if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
-        raise UserError(f"{option} {said}: nothing there (no artifact at that path, or its files were deleted)")
-    if expected and (sha256 or sha256_of(path)) != expected:
-        raise UserError(f"{option} {said}: the downloaded bytes do not match the run's sha256 tag")
-    return path
-
-
-def _while_progressing(fn, dest: Path):
-    """fn() on a thread of its own, given up on (TimeoutError) once nothing under `dest` has changed
-    (size or modification time) for four HTTP request timeouts: each read's timeout restarts with
-    every byte, so a server answering a byte at a time held `eval` for good. A download that goes on
-    goes on, MLflow's multipart one too (it sets the file's size first, then writes its chunks in
-    place). Given up on, the thread is left to the process's end (a daemon)."""
-    stall_s = 4 * float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 30)  # bound_http's, or the user's
-    done = daemon_call(fn, "fetch")
-    seen, since = None, time.monotonic()
-    while not wait([done], min(5.0, stall_s / 4)).done:
-        if (now := _state_under(dest)) != seen:
-            seen, since = now, time.monotonic()
-        elif time.monotonic() - since > stall_s:
-            raise TimeoutError(f"no progress for {stall_s:g} s (a server that hangs, or answers a byte at a time)")
-    return done.result()
-
-
-def _state_under(folder: Path) -> tuple[int, int]:
-    """The files under `folder`: their total size and newest modification time."""
-    size = newest = 0
-    for f in folder.rglob("*") if folder.is_dir() else ():
-        with contextlib.suppress(OSError):  # renamed or removed by the download meanwhile
-            if f.is_file():
-                st = f.stat()
-                size, newest = size + st.st_size, max(newest, st.st_mtime_ns)
-    return size, newest
-
-
 def run_checkpoint(uri: str) -> tuple[str, str] | None:
     """(run id, file name) of a run's checkpoint, runs:/<run>/checkpoints/<file>, whose sha256 tag vouches
     for it; None for any other URI (a file in another folder is not the run's checkpoint)."""
     parts = uri[len("runs:/"):].split("/") if uri.startswith("runs:/") else []
     return (parts[0], parts[2]) if len(parts) == 3 and parts[1] == CHECKPOINT_DIR else None
-
-
-def _download_run_checkpoint(where: str, uri: str, dest: Path) -> tuple[Path, str] | None:
-    """A run's checkpoint downloaded as a resume's is (its path and sha256): through a tracking server,
-    one GET whose timeout grows with the file (MLflow's own download has a flat one, which a server
-    fetching a large file from its store outlasts). None for any other URI, or no such file: MLflow's
-    download then says why."""
-    if (found := run_checkpoint(uri)) is None:
-        return None
-    dest.mkdir(parents=True, exist_ok=True)  # as MLflow's download_artifacts makes its dst_path
-    try:
-        return download(run_repository(make_client(where), where, found[0]), checkpoint_artifact(found[1]), dest)
-    except FileNotFoundError:
-        return None
-
-
-def _complete_sha256(where: str, uri: str, path: Path) -> str | None:
-    """A checkpoint of a run (runs:/<id>/checkpoints/<file>) is used only complete: the sha256 its
-    tag holds, set once its upload finished (an unfinished or tampered upload is refused)."""
-    if (found := run_checkpoint(uri)) is None or not path.is_file():
-        return None
-    from mlflow import MlflowClient
-
-    expected = MlflowClient(tracking_uri=where).get_run(found[0]).data.tags.get(sha_tag(found[1]))
-    if expected is None:
-        raise UserError("not a complete checkpoint of that run (no sha256 tag: its upload never finished)")
-    return expected
 
 
 def retryable(e: BaseException) -> bool:

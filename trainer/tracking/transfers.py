@@ -18,7 +18,8 @@ out. They must allow for the far side's silence while it works: none for a part 
 once it has it), the server's onward upload of the whole file for a single PUT. So each request's
 timeout is MLFLOW_HTTP_REQUEST_TIMEOUT plus that work at STORE_FLOOR_BPS.
 
-Downloads. Through the proxy a file comes in one streamed GET, read 1 MB at a time. The server sends
+Downloads. Through the proxy a file comes in one streamed GET, read 1 MB at a time (a folder, such as
+a registered model's, file by file). The server sends
 the first byte only once it has the whole file from its store, so that GET's idle timeout is sized
 like a single PUT's, and the file is hashed as it arrives. MLflow's own download is the same GET with
 a flat timeout, which a server fetching a large checkpoint outlasts. Only where MLflow would fetch
@@ -36,6 +37,7 @@ import hashlib
 import mmap
 import os
 import posixpath
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -198,19 +200,38 @@ def _put_part(fd: int, credential, start: int, length: int):
 
 
 def download(repo, artifact_path: str, folder: Path, size: int | None = None) -> tuple[Path, str]:
-    """The run's `artifact_path` into `folder`: its local path and sha256 (`size`: as a listing gave it)."""
+    """The run's `artifact_path` into `folder`, under its own name: its local path and sha256 (`size`: as
+    a listing gave it)."""
     from mlflow.environment_variables import MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / posixpath.basename(artifact_path)
     # A server that moves no artifact bytes itself (MLFLOW_ARTIFACTS_PRESIGNED_ONLY) signs a URL to the store instead.
     presigned_only = getattr(repo, "_is_artifacts_presigned_only", lambda: False)
     if isinstance(repo, HttpArtifactRepository) and not presigned_only():
         size = _size(repo, artifact_path) if size is None else size
         ranged = size is not None and size >= MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE.get() and _ranged(repo)
         if size is not None and not ranged:
-            return _get_whole(repo, artifact_path, folder / posixpath.basename(artifact_path), size)
-    path = Path(repo.download_artifacts(artifact_path, str(folder)))
+            return _get_whole(repo, artifact_path, path, size)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:  # MLflow keeps the artifact's folders
+        Path(repo.download_artifacts(artifact_path, tmp)).replace(path)
     return path, sha256_of(path)
+
+
+def download_tree(repo, path: str, dest: Path) -> tuple[Path, str | None]:
+    """`path` of `repo`, a file or a folder ("" for all of it), into `dest` as MLflow's download lays it
+    out (dest/path), each file as `download` takes it: its local path, and a file's sha256."""
+    listed = repo.list_artifacts(path or None)
+    if path and not listed:  # a file (MLflow lists one as nothing), or nothing: download says which
+        return download(repo, path, dest / posixpath.dirname(path))
+    for info in listed:
+        if info.is_dir:
+            download_tree(repo, info.path, dest)
+        else:
+            download(repo, info.path, dest / posixpath.dirname(info.path), info.file_size)
+    (dest / path).mkdir(parents=True, exist_ok=True)  # a model whose files were deleted: an empty folder
+    return dest / path, None
 
 
 def _ranged(repo) -> bool:
