@@ -9,6 +9,7 @@ leaves the run its newest model_iter checkpoints and every one that something na
 refuses the deletes loses nothing. 1 GB figures: bench/big_checkpoint.py."""
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import logging
@@ -237,19 +238,25 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
             download(repo, "checkpoints/model_iter3.pth", tmp_path / "got")
 
 
-def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_does(tmp_path, mlflow_server, monkeypatch):
-    """`runs:/<run>/checkpoints/<file>` as TRAIN.WEIGHTS, or to `eval` and `predict`: a 96 MB checkpoint
-    whose GET the server answers 5 s late, the user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole and
-    checked against its tag, as a resume's does; MLflow's own download timed out (FAULTS row 346)."""
+@pytest.fixture
+def users_2s_timeout(monkeypatch):
+    """The user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, as set before the command started (download_uri keeps it)."""
     import mlflow.tracking._tracking_service.utils as tracking_utils
 
     from trainer.tracking import runs
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
-    monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))  # as set before the command started
+    monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # download_uri sets both:
     monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back after
+
+
+def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_does(tmp_path, mlflow_server,
+                                                                                 users_2s_timeout):
+    """`runs:/<run>/checkpoints/<file>` as TRAIN.WEIGHTS, or to `eval` and `predict`: a 96 MB checkpoint
+    whose GET the server answers 5 s late, the user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole and
+    checked against its tag, as a resume's does; MLflow's own download timed out (FAULTS row 346)."""
     client = MlflowClient(mlflow_server.url)
     run_id = client.create_run(client.create_experiment(f"weights-{uuid.uuid4().hex[:6]}")).info.run_id
     big = tmp_path / "model_iter2.pth"
@@ -265,20 +272,11 @@ def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_doe
 
 @pytest.mark.parametrize("form", ["alias", "version", "model id", "run's model"])
 def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoint_does(
-        form, tmp_path, mlflow_server, monkeypatch):
+        form, tmp_path, mlflow_server, users_2s_timeout):
     """`models:/name@alias`, `models:/name/1`, `models:/<id>` and `runs:/<run>/<name>` (TRAIN.WEIGHTS, `eval`,
     `predict`): a model with 96 MB of weights whose GET the server answers 5 s late, the user's
     MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole, every file where MLflow's download puts it. MLflow's own
     download timed out: one GET with the flat 2 s (FAULTS row 351)."""
-    import mlflow.tracking._tracking_service.utils as tracking_utils
-
-    from trainer.tracking import runs
-
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
-    monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))  # as set before the command started
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # download_uri sets both:
-    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back after
     client = MlflowClient(mlflow_server.url)
     experiment_id = client.create_experiment(f"model-{uuid.uuid4().hex[:6]}")
     run_id = client.create_run(experiment_id).info.run_id
@@ -299,44 +297,6 @@ def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoin
         cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
         got = download_uri(cfg, uri, str(tmp_path / "got"))
     assert {str(p.relative_to(got)): p.read_bytes() for p in got.rglob("*") if p.is_file()} == files
-
-
-class _Lists(http.server.BaseHTTPRequestHandler):
-    """An artifact endpoint whose root lists one file at `self.server.listed` (a path of its choosing)."""
-
-    def do_GET(self):
-        if "?path=" in self.path or self.path.endswith("/artifacts"):
-            body = json.dumps({"files": [{"path": self.server.listed, "is_dir": False, "file_size": "3"}]}).encode()
-        else:
-            body = b"pwn"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.mark.parametrize("listed", ["../escaped.txt", "a/../../escaped.txt", "/tmp/escaped.txt"])
-def test_a_server_listing_a_path_outside_the_folder_writes_nothing_there(tmp_path, listed):
-    """A broken or hostile server lists a model's file as `../escaped.txt`: the download of the model,
-    file by file, stops there (MLflow's listing refuses such a path) and writes nothing outside the
-    folder it was given."""
-    from trainer.tracking.transfers import download_tree
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Lists)
-    server.listed = listed
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        uri = f"http://127.0.0.1:{server.server_port}/api/2.0/mlflow-artifacts/artifacts/1/models/m-1/artifacts"
-        (tmp_path / "dest").mkdir()
-        with pytest.raises(Exception, match="[Ii]nvalid path"):
-            download_tree(repository(uri, uri), "", tmp_path / "dest")
-        assert [p.name for p in tmp_path.rglob("*")] == ["dest"]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(
@@ -371,13 +331,13 @@ def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_byt
 
 
 class _ArtifactServer(http.server.BaseHTTPRequestHandler):
-    """An artifact endpoint that lists checkpoints/model_iter1.pth with `listed` bytes (None: no size)
-    and then sends `sends` bytes for it."""
+    """An artifact endpoint that lists one file, `name` (a path of its choosing), at `listed` bytes
+    (None: no size), and then sends `sends` bytes for it."""
 
     def do_GET(self):
-        if "?path=" in self.path:
+        if "?path=" in self.path or self.path.endswith("/artifacts"):
             size = {} if self.server.listed is None else {"file_size": str(self.server.listed)}
-            body = json.dumps({"files": [{"path": "model_iter1.pth", "is_dir": False, **size}]}).encode()
+            body = json.dumps({"files": [{"path": self.server.name, "is_dir": False, **size}]}).encode()
         else:
             body = b"x" * self.server.sends
         self.send_response(200)
@@ -389,15 +349,24 @@ class _ArtifactServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def _artifact_endpoint(listed: int | None, sends: int, name: str = "model_iter1.pth"):
+    """A run's artifact URI served by _ArtifactServer on 127.0.0.1."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ArtifactServer)
+    server.listed, server.sends, server.name = listed, sends, name
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/api/2.0/mlflow-artifacts/artifacts/1/run/artifacts"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("listed", [10, None])
 def test_a_server_that_sends_more_than_it_lists_cannot_fill_the_disk(tmp_path, listed):
     """A broken or hostile server lists a checkpoint at 10 bytes and sends 3 MB: the download stops at
     the first chunk past the listed size. A server that lists no size gets MLflow's own download."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ArtifactServer)
-    server.listed, server.sends = listed, 3 * MB
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        uri = f"http://127.0.0.1:{server.server_port}/api/2.0/mlflow-artifacts/artifacts/1/run/artifacts"
+    with _artifact_endpoint(listed, 3 * MB) as uri:
         repo = repository(uri, uri)
         if listed is None:
             path, sha256 = download(repo, "checkpoints/model_iter1.pth", tmp_path)
@@ -406,9 +375,19 @@ def test_a_server_that_sends_more_than_it_lists_cannot_fill_the_disk(tmp_path, l
             with pytest.raises(OSError, match="the server sent more than the 10 bytes it lists"):
                 download(repo, "checkpoints/model_iter1.pth", tmp_path)
             assert (tmp_path / "model_iter1.pth").stat().st_size == 0
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+@pytest.mark.parametrize("listed", ["../escaped.txt", "a/../../escaped.txt", "/tmp/escaped.txt"])
+def test_a_server_listing_a_path_outside_the_folder_writes_nothing_there(tmp_path, listed):
+    """A broken or hostile server lists a model's file as `../escaped.txt`: the download of the model,
+    file by file, stops there (MLflow's listing refuses such a path) and writes nothing outside the
+    folder it was given."""
+    from trainer.tracking.transfers import download_tree
+
+    (tmp_path / "dest").mkdir()
+    with _artifact_endpoint(3, 3, name=listed) as uri, pytest.raises(Exception, match="[Ii]nvalid path"):
+        download_tree(repository(uri, uri), "", tmp_path / "dest")
+    assert [p.name for p in tmp_path.rglob("*")] == ["dest"]
 
 
 # ---- TRACKING.CHECKPOINTS_KEEP ----
