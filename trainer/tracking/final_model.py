@@ -14,6 +14,7 @@ from trainer.errors import UserError, first_line
 from trainer.tracking.checkpoint_models import checkpoint_file, update_best
 from trainer.tracking.runs import CHECKPOINT_TYPE, DETECTOR_TYPE, JOB_TAG, checkpoint_artifact, registry_uri, tracking_uri
 from trainer.tracking.search import every_page
+from trainer.tracking.server_errors import registry_error
 from trainer.tracking.sqlite_store import unmade
 from trainer.tracking.transfers import download, run_repository
 
@@ -167,7 +168,8 @@ def check_registered_model(client, cfg) -> None:
             log.warning("cannot check TRACKING.REGISTERED_MODEL %s (%s): it is registered at the end as asked",
                         name, first_line(e, 300))
         elif e.error_code != "RESOURCE_DOES_NOT_EXIST":  # a new name is fine
-            raise UserError(f"TRACKING.REGISTERED_MODEL {name}: cannot read the model registry ({first_line(e)})") from None
+            said = registry_error(where, tracking_uri(cfg), e) or f"cannot read the model registry ({first_line(e)})"
+            raise UserError(f"TRACKING.REGISTERED_MODEL {name}: {said}") from None
 
 
 def _is_ours(client, version) -> bool:

@@ -124,7 +124,7 @@ def load_detector(cfg, spec: str, option: str = "--weights", device: str = "cpu"
     """A checkpoint file, a model folder (logged or downloaded), `runs:/<id>/...` or `models:/...`."""
     if spec.startswith(MLFLOW_URIS):
         with tempfile.TemporaryDirectory(prefix="tracktron-model-") as tmp:
-            return load_local(download_uri(cfg, followed(cfg, spec), tmp, option, shown=spec), spec, option, device)
+            return load_local(download_uri(cfg, followed(cfg, spec, option), tmp, option, shown=spec), spec, option, device)
     path = user_path(spec, option)
     if not path.exists():
         raise UserError(f"{option} {spec}: no such file or folder (nor a runs:/ or models:/ URI)")

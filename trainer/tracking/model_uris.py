@@ -27,7 +27,7 @@ from trainer.hashing import sha256_of
 from trainer.tracking.runs import (CHECKPOINT_DIR, CHECKPOINT_TAG, CHECKPOINT_TYPE, bound_http, check_shape,
                                    checkpoint_artifact, is_model_id, lists_artifact, registry_uri, run_checkpoint,
                                    sha_tag, tracking_uri)
-from trainer.tracking.server_errors import reach_error
+from trainer.tracking.server_errors import reach_error, registry_error
 from trainer.tracking.sqlite_store import store_settled, unmade
 from trainer.tracking.transfers import download_tree, repository
 
@@ -41,10 +41,15 @@ def _client(cfg):
     from mlflow import MlflowClient
 
     bound_http()
-    where, registry = tracking_uri(cfg), registry_uri(cfg)
-    if registry != where and unmade(registry):  # MLflow would make it
+    return MlflowClient(tracking_uri=tracking_uri(cfg), registry_uri=_registry(cfg))
+
+
+def _registry(cfg) -> str:
+    """The registry's URI; one of its own (MLFLOW_REGISTRY_URI) that is a SQLite store not made yet is
+    refused: MLflow would make it, then find nothing in it."""
+    if (registry := registry_uri(cfg)) != tracking_uri(cfg) and unmade(registry):
         raise UserError(f"the model registry {registry} (MLFLOW_REGISTRY_URI) does not exist")
-    return MlflowClient(tracking_uri=where, registry_uri=registry)
+    return registry
 
 
 def pinned(cfg, spec: str) -> str:
@@ -68,11 +73,18 @@ def pinned(cfg, spec: str) -> str:
     return f"models:/{found.name}/{found.version}"
 
 
-def followed(cfg, spec: str) -> str:
+def followed(cfg, spec: str, option: str = "--weights") -> str:
     """--weights as downloaded: a checkpoint's LoggedModel as its checkpoint file, else `spec`. The
-    lookup is left after 30 s (a server answering a byte at a time): the guarded download says why."""
+    lookup is left after 30 s (a server answering a byte at a time): the guarded download says why.
+    A registered model's URI with a registry not made yet is refused, as TRAIN.WEIGHTS is: MLflow's
+    download would make the store and say the model is not found on the tracking server."""
     if not spec.startswith(MLFLOW_URIS):
         return spec
+    if spec.startswith("models:/") and not is_model_id(spec[len("models:/"):].strip("/")):
+        try:
+            _registry(cfg)
+        except UserError as e:
+            raise UserError(f"{option} {spec}: {e}") from None
     found = daemon_call(lambda: _checkpoint_named(cfg, spec), "weights-lookup")
     return (wait([found], 30.0).done and found.exception() is None and found.result()) or spec
 
@@ -126,8 +138,10 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
                 model_version(client, target)
     except UserError as e:
         raise UserError(f"{option} {spec}: {e}") from None
-    except Exception as e:  # unknown run, model or alias; a server that does not answer
-        raise UserError(f"{option} {spec}: {first_line(e)}") from None
+    except Exception as e:  # unknown run, model or alias; a server that does not answer (said whole: its cause)
+        where = tracking_uri(cfg)
+        asked = where if spec.startswith("runs:/") or is_model_id(target) else registry_uri(cfg)
+        raise UserError(f"{option} {spec}: {registry_error(asked, where, e) or first_line(e)}") from None
 
 
 def _check_run_path(client, run_id: str, path: str) -> None:

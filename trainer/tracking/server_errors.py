@@ -31,28 +31,37 @@ def _tls_advice(text: str) -> str:
             "MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate")
 
 
-def reach_error(uri: str, e: BaseException, untracked: str = "", os_errors: bool = True) -> str | None:
+def reach_error(uri: str, e: BaseException, untracked: str = "", os_errors: bool = True,
+                what: str = "the tracking server") -> str | None:
     """The one line for a server at `uri` that could not be asked at all (down, failing, TLS, a proxy,
     the credentials refused), `untracked` added where training without it is the way on; else None.
-    `os_errors` False: an OSError is the server's only by its text (a download's own disk fails too)."""
+    `os_errors` False: an OSError is the server's only by its text (a download's own disk fails too).
+    `what`: the server named (a registry of its own, MLFLOW_REGISTRY_URI, is not the tracking server)."""
     text = str(e)
     # Up, and failing: urllib3's retries ran out (MLflow < 3.18), or MLflow's client reports the last answer (3.18).
     if answered := re.search(r"too many (\d{3}) error responses|error code (429|5\d\d) != 200", text):
         code = answered.group(1) or answered.group(2)
-        return f"the tracking server at {uri} answers with HTTP {code} errors (see its log){untracked}"
+        return f"{what} at {uri} answers with HTTP {code} errors (see its log){untracked}"
     if "ProxyError" in text:  # first: a proxy's own TLS failure is the proxy's
-        return (f"cannot reach the tracking server at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
+        return (f"cannot reach {what} at {uri} through the proxy of HTTP_PROXY/HTTPS_PROXY "
                 f"({_caused_by(text, *_PROXY_REASON, _SSL_REASON)}); NO_PROXY lists the hosts reached without it")
     if "SSLError" in text:  # before the unreachable ones: its text says "Max retries exceeded" too
-        return f"the tracking server at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); {_tls_advice(text)}"
+        return f"{what} at {uri}: TLS failed ({_caused_by(text, _SSL_REASON)}); {_tls_advice(text)}"
     if (os_errors and isinstance(e, OSError)) or any(m in text for m in _UNREACHABLE):
-        return f"cannot reach the tracking server at {uri} (is it running?){untracked}"
+        return f"cannot reach {what} at {uri} (is it running?){untracked}"
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException) and e.get_http_status_code() == 401:
-        return (f"the tracking server at {uri} refused the credentials "
+        return (f"{what} at {uri} refused the credentials "
                 "(MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN)")
     return None
+
+
+def registry_error(registry: str, tracking: str, e: BaseException) -> str | None:
+    """reach_error of a model registry at `registry` (the tracking server's own, or MLFLOW_REGISTRY_URI's)."""
+    if not registry.lower().startswith(("http://", "https://")):
+        return None
+    return reach_error(registry, e, what="the tracking server" if registry == tracking else "the model registry")
 
 
 def start_error(uri: str, e: BaseException) -> str:
