@@ -322,7 +322,7 @@ def test_runs_uri_weights_are_evaluated_and_logged_into_their_run(tmp_path, data
     with pytest.raises(UserError, match=f"run {run_id} is deleted, so its evaluation cannot be logged into it: "
                                         f"restore it \\(`mlflow runs restore --run-id {run_id}`\\)"):
         eval_command(late, f"runs:/{run_id}/checkpoints/model_final.pth")
-    assert not (tmp_path / "late" / "eval").exists()
+    assert not (tmp_path / "late").exists()  # not even made empty, before the refusal (helper-104)
     # Its experiment deleted: restoring the run alone left it hidden in a deleted experiment (helper-56)
     client.restore_run(run_id)
     experiment_id = client.get_run(run_id).info.experiment_id

@@ -338,8 +338,6 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
             tests = _test_sets(cfg)  # with the masks or keypoints its tasks score
         check_categories(weights, categories, tests)
         _check_ranks_agree(ctx, cfg, model)
-    if ctx.is_main:
-        make_writable(Path(cfg.OUTPUT_DIR), f"OUTPUT_DIR {cfg.OUTPUT_DIR}")
     model.to(ctx.device)
     # A checkpoint of a run (its iteration known) is evaluated into that run, linked to its model;
     # a logged model names no iteration: its metrics are printed, not logged at a made-up step.
@@ -347,6 +345,8 @@ def eval_command(cfg, weights: str, ctx: Context | None = None) -> dict[str, flo
     checkpoint = found[1] if run_id and (found := run_checkpoint(weights)) else None  # the file its sha256 tag vouched for
     tracker = attach(cfg, run_id, dataset_inputs(cfg, training=False)) if run_id and ctx.is_main else Tracker()
     try:
+        if ctx.is_main:  # after attach's check of the run (a deleted one is refused): nothing made before
+            make_writable(Path(cfg.OUTPUT_DIR), f"OUTPUT_DIR {cfg.OUTPUT_DIR}")
         metrics = evaluate(cfg, model, ctx, cfg.OUTPUT_DIR, tracker, step=iteration or 0, checkpoint=checkpoint)
     finally:
         failed = tracker.finish(None)
