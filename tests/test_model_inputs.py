@@ -526,6 +526,28 @@ def test_weights_from_a_registry_that_is_down_say_why_in_one_line(trained, tmp_p
     assert _runs(trained["db"]) == before and not (tmp_path / "output").exists()
 
 
+def test_predict_of_a_registered_model_whose_registry_is_down_names_the_registry(mlflow_server, tmp_path):
+    """The tracking server up, MLFLOW_REGISTRY_URI at a server that is down: `predict --weights
+    models:/...` blamed the tracking server it had just reached (helper-104). A run's model, which asks no
+    registry, still comes from the tracking server."""
+    from tests.servers import free_port
+
+    port = free_port()
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
+    env = {"MLFLOW_REGISTRY_URI": f"http://127.0.0.1:{port}", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    done = _tracktron("predict", "--out", str(tmp_path / "p"), str(tmp_path / "x.png"), "--weights", "models:/rt@best",
+                      "TRACKING.URI", mlflow_server.url, cwd=tmp_path, env=env)
+    assert done.returncode == 2 and _error_lines(done.stderr) == [
+        f"error: cannot fetch models:/rt@best: cannot reach the model registry at http://127.0.0.1:{port} (is it running?)"
+    ], done.stderr[-2000:]
+    done = _tracktron("predict", "--out", str(tmp_path / "p"), str(tmp_path / "x.png"), "--weights",
+                      "runs:/0123456789abcdef0123456789abcdef/model", "TRACKING.URI", mlflow_server.url, cwd=tmp_path,
+                      env=env)
+    assert done.returncode == 2 and "model registry" not in done.stderr and len(_error_lines(done.stderr)) == 1, \
+        done.stderr[-2000:]
+    assert "0123456789abcdef0123456789abcdef" in _error_lines(done.stderr)[0]
+
+
 def test_eval_of_a_logged_model_logs_no_fake_iteration_zero(trained, tmp_path):
     """`tracktron eval --weights runs:/<id>/model` logged the final model's metrics into the run at
     step 0, where a chart shows them as the untrained network's."""

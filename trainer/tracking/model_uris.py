@@ -139,9 +139,13 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
     except UserError as e:
         raise UserError(f"{option} {spec}: {e}") from None
     except Exception as e:  # unknown run, model or alias; a server that does not answer (said whole: its cause)
-        where = tracking_uri(cfg)
-        asked = where if spec.startswith("runs:/") or is_model_id(target) else registry_uri(cfg)
-        raise UserError(f"{option} {spec}: {registry_error(asked, where, e) or first_line(e)}") from None
+        raise UserError(f"{option} {spec}: {registry_error(_asked(cfg, spec), tracking_uri(cfg), e) or first_line(e)}") from None
+
+
+def _asked(cfg, spec: str) -> str:
+    """The store a URI is looked up in: the model registry for a registered model, else the tracking store."""
+    target = spec.split(":/", 1)[1].strip("/")
+    return tracking_uri(cfg) if spec.startswith("runs:/") or is_model_id(target) else registry_uri(cfg)
 
 
 def _check_run_path(client, run_id: str, path: str) -> None:
@@ -212,12 +216,14 @@ def download_uri(cfg, uri: str, dest: str, option: str = "--weights", shown: str
         path, sha256, expected = _while_progressing(fetch, Path(dest)) if server else fetch()
     except TimeoutError as e:
         raise UserError(f"cannot fetch {said} from {where}: {e}") from None
+    except _Unreachable as e:
+        raise UserError(f"cannot fetch {said}: {e}") from None
     except UserError as e:
         raise UserError(f"{option} {said}: {e}") from None
     except Exception as e:  # unknown run, missing artifact, unreachable server: all the user's to fix
         if server and (reason := reach_error(where, e, os_errors=False)):
             raise UserError(f"cannot fetch {said}: {reason}") from None  # the cause, which MLflow's text puts past a URL
-        raise UserError(f"cannot fetch {said} from {where}: {first_line(e)}") from None
+        raise UserError(f"cannot fetch {said} from {_asked(cfg, uri)}: {first_line(e)}") from None
     finally:
         quiet.setLevel(level)
     if path.is_dir() and not any(path.iterdir()):  # a file's path with a trailing /, a model whose files were deleted
@@ -266,8 +272,8 @@ def _through_server(cfg, where: str, uri: str, dest: Path) -> tuple[Path, str | 
     except UserError:
         raise
     except Exception as e:  # a server that cannot be asked is said at once; anything else, by MLflow's download
-        if reach_error(where, e, os_errors=False):
-            raise
+        if reason := registry_error(_asked(cfg, uri), where, e, os_errors=False):
+            raise _Unreachable(reason) from None
         return None
     if source is None:
         return None
@@ -277,13 +283,20 @@ def _through_server(cfg, where: str, uri: str, dest: Path) -> tuple[Path, str | 
         return None
 
 
+class _Unreachable(Exception):
+    """The store a URI is looked up in cannot be asked: the line that says why."""
+
+
 def _artifact_source(cfg, uri: str) -> tuple[str, str] | None:
     """(artifact URI, path under it) of what a runs:/ or models:/ URI names, by MLflow's public calls: a
     run's artifacts (its checkpoints first: they are never a model), a run's logged model by name
     (`runs:/<run>/model`, as MLflow reads it), a logged model or a registered version's download URI.
     None for another shape (`models:/name/1/path`), or a version whose files are another URI's."""
+    from mlflow import MlflowClient
+
     target = uri.split(":/", 1)[1].strip("/")
-    client = _client(cfg)
+    registered = uri.startswith("models:/") and not is_model_id(target)
+    client = _client(cfg) if registered else MlflowClient(tracking_uri=tracking_uri(cfg))  # runs:/ asks no registry
     if uri.startswith("runs:/"):
         run_id, _, path = target.partition("/")
         name, _, rest = path.partition("/")

@@ -57,11 +57,12 @@ def reach_error(uri: str, e: BaseException, untracked: str = "", os_errors: bool
     return None
 
 
-def registry_error(registry: str, tracking: str, e: BaseException) -> str | None:
+def registry_error(registry: str, tracking: str, e: BaseException, os_errors: bool = True) -> str | None:
     """reach_error of a model registry at `registry` (the tracking server's own, or MLFLOW_REGISTRY_URI's)."""
     if not registry.lower().startswith(("http://", "https://")):
         return None
-    return reach_error(registry, e, what="the tracking server" if registry == tracking else "the model registry")
+    what = "the tracking server" if registry == tracking else "the model registry"
+    return reach_error(registry, e, os_errors=os_errors, what=what)
 
 
 def start_error(uri: str, e: BaseException) -> str:
