@@ -299,6 +299,33 @@ def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoin
     assert {str(p.relative_to(got)): p.read_bytes() for p in got.rglob("*") if p.is_file()} == files
 
 
+def test_a_runs_model_that_is_also_a_folder_of_the_run_comes_as_mlflow_gives_it(tmp_path, mlflow_server):
+    """`runs:/<run>/model` where the run holds a folder `model` (MLflow 2's log_model) and a logged model
+    `model` too: the files of both, the model's over the run's, as MLflow's download gives them. The
+    download file by file gave the logged model's alone, so weights in the run's folder were not there
+    (FAULTS row 356)."""
+    import mlflow
+
+    client = MlflowClient(mlflow_server.url)
+    experiment_id = client.create_experiment(f"both-{uuid.uuid4().hex[:6]}")
+    run_id = client.create_run(experiment_id).info.run_id
+    for rel, data in {"run/model/artifacts/detector/weights.pth": b"run's", "run/model/MLmodel": b"run's",
+                      "lm/MLmodel": b"flavors: {}\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    client.log_artifacts(run_id, str(tmp_path / "run" / "model"), "model")
+    model = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
+    client.log_model_artifacts(model.model_id, str(tmp_path / "lm"))
+    uri = f"runs:/{run_id}/model"
+    ours = download_uri(load_config(DEMO, ["TRACKING.URI", mlflow_server.url]), uri, str(tmp_path / "ours"))
+    (tmp_path / "theirs").mkdir()
+    theirs = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "theirs"),
+                                                      tracking_uri=mlflow_server.url))
+    assert {str(p.relative_to(ours)): p.read_bytes() for p in ours.rglob("*") if p.is_file()} == \
+        {str(p.relative_to(theirs)): p.read_bytes() for p in theirs.rglob("*") if p.is_file()} == \
+        {"MLmodel": b"flavors: {}\n", "artifacts/detector/weights.pth": b"run's"}
+
+
 def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(
         tmp_path, s3_server, monkeypatch):
     """An operator's MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD (MLflow 3.18): a checkpoint past the threshold

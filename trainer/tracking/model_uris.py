@@ -301,7 +301,8 @@ def _artifact_source(cfg, uri: str) -> tuple[str, str] | None:
         run_id, _, path = target.partition("/")
         name, _, rest = path.partition("/")
         if not run_checkpoint(uri) and (model := _logged_model_of(client, run_id, name)) is not None:
-            return model.artifact_location, rest
+            # the run's own files at that path too: MLflow's download gives both, the model's over the run's
+            return None if lists_artifact(client, run_id, path) else (model.artifact_location, rest)
         return client.get_run(run_id).info.artifact_uri, path
     if is_model_id(target):
         found = client.get_logged_model(target).artifact_location
