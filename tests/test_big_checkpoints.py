@@ -326,6 +326,23 @@ def test_a_runs_model_that_is_also_a_folder_of_the_run_comes_as_mlflow_gives_it(
         {"MLmodel": b"flavors: {}\n", "artifacts/detector/weights.pth": b"run's"}
 
 
+def test_a_path_that_a_store_of_the_clients_own_lacks_is_said_as_missing(tmp_path, s3_server, monkeypatch):
+    """A tracking server with --no-serve-artifacts: the client lists and fetches from S3 itself. A path
+    the run lacks is FileNotFoundError, so MLflow's download says `Failed to download artifacts from
+    path …`; it was boto3's failed download, whose first line (`The following failures occurred …`)
+    said nothing of why (FAULTS row 357)."""
+    from trainer.tracking.transfers import download_tree
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    key = f"direct-{uuid.uuid4().hex[:6]}"
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=f"{key}/model/MLmodel", Body=b"x")
+    repo = repository(f"s3://{s3_server.bucket}/{key}", "http://127.0.0.1:9")
+    with pytest.raises(FileNotFoundError):
+        download_tree(repo, "checkpoints/model_iter3.pth", tmp_path)
+    assert download_tree(repo, "model/MLmodel", tmp_path)[0].read_bytes() == b"x"
+
+
 def test_past_the_threshold_a_server_that_offers_ranged_downloads_leaves_the_bytes_to_its_store(
         tmp_path, s3_server, monkeypatch):
     """An operator's MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD (MLflow 3.18): a checkpoint past the threshold
