@@ -214,10 +214,6 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
     whole; a 1 MB one times out. So too past MLflow's threshold for ranged downloads (500 MB, here
     lowered to 64 MB) on a server that offers none: MLflow's own download would be the same GET with
     the flat 2 s (FAULTS row 346)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    if threshold:
-        monkeypatch.setenv("MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE", str(threshold))
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     client = MlflowClient(mlflow_server.url)
     run_id = client.create_run(client.create_experiment(f"slow-get-{uuid.uuid4().hex[:6]}")).info.run_id
     small, big = tmp_path / "model_iter1.pth", tmp_path / "model_iter2.pth"
@@ -225,6 +221,10 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
     big.write_bytes(os.urandom(96 * MB))
     for path in (small, big):
         client.log_artifact(run_id, str(path), "checkpoints")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")  # once the test's own uploads are done
+    if threshold:
+        monkeypatch.setenv("MLFLOW_MULTIPART_DOWNLOAD_MINIMUM_FILE_SIZE", str(threshold))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:
         repo = run_repository(MlflowClient(proxy.url), proxy.url, run_id)
         (tmp_path / "got").mkdir()
@@ -240,16 +240,21 @@ def test_a_checkpoint_download_through_the_proxy_waits_for_the_server_to_fetch_i
 
 @pytest.fixture
 def users_2s_timeout(monkeypatch):
-    """The user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, as set before the command started (download_uri keeps it)."""
+    """Sets the user's MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, as set before the command started (download_uri
+    keeps it): called once the test's own uploads are done, which a loaded machine's server may take
+    longer than 2 s to store."""
     import mlflow.tracking._tracking_service.utils as tracking_utils
 
     from trainer.tracking import runs
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
     monkeypatch.setattr(runs, "_SET_BY_USER", set(runs._HTTP_KEYS))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # download_uri sets both:
     monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back after
+
+    def set_2s():
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a pooled connection the server closed meanwhile
+    return set_2s
 
 
 def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_does(tmp_path, mlflow_server,
@@ -264,6 +269,7 @@ def test_a_runs_checkpoint_given_as_weights_waits_for_the_server_as_a_resume_doe
     client.log_artifact(run_id, str(big), "checkpoints")
     client.set_tag(run_id, sha_tag(big.name), sha256_of(big))
     (tmp_path / "got").mkdir()
+    users_2s_timeout()
     with _SlowToAnswer(mlflow_server.url, 5.0, b"GET") as proxy:
         cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
         got = download_uri(cfg, f"runs:/{run_id}/checkpoints/{big.name}", str(tmp_path / "got"))
@@ -293,6 +299,7 @@ def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoin
     client.set_registered_model_alias(name, "prod", "1")
     uri = {"alias": f"models:/{name}@prod", "version": f"models:/{name}/1", "model id": f"models:/{model.model_id}",
            "run's model": f"runs:/{run_id}/detector"}[form]
+    users_2s_timeout()
     with _SlowToAnswer(mlflow_server.url, 5.0, b"GET", rb"/weights\.pth") as proxy:
         cfg = load_config(DEMO, ["TRACKING.URI", proxy.url])
         got = download_uri(cfg, uri, str(tmp_path / "got"))
