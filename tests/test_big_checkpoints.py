@@ -428,6 +428,14 @@ def test_a_server_that_sends_more_than_it_lists_cannot_fill_the_disk(tmp_path, l
             assert (tmp_path / "model_iter1.pth").stat().st_size == 0
 
 
+def test_a_file_that_comes_shorter_than_listed_is_refused(tmp_path):
+    """A model's file listed at 1000 bytes whose GET ends cleanly after 3: a registered model's files have
+    no sha256 to catch it, and the cut file was taken as whole (helper-105; FAULTS row 358)."""
+    with _artifact_endpoint(1000, 3) as uri:
+        with pytest.raises(OSError, match="the server sent 3 of the 1000 bytes it lists for checkpoints/model_iter1.pth"):
+            download(repository(uri, uri), "checkpoints/model_iter1.pth", tmp_path)
+
+
 @pytest.mark.parametrize("listed", ["../escaped.txt", "a/../../escaped.txt", "/tmp/escaped.txt"])
 def test_a_server_listing_a_path_outside_the_folder_writes_nothing_there(tmp_path, listed):
     """A broken or hostile server lists a model's file as `../escaped.txt`: the download of the model,

@@ -272,4 +272,6 @@ def _get_whole(repo, artifact_path: str, dest: Path, size: int) -> tuple[Path, s
                     raise OSError(f"the server sent more than the {size} bytes it lists for {artifact_path}")
                 f.write(chunk)
                 digest.update(chunk)
+    if got < size:  # a connection closed early, or a listing that does not hold: never a file cut short
+        raise OSError(f"the server sent {got} of the {size} bytes it lists for {artifact_path}")
     return dest, digest.hexdigest()
