@@ -281,7 +281,7 @@ def test_a_registered_model_given_as_weights_waits_for_the_server_as_a_checkpoin
         form, tmp_path, mlflow_server, users_2s_timeout):
     """`models:/name@alias`, `models:/name/1`, `models:/<id>` and `runs:/<run>/<name>` (TRAIN.WEIGHTS, `eval`,
     `predict`): a model with 96 MB of weights whose GET the server answers 5 s late, the user's
-    MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole, every file where MLflow's download puts it. MLflow's own
+    MLFLOW_HTTP_REQUEST_TIMEOUT 2 s, comes whole, every file where MLflow's download puts it in its folder. MLflow's own
     download timed out: one GET with the flat 2 s (FAULTS row 351)."""
     client = MlflowClient(mlflow_server.url)
     experiment_id = client.create_experiment(f"model-{uuid.uuid4().hex[:6]}")

@@ -220,8 +220,8 @@ def download(repo, artifact_path: str, folder: Path, size: int | None = None) ->
 
 
 def download_tree(repo, path: str, dest: Path) -> tuple[Path, str | None]:
-    """`path` of `repo`, a file or a folder ("" for all of it), into `dest` as MLflow's download lays it
-    out (dest/path), each file as `download` takes it: its local path, and a file's sha256."""
+    """`path` of `repo`, a file or a folder ("" for all of it), into `dest`/`path` (as the repository's own
+    download_artifacts lays it out), each file as `download` takes it: its local path, and a file's sha256."""
     listed = repo.list_artifacts(path or None)
     if path and not listed:  # a file (MLflow lists one as nothing), or nothing: FileNotFoundError, from any store
         return download(repo, path, dest / posixpath.dirname(path), _size(repo, path))
