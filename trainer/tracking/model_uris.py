@@ -80,7 +80,7 @@ def followed(cfg, spec: str, option: str = "--weights") -> str:
     download would make the store and say the model is not found on the tracking server."""
     if not spec.startswith(MLFLOW_URIS):
         return spec
-    if spec.startswith("models:/") and not is_model_id(spec[len("models:/"):].strip("/")):
+    if _registered(spec):
         try:
             _registry(cfg)
         except UserError as e:
@@ -142,10 +142,14 @@ def check_source(cfg, spec: str, option: str = "TRAIN.WEIGHTS") -> None:
         raise UserError(f"{option} {spec}: {registry_error(_asked(cfg, spec), tracking_uri(cfg), e) or first_line(e)}") from None
 
 
+def _registered(spec: str) -> bool:
+    """Whether a URI names a registered model (a version or an alias), which the model registry resolves."""
+    return spec.startswith("models:/") and not is_model_id(spec[len("models:/"):].strip("/"))
+
+
 def _asked(cfg, spec: str) -> str:
     """The store a URI is looked up in: the model registry for a registered model, else the tracking store."""
-    target = spec.split(":/", 1)[1].strip("/")
-    return tracking_uri(cfg) if spec.startswith("runs:/") or is_model_id(target) else registry_uri(cfg)
+    return registry_uri(cfg) if _registered(spec) else tracking_uri(cfg)
 
 
 def _check_run_path(client, run_id: str, path: str) -> None:
@@ -295,8 +299,7 @@ def _artifact_source(cfg, uri: str) -> tuple[str, str] | None:
     from mlflow import MlflowClient
 
     target = uri.split(":/", 1)[1].strip("/")
-    registered = uri.startswith("models:/") and not is_model_id(target)
-    client = _client(cfg) if registered else MlflowClient(tracking_uri=tracking_uri(cfg))  # runs:/ asks no registry
+    client = _client(cfg) if _registered(uri) else MlflowClient(tracking_uri=tracking_uri(cfg))  # runs:/ asks no registry
     if uri.startswith("runs:/"):
         run_id, _, path = target.partition("/")
         name, _, rest = path.partition("/")
